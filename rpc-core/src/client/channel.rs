@@ -1,0 +1,322 @@
+//! [`Channel`]: a cheap, cloneable handle that multiplexes calls over one
+//! connection, connecting lazily and reconnecting with backoff.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+use tower_service::Service;
+use tracing::Instrument;
+
+use super::connection::ClientConnection;
+use crate::error::Error;
+use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame};
+use crate::request::{Request, Response};
+use crate::status::{Code, Status};
+use crate::transport::{self, Endpoint, TransportConfig};
+
+/// How long to wait between failed connection attempts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// Wait after the first failure.
+    pub initial: Duration,
+    /// Longest wait.
+    pub max: Duration,
+    /// Growth per consecutive failure.
+    pub multiplier: u32,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff { initial: Duration::from_millis(50), max: Duration::from_secs(5), multiplier: 2 }
+    }
+}
+
+/// Configures and creates a [`Channel`].
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), rpc_core::Error> {
+/// use std::time::Duration;
+/// let channel = rpc_core::Channel::builder("tcp://127.0.0.1:50051".parse()?)
+///     .connect_timeout(Duration::from_secs(1))
+///     .timeout(Duration::from_secs(5))
+///     .connect()
+///     .await?;
+/// # let _ = channel; Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct ChannelBuilder {
+    endpoint: Endpoint,
+    connect_timeout: Duration,
+    default_timeout: Option<Duration>,
+    max_frame_len: usize,
+    backoff: Backoff,
+}
+
+impl ChannelBuilder {
+    /// Time allowed for establishing a connection (default 5 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Timeout for calls whose request sets none (default: none).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.default_timeout = Some(timeout);
+        self
+    }
+
+    /// Largest frame sent or accepted (default 64 MiB).
+    pub fn max_frame_len(mut self, len: usize) -> Self {
+        self.max_frame_len = len;
+        self
+    }
+
+    /// Waits between failed connection attempts.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// A channel that connects on its first call.
+    pub fn connect_lazy(self) -> Channel {
+        Channel {
+            inner: Arc::new(ChannelInner {
+                current: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(Reconnect { retry_at: None, next_wait: self.backoff.initial, last_error: None }),
+                config: self,
+            }),
+        }
+    }
+
+    /// A channel with its connection established now.
+    pub async fn connect(self) -> Result<Channel, Error> {
+        let channel = self.connect_lazy();
+        let connection = channel.inner.open_connection().await?;
+        *channel.inner.current_slot() = Some(connection);
+        Ok(channel)
+    }
+}
+
+struct Reconnect {
+    retry_at: Option<Instant>,
+    next_wait: Duration,
+    last_error: Option<String>,
+}
+
+struct ChannelInner {
+    config: ChannelBuilder,
+    current: Mutex<Option<Arc<ClientConnection>>>,
+    /// Serialises connection attempts and holds the backoff state.
+    connecting: tokio::sync::Mutex<Reconnect>,
+}
+
+impl ChannelInner {
+    fn current_slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<ClientConnection>>> {
+        self.current.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    fn usable(&self) -> Option<Arc<ClientConnection>> {
+        self.current_slot().as_ref().filter(|c| c.is_usable()).cloned()
+    }
+
+    async fn open_connection(&self) -> Result<Arc<ClientConnection>, Error> {
+        let config = TransportConfig { max_frame_len: self.config.max_frame_len };
+        let endpoint = &self.config.endpoint;
+        match tokio::time::timeout(self.config.connect_timeout, transport::connect(endpoint, &config)).await {
+            Ok(Ok(connection)) => Ok(ClientConnection::start(connection, self.config.max_frame_len)),
+            Ok(Err(error)) => Err(error.into()),
+            Err(_) => Err(Error::ConnectTimeout { endpoint: endpoint.to_string(), timeout: self.config.connect_timeout }),
+        }
+    }
+
+    /// The live connection, or a new one; fails fast while backing off.
+    async fn connection(&self) -> Result<Arc<ClientConnection>, Status> {
+        if let Some(connection) = self.usable() {
+            return Ok(connection);
+        }
+        let mut reconnect = self.connecting.lock().await;
+        if let Some(connection) = self.usable() {
+            return Ok(connection);
+        }
+        let endpoint = &self.config.endpoint;
+        if let Some(retry_at) = reconnect.retry_at {
+            let now = Instant::now();
+            if now < retry_at {
+                return Err(Status::unavailable(format!(
+                    "cannot connect to {endpoint}: {}; next attempt in {:?}",
+                    reconnect.last_error.as_deref().unwrap_or("unknown error"),
+                    retry_at - now
+                )));
+            }
+        }
+        match self.open_connection().await {
+            Ok(connection) => {
+                tracing::debug!(%endpoint, "connected");
+                reconnect.retry_at = None;
+                reconnect.next_wait = self.config.backoff.initial;
+                reconnect.last_error = None;
+                *self.current_slot() = Some(connection.clone());
+                Ok(connection)
+            }
+            Err(error) => {
+                let backoff = self.config.backoff;
+                reconnect.retry_at = Some(Instant::now() + reconnect.next_wait);
+                reconnect.next_wait = (reconnect.next_wait * backoff.multiplier.max(1)).min(backoff.max);
+                reconnect.last_error = Some(error.to_string());
+                tracing::debug!(%endpoint, %error, "connect failed");
+                Err(Status::unavailable(format!("cannot connect to {endpoint}: {error}")).with_source(error))
+            }
+        }
+    }
+}
+
+/// A client connection to one endpoint, shared by all its clones.
+///
+/// It implements `tower::Service<Request<Bytes>>`: the request carries the
+/// method path ([`Request::set_method`]; generated clients set it) and an
+/// optional timeout. Any number of calls may be in flight at once on its one
+/// connection. The connection is opened on the first call (or by
+/// [`ChannelBuilder::connect`]); when it is lost, every pending call fails with
+/// [`Code::Unavailable`] at once and the next call reconnects, waiting
+/// between failed attempts as [`Backoff`] says (calls during that wait fail
+/// fast with `Unavailable`).
+///
+/// A call's timeout is sent to the server as a deadline and enforced here
+/// too: [`Code::DeadlineExceeded`] when it passes. Dropping a call's future
+/// sends a cancel frame and the server aborts the handler.
+#[derive(Clone)]
+pub struct Channel {
+    inner: Arc<ChannelInner>,
+}
+
+impl fmt::Debug for Channel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Channel").field("endpoint", &self.inner.config.endpoint).finish()
+    }
+}
+
+impl Channel {
+    /// A builder with default settings for `endpoint`.
+    pub fn builder(endpoint: Endpoint) -> ChannelBuilder {
+        ChannelBuilder {
+            endpoint,
+            connect_timeout: Duration::from_secs(5),
+            default_timeout: None,
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+            backoff: Backoff::default(),
+        }
+    }
+
+    /// Connects now with default settings.
+    pub async fn connect<E>(endpoint: E) -> Result<Channel, Error>
+    where
+        E: TryInto<Endpoint>,
+        E::Error: Into<Error>,
+    {
+        Channel::builder(endpoint.try_into().map_err(Into::into)?).connect().await
+    }
+
+    /// A channel with default settings that connects on its first call.
+    pub fn from_endpoint(endpoint: Endpoint) -> Channel {
+        Channel::builder(endpoint).connect_lazy()
+    }
+
+    /// The endpoint this channel talks to.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.inner.config.endpoint
+    }
+
+    /// Performs one call with an encoded message.
+    pub async fn unary(&self, request: Request<Bytes>) -> Result<Response<Bytes>, Status> {
+        call(self.inner.clone(), request).await
+    }
+}
+
+async fn call(inner: Arc<ChannelInner>, request: Request<Bytes>) -> Result<Response<Bytes>, Status> {
+    let Some(path) = request.method().map(str::to_owned) else {
+        return Err(Status::internal(
+            "request has no method path: set one with Request::set_method or use a generated client",
+        ));
+    };
+    let started = Instant::now();
+    let deadline = request.timeout().or(inner.config.default_timeout).map(|timeout| started + timeout);
+    let span = tracing::debug_span!(
+        "rpc.client",
+        method = %path,
+        call_id = tracing::field::Empty,
+        peer = %inner.config.endpoint,
+    );
+    let work = async {
+        let connection = inner.connection().await?;
+        let remaining = deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
+        let metadata = request.metadata().clone();
+        let pending = connection.start_call(&path, remaining, metadata, request.into_inner())?;
+        tracing::Span::current().record("call_id", pending.call_id());
+        let frame = pending.await?;
+        Ok(into_response(frame))
+    };
+    let outcome = match deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline, work.instrument(span.clone())).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "deadline of {:?} exceeded",
+                deadline.saturating_duration_since(started)
+            ))),
+        },
+        None => work.instrument(span.clone()).await,
+    };
+    let outcome = outcome.and_then(|response| response);
+    let code = outcome.as_ref().map_or_else(Status::code, |_| Code::Ok);
+    tracing::debug!(parent: &span, ?code, elapsed_us = started.elapsed().as_micros() as u64, "call finished");
+    outcome
+}
+
+fn into_response(frame: Frame) -> Result<Response<Bytes>, Status> {
+    if frame.status == Code::Ok {
+        Ok(Response::from_parts(frame.metadata, frame.payload))
+    } else {
+        let message = String::from_utf8_lossy(&frame.payload).into_owned();
+        Err(Status::with_metadata(frame.status, message, frame.metadata))
+    }
+}
+
+/// The future of a [`Channel`] call.
+pub struct ResponseFuture {
+    inner: Pin<Box<dyn Future<Output = Result<Response<Bytes>, Status>> + Send>>,
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Response<Bytes>, Status>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl Service<Request<Bytes>> for Channel {
+    type Response = Response<Bytes>;
+    type Error = Status;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        // Calls are multiplexed without a local limit; put a ConcurrencyLimit
+        // layer in front to bound them.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Bytes>) -> ResponseFuture {
+        ResponseFuture { inner: Box::pin(call(self.inner.clone(), request)) }
+    }
+}

@@ -1,0 +1,33 @@
+//! Codecs: how a message becomes payload bytes and back, independent of the transport.
+//!
+//! Generated code uses [`ProstCodec`]; [`BincodeCodec`] serves hand-written
+//! services whose messages are serde types.
+
+mod bincode;
+mod prost;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::status::Status;
+
+pub use self::bincode::BincodeCodec;
+pub use self::prost::ProstCodec;
+
+/// Encodes requests of one type and decodes responses of another (or the
+/// reverse on a server).
+///
+/// Encoding writes into a caller-provided buffer so that a message can be
+/// written straight into its frame; decoding gets the payload as [`Bytes`],
+/// which may live in a transport's own (e.g. registered) memory.
+pub trait Codec: Default + Send + 'static {
+    /// The type written.
+    type Encode: Send + 'static;
+    /// The type read.
+    type Decode: Send + 'static;
+
+    /// Appends the encoding of `item` to `dst`. A failure is [`crate::Code::Internal`].
+    fn encode(&mut self, item: Self::Encode, dst: &mut BytesMut) -> Result<(), Status>;
+
+    /// Decodes one message from a whole payload. A failure is [`crate::Code::Internal`].
+    fn decode(&mut self, src: Bytes) -> Result<Self::Decode, Status>;
+}

@@ -1,0 +1,470 @@
+//! The wire format: one [`Frame`] per transport message.
+//!
+//! A frame is a fixed 40-byte little-endian header, then the method path,
+//! then the metadata block, then the payload. Transports carry frames as whole
+//! messages (TCP adds a 4-byte length prefix; RDMA sends one frame per
+//! message), so a frame's length is known before it is decoded and a decoder
+//! never waits for more bytes. `docs/wire-format.md` is the normative
+//! description; the constants here are the source of truth for the numbers.
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 1 | version ([`PROTOCOL_VERSION`]) |
+//! | 1 | 1 | kind ([`FrameKind`]) |
+//! | 2 | 2 | flags ([`FrameFlags`]) |
+//! | 4 | 4 | status code (responses; 0 otherwise) |
+//! | 8 | 8 | call id |
+//! | 16 | 8 | deadline: remaining microseconds, 0 = none |
+//! | 24 | 2 | path length |
+//! | 26 | 2 | reserved, 0 |
+//! | 28 | 4 | metadata length |
+//! | 32 | 4 | payload length |
+//! | 36 | 4 | reserved, 0 |
+
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::metadata::{InvalidMetadata, Metadata};
+use crate::status::Code;
+
+/// The protocol version this build writes and the only one it accepts.
+pub const PROTOCOL_VERSION: u8 = 1;
+/// Size of the fixed header.
+pub const HEADER_LEN: usize = 40;
+/// Default limit on a whole frame (header + path + metadata + payload): 64 MiB.
+pub const DEFAULT_MAX_FRAME_LEN: usize = 64 << 20;
+/// Longest method path.
+pub const MAX_PATH_LEN: usize = u16::MAX as usize;
+
+const _: () = assert!(HEADER_LEN % 8 == 0, "header keeps 8-byte alignment of what follows");
+const _: () = assert!(DEFAULT_MAX_FRAME_LEN <= u32::MAX as usize);
+
+/// What a frame is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Client → server: start a call (path, metadata, deadline, request message).
+    Request = 1,
+    /// Server → client: a call's result (status, metadata, response message).
+    Response = 2,
+    /// Client → server: abandon a call; the server aborts its handler.
+    Cancel = 3,
+    /// Either way: liveness probe; answered by a ping with [`FrameFlags::ACK`].
+    Ping = 4,
+    /// Either way: the sender takes no new calls on this connection.
+    GoAway = 5,
+}
+
+impl FrameKind {
+    fn from_u8(value: u8) -> Option<FrameKind> {
+        Some(match value {
+            1 => FrameKind::Request,
+            2 => FrameKind::Response,
+            3 => FrameKind::Cancel,
+            4 => FrameKind::Ping,
+            5 => FrameKind::GoAway,
+            _ => return None,
+        })
+    }
+}
+
+/// Frame flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct FrameFlags(u16);
+
+impl FrameFlags {
+    /// No flags.
+    pub const EMPTY: FrameFlags = FrameFlags(0);
+    /// Last frame of its direction of the call. Unary requests and responses always set it.
+    pub const END_STREAM: FrameFlags = FrameFlags(0x1);
+    /// A ping that answers a ping.
+    pub const ACK: FrameFlags = FrameFlags(0x2);
+    const KNOWN: u16 = 0x3;
+
+    /// The raw bits.
+    pub fn bits(self) -> u16 {
+        self.0
+    }
+
+    /// True when every flag of `other` is set.
+    pub fn contains(self, other: FrameFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl std::ops::BitOr for FrameFlags {
+    type Output = FrameFlags;
+    fn bitor(self, rhs: FrameFlags) -> FrameFlags {
+        FrameFlags(self.0 | rhs.0)
+    }
+}
+
+/// Why bytes were not a valid frame. The connection that sent them is closed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// The message is larger than the configured maximum.
+    #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge {
+        /// Length announced or received.
+        len: usize,
+        /// The configured limit.
+        max: usize,
+    },
+    /// The version byte is not [`PROTOCOL_VERSION`].
+    #[error("unsupported protocol version {0} (this build speaks version {PROTOCOL_VERSION})")]
+    BadVersion(u8),
+    /// The kind byte names no [`FrameKind`].
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// A flag bit this version does not define is set.
+    #[error("unknown frame flags {0:#06x}")]
+    UnknownFlags(u16),
+    /// A reserved field is not zero.
+    #[error("reserved header field is not zero")]
+    ReservedNotZero,
+    /// The message is shorter than its header says.
+    #[error("truncated frame: header announces {expected} bytes, message has {actual}")]
+    Truncated {
+        /// Bytes the header announces.
+        expected: usize,
+        /// Bytes present.
+        actual: usize,
+    },
+    /// The message is longer than its header says.
+    #[error("frame has {actual} bytes but its header announces {expected}")]
+    TrailingBytes {
+        /// Bytes the header announces.
+        expected: usize,
+        /// Bytes present.
+        actual: usize,
+    },
+    /// The method path is missing, not UTF-8, or present where none belongs.
+    #[error("invalid method path: {0}")]
+    InvalidPath(&'static str),
+    /// The metadata block is malformed.
+    #[error(transparent)]
+    Metadata(#[from] InvalidMetadata),
+}
+
+/// A decoded frame. `path` is empty for every kind but [`FrameKind::Request`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// What the frame is.
+    pub kind: FrameKind,
+    /// Flags.
+    pub flags: FrameFlags,
+    /// The call it belongs to (0 for connection-level frames).
+    pub call_id: u64,
+    /// Status code of a response ([`Code::Ok`] otherwise).
+    pub status: Code,
+    /// Time the caller still allows, for requests.
+    pub deadline: Option<Duration>,
+    /// `/package.Service/Method` of a request.
+    pub path: String,
+    /// Metadata of the request, response or status.
+    pub metadata: Metadata,
+    /// The encoded message; for a non-OK response, the status message in UTF-8.
+    pub payload: Bytes,
+}
+
+impl Frame {
+    /// A unary request frame.
+    pub fn request(
+        call_id: u64,
+        path: impl Into<String>,
+        deadline: Option<Duration>,
+        metadata: Metadata,
+        payload: Bytes,
+    ) -> Frame {
+        Frame {
+            kind: FrameKind::Request,
+            flags: FrameFlags::END_STREAM,
+            call_id,
+            status: Code::Ok,
+            deadline,
+            path: path.into(),
+            metadata,
+            payload,
+        }
+    }
+
+    /// A unary response frame: `status` OK with a message in `payload`, or an
+    /// error whose message is the payload.
+    pub fn response(call_id: u64, status: Code, metadata: Metadata, payload: Bytes) -> Frame {
+        Frame {
+            kind: FrameKind::Response,
+            flags: FrameFlags::END_STREAM,
+            call_id,
+            status,
+            deadline: None,
+            path: String::new(),
+            metadata,
+            payload,
+        }
+    }
+
+    /// A frame with no path, metadata or payload.
+    pub fn control(kind: FrameKind, flags: FrameFlags, call_id: u64) -> Frame {
+        Frame {
+            kind,
+            flags,
+            call_id,
+            status: Code::Ok,
+            deadline: None,
+            path: String::new(),
+            metadata: Metadata::new(),
+            payload: Bytes::new(),
+        }
+    }
+
+    /// Bytes [`Frame::encode`] produces.
+    pub fn encoded_len(&self) -> usize {
+        HEADER_LEN + self.path.len() + self.metadata.encoded_len() + self.payload.len()
+    }
+
+    /// Encodes the frame into one contiguous buffer.
+    ///
+    /// # Panics
+    /// When the path is longer than [`MAX_PATH_LEN`] or a section exceeds 4 GiB;
+    /// callers check the path and the frame limit first.
+    pub fn encode(&self) -> Bytes {
+        let mut dst = BytesMut::with_capacity(self.encoded_len());
+        self.encode_into(&mut dst);
+        dst.freeze()
+    }
+
+    /// Appends the encoded frame to `dst`.
+    pub fn encode_into(&self, dst: &mut BytesMut) {
+        let path_len = u16::try_from(self.path.len()).expect("method path longer than 64 KiB");
+        let metadata_len = u32::try_from(self.metadata.encoded_len()).expect("metadata over 4 GiB");
+        let payload_len = u32::try_from(self.payload.len()).expect("payload over 4 GiB");
+        let deadline_us = self
+            .deadline
+            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1))
+            .unwrap_or(0);
+        dst.reserve(self.encoded_len());
+        dst.put_u8(PROTOCOL_VERSION);
+        dst.put_u8(self.kind as u8);
+        dst.put_u16_le(self.flags.0);
+        dst.put_u32_le(self.status as i32 as u32);
+        dst.put_u64_le(self.call_id);
+        dst.put_u64_le(deadline_us);
+        dst.put_u16_le(path_len);
+        dst.put_u16_le(0);
+        dst.put_u32_le(metadata_len);
+        dst.put_u32_le(payload_len);
+        dst.put_u32_le(0);
+        dst.put_slice(self.path.as_bytes());
+        self.metadata.encode(dst);
+        dst.put_slice(&self.payload);
+    }
+
+    /// Decodes one whole message. The payload is a slice of `message` (no copy).
+    ///
+    /// Rejects, with a typed error, a message over `max_len`, a wrong version,
+    /// an unknown kind or flag, non-zero reserved fields, a length that does not
+    /// match the header, an invalid path, and malformed metadata.
+    pub fn decode(mut message: Bytes, max_len: usize) -> Result<Frame, FrameError> {
+        let actual = message.len();
+        if actual > max_len {
+            return Err(FrameError::TooLarge { len: actual, max: max_len });
+        }
+        if actual < HEADER_LEN {
+            return Err(FrameError::Truncated { expected: HEADER_LEN, actual });
+        }
+        let version = message.get_u8();
+        if version != PROTOCOL_VERSION {
+            return Err(FrameError::BadVersion(version));
+        }
+        let kind_byte = message.get_u8();
+        let kind = FrameKind::from_u8(kind_byte).ok_or(FrameError::UnknownKind(kind_byte))?;
+        let flags = message.get_u16_le();
+        if flags & !FrameFlags::KNOWN != 0 {
+            return Err(FrameError::UnknownFlags(flags));
+        }
+        let status = Code::from(message.get_u32_le() as i32);
+        let call_id = message.get_u64_le();
+        let deadline_us = message.get_u64_le();
+        let path_len = usize::from(message.get_u16_le());
+        let reserved_a = message.get_u16_le();
+        let metadata_len = message.get_u32_le() as usize;
+        let payload_len = message.get_u32_le() as usize;
+        let reserved_b = message.get_u32_le();
+        if reserved_a != 0 || reserved_b != 0 {
+            return Err(FrameError::ReservedNotZero);
+        }
+        let expected = HEADER_LEN + path_len + metadata_len + payload_len;
+        if expected > max_len {
+            return Err(FrameError::TooLarge { len: expected, max: max_len });
+        }
+        if actual < expected {
+            return Err(FrameError::Truncated { expected, actual });
+        }
+        if actual > expected {
+            return Err(FrameError::TrailingBytes { expected, actual });
+        }
+        let path_bytes = message.split_to(path_len);
+        let path = match kind {
+            FrameKind::Request => {
+                let path = std::str::from_utf8(&path_bytes)
+                    .map_err(|_| FrameError::InvalidPath("not UTF-8"))?;
+                if !path.starts_with('/') {
+                    return Err(FrameError::InvalidPath("a request path must start with '/'"));
+                }
+                path.to_owned()
+            }
+            _ if path_len != 0 => {
+                return Err(FrameError::InvalidPath("only request frames carry a path"));
+            }
+            _ => String::new(),
+        };
+        let metadata = Metadata::decode(message.split_to(metadata_len))?;
+        Ok(Frame {
+            kind,
+            flags: FrameFlags(flags),
+            call_id,
+            status,
+            deadline: (deadline_us != 0).then(|| Duration::from_micros(deadline_us)),
+            path,
+            metadata,
+            payload: message,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Frame {
+        let mut metadata = Metadata::new();
+        metadata.insert("x-user", "ada").unwrap();
+        metadata.insert_bin("blob-bin", vec![1u8, 2, 3]).unwrap();
+        Frame::request(
+            7,
+            "/echo.Echo/Say",
+            Some(Duration::from_millis(1500)),
+            metadata,
+            Bytes::from_static(b"hello"),
+        )
+    }
+
+    #[test]
+    fn round_trip_every_kind() {
+        let frames = [
+            sample(),
+            Frame::response(7, Code::NotFound, Metadata::new(), Bytes::from_static(b"gone")),
+            Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, 9),
+            Frame::control(FrameKind::Ping, FrameFlags::ACK, 0),
+            Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, 41),
+        ];
+        for frame in frames {
+            let bytes = frame.encode();
+            assert_eq!(bytes.len(), frame.encoded_len());
+            assert_eq!(Frame::decode(bytes, DEFAULT_MAX_FRAME_LEN).unwrap(), frame);
+        }
+    }
+
+    #[test]
+    fn header_layout_is_little_endian_at_documented_offsets() {
+        let bytes = sample().encode();
+        assert_eq!(bytes[0], PROTOCOL_VERSION);
+        assert_eq!(bytes[1], FrameKind::Request as u8);
+        assert_eq!(u16::from_le_bytes([bytes[2], bytes[3]]), 1);
+        assert_eq!(u64::from_le_bytes(bytes[8..16].try_into().unwrap()), 7);
+        assert_eq!(u64::from_le_bytes(bytes[16..24].try_into().unwrap()), 1_500_000);
+        assert_eq!(u16::from_le_bytes([bytes[24], bytes[25]]), 14);
+        assert_eq!(u32::from_le_bytes(bytes[32..36].try_into().unwrap()), 5);
+        assert_eq!(&bytes[HEADER_LEN..HEADER_LEN + 14], b"/echo.Echo/Say");
+        assert_eq!(&bytes[bytes.len() - 5..], b"hello");
+    }
+
+    #[test]
+    fn rejects_bad_version_kind_flags_and_reserved() {
+        let good = sample().encode();
+        let patch = |offset: usize, value: u8| {
+            let mut raw = BytesMut::from(&good[..]);
+            raw[offset] = value;
+            Frame::decode(raw.freeze(), DEFAULT_MAX_FRAME_LEN)
+        };
+        assert_eq!(patch(0, 2), Err(FrameError::BadVersion(2)));
+        assert_eq!(patch(1, 0), Err(FrameError::UnknownKind(0)));
+        assert_eq!(patch(1, 99), Err(FrameError::UnknownKind(99)));
+        assert_eq!(patch(3, 0x80), Err(FrameError::UnknownFlags(0x8001)));
+        assert_eq!(patch(26, 1), Err(FrameError::ReservedNotZero));
+        assert_eq!(patch(39, 1), Err(FrameError::ReservedNotZero));
+    }
+
+    #[test]
+    fn rejects_every_truncation_and_trailing_bytes() {
+        let good = sample().encode();
+        for cut in 0..good.len() {
+            let err = Frame::decode(good.slice(..cut), DEFAULT_MAX_FRAME_LEN).unwrap_err();
+            assert!(matches!(err, FrameError::Truncated { .. }), "cut {cut}: {err}");
+        }
+        let mut longer = BytesMut::from(&good[..]);
+        longer.put_u8(0);
+        assert!(matches!(
+            Frame::decode(longer.freeze(), DEFAULT_MAX_FRAME_LEN),
+            Err(FrameError::TrailingBytes { .. })
+        ));
+    }
+
+    #[test]
+    fn rejects_frames_and_announced_lengths_over_the_limit() {
+        let good = sample().encode();
+        assert!(matches!(
+            Frame::decode(good.clone(), good.len() - 1),
+            Err(FrameError::TooLarge { .. })
+        ));
+        // A short message whose header announces a 3 GiB payload.
+        let mut raw = BytesMut::from(&good[..]);
+        raw[32..36].copy_from_slice(&(3u32 << 30).to_le_bytes());
+        assert!(matches!(
+            Frame::decode(raw.freeze(), DEFAULT_MAX_FRAME_LEN),
+            Err(FrameError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn rejects_paths_that_are_missing_misplaced_or_not_utf8() {
+        let mut no_slash = sample();
+        no_slash.path = "echo.Echo/Say".into();
+        assert!(matches!(
+            Frame::decode(no_slash.encode(), DEFAULT_MAX_FRAME_LEN),
+            Err(FrameError::InvalidPath(_))
+        ));
+        let mut misplaced = Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, 1);
+        misplaced.path = "/x".into();
+        assert!(matches!(
+            Frame::decode(misplaced.encode(), DEFAULT_MAX_FRAME_LEN),
+            Err(FrameError::InvalidPath(_))
+        ));
+        let mut raw = BytesMut::from(&sample().encode()[..]);
+        raw[HEADER_LEN + 1] = 0xff;
+        assert!(matches!(
+            Frame::decode(raw.freeze(), DEFAULT_MAX_FRAME_LEN),
+            Err(FrameError::InvalidPath(_))
+        ));
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        // A cheap deterministic sweep; the cargo-fuzz target does the real search.
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        for len in 0..512 {
+            let mut raw = Vec::with_capacity(len);
+            for _ in 0..len {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                raw.push(state as u8);
+            }
+            if len > 1 {
+                raw[0] = PROTOCOL_VERSION;
+            }
+            let _ = Frame::decode(Bytes::from(raw), 4096);
+        }
+    }
+}

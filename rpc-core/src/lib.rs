@@ -1,0 +1,93 @@
+//! rpc-core: the transport-agnostic heart of rdma-rpc.
+//!
+//! A guide in the order a call travels:
+//!
+//! - A generated client (see `rpc-codegen`) wraps an [`RpcClient`] around a
+//!   tower service, usually a [`Channel`]. It encodes the message with a
+//!   [`codec::Codec`] ([`codec::ProstCodec`] by default), sets the method path
+//!   on the [`Request`], and calls the service.
+//! - The [`Channel`] multiplexes calls on one connection from a
+//!   [`transport::Transport`] chosen by the endpoint's scheme (`tcp://`,
+//!   `mem://`, or one registered by another crate such as `rdma://`). Each call
+//!   is one request [`frame::Frame`] and one response frame.
+//! - The [`Server`] accepts connections, decodes frames, and runs the layered
+//!   [`server::Routes`], which dispatch by `/package.Service/Method` to
+//!   generated servers; they decode, call the user's trait, and encode.
+//! - Failures are a [`Status`] with a gRPC [`Code`]; set-up failures are an [`Error`].
+//!
+//! ```
+//! // A complete round trip over the in-memory transport with a hand-written service.
+//! use bytes::Bytes;
+//! use rpc_core::{Channel, Request, Response, Server, Status, server::NamedService};
+//!
+//! #[derive(Clone)]
+//! struct Upper;
+//! impl NamedService for Upper { const NAME: &'static str = "demo.Upper"; }
+//! impl tower::Service<Request<Bytes>> for Upper {
+//!     type Response = Response<Bytes>;
+//!     type Error = Status;
+//!     type Future = std::future::Ready<Result<Response<Bytes>, Status>>;
+//!     fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Status>> {
+//!         std::task::Poll::Ready(Ok(()))
+//!     }
+//!     fn call(&mut self, request: Request<Bytes>) -> Self::Future {
+//!         let upper = request.get_ref().to_ascii_uppercase();
+//!         std::future::ready(Ok(Response::new(Bytes::from(upper))))
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let server = Server::builder().add_service(Upper).listen("mem://doc-upper").await?;
+//! tokio::spawn(server.serve());
+//! let channel = Channel::connect("mem://doc-upper").await?;
+//! let mut request = Request::new(Bytes::from_static(b"hi"));
+//! request.set_method("/demo.Upper/Shout");
+//! let response = channel.unary(request).await?;
+//! assert_eq!(response.into_inner(), Bytes::from_static(b"HI"));
+//! # Ok(()) }
+//! ```
+
+pub mod client;
+pub mod codec;
+mod conn_io;
+mod error;
+pub mod frame;
+pub mod metadata;
+mod request;
+pub mod server;
+mod status;
+pub mod transport;
+
+pub use client::{Channel, RpcClient};
+pub use error::Error;
+pub use metadata::Metadata;
+pub use request::{IntoRequest, PeerInfo, Request, Response};
+pub use server::Server;
+pub use status::{BoxError, Code, Status};
+
+/// Includes the Rust code `rpc-codegen` generated for a protobuf package:
+/// `rpc_core::include_proto!("echo.v1");` inside the module that should hold it.
+#[macro_export]
+macro_rules! include_proto {
+    ($package:tt) => {
+        include!(concat!(env!("OUT_DIR"), concat!("/", $package, ".rs")));
+    };
+}
+
+/// Re-exports for generated code; not a stable API.
+#[doc(hidden)]
+pub mod codegen {
+    pub use bytes::Bytes;
+    pub use futures_util::future::BoxFuture;
+    pub use std::future::Future;
+    pub use std::sync::Arc;
+    pub use std::task::{Context, Poll};
+    pub use tower_service::Service;
+
+    pub use crate::client::{Channel, RpcClient};
+    pub use crate::codec::ProstCodec;
+    pub use crate::server::NamedService;
+    pub use crate::server::unary::handle as unary;
+    pub use crate::{BoxError, Error, IntoRequest, Request, Response, Status};
+}

@@ -1,0 +1,97 @@
+//! [`Routes`]: dispatch by `/package.Service/Method` to the added services.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures_util::future::{self, BoxFuture, FutureExt};
+use tower::util::BoxCloneSyncService;
+use tower_service::Service;
+
+use crate::request::{Request, Response};
+use crate::status::{BoxError, Status};
+
+/// A service the [`crate::Server`] can route to: its full name
+/// (`package.Service`) picks the requests it gets. Generated servers implement it.
+pub trait NamedService {
+    /// `package.Service`, as in the method paths `/package.Service/Method`.
+    const NAME: &'static str;
+}
+
+type RouteService = BoxCloneSyncService<Request<Bytes>, Response<Bytes>, Status>;
+
+/// The routing table: service name → service. It is itself the innermost
+/// service of the server's tower stack.
+#[derive(Clone, Default)]
+pub struct Routes {
+    services: Arc<HashMap<&'static str, RouteService>>,
+}
+
+impl std::fmt::Debug for Routes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.services.keys()).finish()
+    }
+}
+
+impl Routes {
+    /// Adds `service`, replacing one with the same name.
+    pub fn add_service<S>(&mut self, service: S)
+    where
+        S: Service<Request<Bytes>, Response = Response<Bytes>> + NamedService + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        let service = tower::ServiceExt::map_err(service, |error: S::Error| Status::from_error(error.into()));
+        Arc::make_mut(&mut self.services).insert(S::NAME, BoxCloneSyncService::new(service));
+    }
+
+    /// Names of the services routed to.
+    pub fn service_names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.services.keys().copied()
+    }
+}
+
+/// Splits `/package.Service/Method` into its two names.
+pub(crate) fn split_path(path: &str) -> Option<(&str, &str)> {
+    let (service, method) = path.strip_prefix('/')?.split_once('/')?;
+    (!service.is_empty() && !method.is_empty() && !method.contains('/')).then_some((service, method))
+}
+
+impl Service<Request<Bytes>> for Routes {
+    type Response = Response<Bytes>;
+    type Error = Status;
+    type Future = BoxFuture<'static, Result<Response<Bytes>, Status>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Bytes>) -> Self::Future {
+        let path = request.method().unwrap_or_default();
+        let Some((service_name, _)) = split_path(path) else {
+            let status = Status::unimplemented(format!("malformed method path {path:?}"));
+            return future::ready(Err(status)).boxed();
+        };
+        match self.services.get(service_name) {
+            Some(service) => tower::ServiceExt::oneshot(service.clone(), request).boxed(),
+            None => {
+                let status = Status::unimplemented(format!("unknown service {service_name}"));
+                future::ready(Err(status)).boxed()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_path_accepts_only_two_names() {
+        assert_eq!(split_path("/pkg.Svc/Get"), Some(("pkg.Svc", "Get")));
+        for bad in ["", "/", "pkg.Svc/Get", "/pkg.Svc/", "//Get", "/a/b/c"] {
+            assert_eq!(split_path(bad), None, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! [`Endpoint`]: `scheme://authority`.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::TransportError;
+
+/// Where to connect or listen: `tcp://host:port`, `mem://name`, `rdma://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    scheme: String,
+    authority: String,
+}
+
+impl Endpoint {
+    /// Builds an endpoint from its parts.
+    pub fn new(scheme: &str, authority: &str) -> Result<Endpoint, TransportError> {
+        format!("{scheme}://{authority}").parse()
+    }
+
+    /// The scheme, lower case (`tcp`).
+    pub fn scheme(&self) -> &str {
+        &self.scheme
+    }
+
+    /// What follows `://` (`127.0.0.1:50051`).
+    pub fn authority(&self) -> &str {
+        &self.authority
+    }
+}
+
+impl FromStr for Endpoint {
+    type Err = TransportError;
+
+    fn from_str(s: &str) -> Result<Endpoint, TransportError> {
+        let invalid = |reason| TransportError::InvalidEndpoint { endpoint: s.to_owned(), reason };
+        let (scheme, authority) = s
+            .split_once("://")
+            .ok_or_else(|| invalid("expected scheme://address, e.g. tcp://127.0.0.1:50051"))?;
+        let authority = authority.strip_suffix('/').unwrap_or(authority);
+        if scheme.is_empty() || !scheme.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+') {
+            return Err(invalid("the scheme must be letters and digits"));
+        }
+        if authority.is_empty() {
+            return Err(invalid("the address after :// is empty"));
+        }
+        if authority.contains('/') || authority.chars().any(char::is_whitespace) {
+            return Err(invalid("the address may not contain '/' or spaces"));
+        }
+        Ok(Endpoint { scheme: scheme.to_ascii_lowercase(), authority: authority.to_owned() })
+    }
+}
+
+impl TryFrom<&str> for Endpoint {
+    type Error = TransportError;
+    fn try_from(s: &str) -> Result<Endpoint, TransportError> {
+        s.parse()
+    }
+}
+
+impl TryFrom<String> for Endpoint {
+    type Error = TransportError;
+    fn try_from(s: String) -> Result<Endpoint, TransportError> {
+        s.parse()
+    }
+}
+
+impl TryFrom<&String> for Endpoint {
+    type Error = TransportError;
+    fn try_from(s: &String) -> Result<Endpoint, TransportError> {
+        s.parse()
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://{}", self.scheme, self.authority)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_rejects() {
+        let ep: Endpoint = "TCP://127.0.0.1:50051/".parse().unwrap();
+        assert_eq!(ep.scheme(), "tcp");
+        assert_eq!(ep.authority(), "127.0.0.1:50051");
+        assert_eq!(ep.to_string(), "tcp://127.0.0.1:50051");
+        for bad in ["127.0.0.1:1", "tcp://", "://x", "tcp://a/b", "t p://x"] {
+            assert!(bad.parse::<Endpoint>().is_err(), "{bad}");
+        }
+    }
+}

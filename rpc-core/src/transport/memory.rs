@@ -1,0 +1,155 @@
+//! `mem://name`: connections inside one process, for tests and for measuring
+//! the framework without a kernel in the way.
+//!
+//! Binding registers `name` in a process-wide table until the listener is
+//! dropped; connecting creates a pair of bounded frame queues. Frames move as
+//! `Bytes` handles, never copied.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{LazyLock, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures_core::Stream;
+use futures_util::future::BoxFuture;
+use futures_util::{FutureExt, SinkExt};
+use tokio::sync::mpsc;
+use tokio_util::sync::PollSender;
+
+use super::{Connection, Endpoint, Listener, Transport, TransportConfig, TransportError};
+use crate::frame::FrameError;
+
+/// Frames a direction of a connection buffers before the sender waits.
+pub const QUEUE_FRAMES: usize = 256;
+
+/// The in-memory transport (registered as `mem`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryTransport;
+
+type AcceptQueue = mpsc::UnboundedSender<Connection>;
+
+/// Bound names → (listener id, its accept queue).
+static LISTENERS: LazyLock<Mutex<HashMap<String, (u64, AcceptQueue)>>> = LazyLock::new(Default::default);
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn listeners() -> std::sync::MutexGuard<'static, HashMap<String, (u64, AcceptQueue)>> {
+    LISTENERS.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+struct FrameReceiver {
+    receiver: mpsc::Receiver<Bytes>,
+    max_frame_len: usize,
+}
+
+impl Stream for FrameReceiver {
+    type Item = Result<Bytes, TransportError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let max = self.max_frame_len;
+        self.receiver.poll_recv(cx).map(|frame| {
+            frame.map(|frame| {
+                if frame.len() > max {
+                    Err(FrameError::TooLarge { len: frame.len(), max }.into())
+                } else {
+                    Ok(frame)
+                }
+            })
+        })
+    }
+}
+
+fn half(
+    sender: mpsc::Sender<Bytes>,
+    receiver: mpsc::Receiver<Bytes>,
+    max_frame_len: usize,
+    peer: String,
+) -> Connection {
+    Connection {
+        sink: Box::pin(PollSender::new(sender).sink_map_err(|_| TransportError::Closed)),
+        stream: Box::pin(FrameReceiver { receiver, max_frame_len }),
+        peer,
+    }
+}
+
+impl Transport for MemoryTransport {
+    fn connect(
+        &self,
+        endpoint: &Endpoint,
+        config: &TransportConfig,
+    ) -> BoxFuture<'static, Result<Connection, TransportError>> {
+        let name = endpoint.authority().to_owned();
+        let max = config.max_frame_len;
+        async move {
+            let refused = || {
+                TransportError::Io(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    format!("nothing listens on mem://{name}"),
+                ))
+            };
+            let accept = listeners().get(&name).map(|(_, accept)| accept.clone()).ok_or_else(refused)?;
+            let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+            let (to_server, server_rx) = mpsc::channel(QUEUE_FRAMES);
+            let (to_client, client_rx) = mpsc::channel(QUEUE_FRAMES);
+            let server_side = half(to_client, server_rx, max, format!("mem://{name}#client-{id}"));
+            accept.send(server_side).map_err(|_| refused())?;
+            Ok(half(to_server, client_rx, max, format!("mem://{name}")))
+        }
+        .boxed()
+    }
+
+    fn bind(
+        &self,
+        endpoint: &Endpoint,
+        config: &TransportConfig,
+    ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>> {
+        let endpoint = endpoint.clone();
+        let _ = config;
+        async move {
+            let name = endpoint.authority().to_owned();
+            let (accept, incoming) = mpsc::unbounded_channel();
+            let mut table = listeners();
+            if table.get(&name).is_some_and(|(_, existing)| !existing.is_closed()) {
+                return Err(TransportError::Io(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("mem://{name} is already bound"),
+                )));
+            }
+            let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+            table.insert(name.clone(), (id, accept));
+            Ok(Box::new(MemoryListener { id, name, endpoint, incoming }) as Box<dyn Listener>)
+        }
+        .boxed()
+    }
+}
+
+struct MemoryListener {
+    id: u64,
+    name: String,
+    endpoint: Endpoint,
+    incoming: mpsc::UnboundedReceiver<Connection>,
+}
+
+impl Stream for MemoryListener {
+    type Item = Result<Connection, TransportError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.incoming.poll_recv(cx).map(|next| next.map(Ok))
+    }
+}
+
+impl Listener for MemoryListener {
+    fn local_endpoint(&self) -> Endpoint {
+        self.endpoint.clone()
+    }
+}
+
+impl Drop for MemoryListener {
+    fn drop(&mut self) {
+        let mut table = listeners();
+        if table.get(&self.name).is_some_and(|(id, _)| *id == self.id) {
+            table.remove(&self.name);
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Message transports: how whole frames move between two processes.
+//!
+//! A transport is message-oriented: a [`Connection`] sends and receives whole
+//! frames as [`Bytes`]. This is what RDMA offers natively (one SEND is one
+//! message) and what TCP gets from a length prefix. Received frames may live in
+//! the transport's own buffers (a `Bytes` with a custom owner), so a transport
+//! can hand payloads up without a copy.
+//!
+//! Transports are found by the scheme of an [`Endpoint`] in a process-wide
+//! registry. `tcp` and `mem` are built in; other crates add theirs with
+//! [`register`] (the RDMA transport registers `rdma` with one call at start-up),
+//! so that rpc-core knows nothing about them.
+//!
+//! | role | trait / type |
+//! |---|---|
+//! | connector: endpoint → connection | [`Transport::connect`] |
+//! | listener: a stream of connections | [`Transport::bind`] → [`Listener`] |
+//! | connection: a frame sink and a frame stream | [`Connection`] |
+
+mod endpoint;
+pub mod memory;
+pub mod tcp;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, LazyLock, RwLock};
+
+use bytes::Bytes;
+use futures_core::Stream;
+use futures_util::Sink;
+use futures_util::future::BoxFuture;
+
+use crate::frame::{DEFAULT_MAX_FRAME_LEN, FrameError};
+use crate::status::BoxError;
+
+pub use endpoint::Endpoint;
+
+/// Sends whole frames. `poll_flush` pushes everything fed so far to the peer.
+pub type FrameSink = Pin<Box<dyn Sink<Bytes, Error = TransportError> + Send>>;
+/// Receives whole frames; ends (`None`) when the peer closed the connection cleanly.
+pub type FrameStream = Pin<Box<dyn Stream<Item = Result<Bytes, TransportError>> + Send>>;
+
+/// One established connection: a frame sink, a frame stream, and who is on the other end.
+pub struct Connection {
+    /// Outgoing frames.
+    pub sink: FrameSink,
+    /// Incoming frames.
+    pub stream: FrameStream,
+    /// The peer, for logs and [`crate::PeerInfo`].
+    pub peer: String,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+/// Settings every transport honours.
+#[derive(Debug, Clone)]
+pub struct TransportConfig {
+    /// Largest frame accepted from the peer; a larger one is a [`FrameError::TooLarge`]
+    /// detected before its bytes are buffered where the transport can.
+    pub max_frame_len: usize,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig { max_frame_len: DEFAULT_MAX_FRAME_LEN }
+    }
+}
+
+/// A stream of accepted connections.
+///
+/// An `Err` item is one failed accept (e.g. out of file descriptors); the
+/// listener stays usable. Dropping it stops listening.
+pub trait Listener: Stream<Item = Result<Connection, TransportError>> + Send + Unpin {
+    /// Where it listens, with the real port when port 0 was asked for.
+    fn local_endpoint(&self) -> Endpoint;
+}
+
+/// A way to reach peers: connects to endpoints (the connector role) and binds
+/// listeners.
+pub trait Transport: Send + Sync + 'static {
+    /// Opens a connection to `endpoint`.
+    fn connect(
+        &self,
+        endpoint: &Endpoint,
+        config: &TransportConfig,
+    ) -> BoxFuture<'static, Result<Connection, TransportError>>;
+
+    /// Starts listening on `endpoint`.
+    fn bind(
+        &self,
+        endpoint: &Endpoint,
+        config: &TransportConfig,
+    ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>>;
+}
+
+/// What can go wrong below the RPC layer.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The endpoint string is not `scheme://authority`.
+    #[error("invalid endpoint {endpoint:?}: {reason}")]
+    InvalidEndpoint {
+        /// What was given.
+        endpoint: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// No transport is registered for the scheme.
+    #[error("no transport for scheme {scheme:?} (registered: {registered}){hint}")]
+    UnknownScheme {
+        /// The scheme asked for.
+        scheme: String,
+        /// The schemes that are registered.
+        registered: String,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// An operating-system error.
+    #[error("i/o error: {0}")]
+    Io(#[from] io::Error),
+    /// The peer sent something that is not a valid frame.
+    #[error("protocol error: {0}")]
+    Frame(#[from] FrameError),
+    /// The connection is closed.
+    #[error("connection closed")]
+    Closed,
+    /// A transport-specific error (e.g. from the RDMA provider).
+    #[error("{0}")]
+    Other(BoxError),
+}
+
+static REGISTRY: LazyLock<RwLock<BTreeMap<String, Arc<dyn Transport>>>> = LazyLock::new(|| {
+    let mut map: BTreeMap<String, Arc<dyn Transport>> = BTreeMap::new();
+    map.insert("tcp".into(), Arc::new(tcp::TcpTransport));
+    map.insert("mem".into(), Arc::new(memory::MemoryTransport));
+    RwLock::new(map)
+});
+
+/// Makes `transport` serve endpoints with `scheme`, replacing (and returning)
+/// any earlier one. Call it once at start-up.
+pub fn register(scheme: &str, transport: Arc<dyn Transport>) -> Option<Arc<dyn Transport>> {
+    REGISTRY
+        .write()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .insert(scheme.to_ascii_lowercase(), transport)
+}
+
+/// The transport registered for `scheme`.
+pub fn lookup(scheme: &str) -> Result<Arc<dyn Transport>, TransportError> {
+    let registry = REGISTRY.read().unwrap_or_else(|poison| poison.into_inner());
+    registry.get(scheme).cloned().ok_or_else(|| TransportError::UnknownScheme {
+        scheme: scheme.to_owned(),
+        registered: registry.keys().cloned().collect::<Vec<_>>().join(", "),
+        hint: if scheme == "rdma" {
+            "; call rpc_transport_rdma::register() once at start-up"
+        } else {
+            ""
+        },
+    })
+}
+
+/// Connects to `endpoint` with the transport its scheme names.
+pub async fn connect(endpoint: &Endpoint, config: &TransportConfig) -> Result<Connection, TransportError> {
+    lookup(endpoint.scheme())?.connect(endpoint, config).await
+}
+
+/// Binds a listener on `endpoint` with the transport its scheme names.
+pub async fn bind(endpoint: &Endpoint, config: &TransportConfig) -> Result<Box<dyn Listener>, TransportError> {
+    lookup(endpoint.scheme())?.bind(endpoint, config).await
+}
