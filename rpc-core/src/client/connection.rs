@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::conn_io::write_frames;
 use crate::frame::{Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
-use crate::status::Status;
+use crate::status::{Code, Status};
 use crate::transport::{Connection, FrameStream};
 
 type CallResult = Result<Frame, Status>;
@@ -237,6 +237,11 @@ async fn read_frames(
                 let _ = outbound.send(Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id).encode());
             }
             FrameKind::Ping => {}
+            FrameKind::GoAway if frame.status != Code::Ok => {
+                let reason = String::from_utf8_lossy(&frame.payload).into_owned();
+                tracing::warn!(peer = %shared.peer, %reason, "server closed the connection");
+                break format!("server closed the connection: {reason}");
+            }
             FrameKind::GoAway => {
                 tracing::debug!(peer = %shared.peer, "server sent GOAWAY; new calls use a new connection");
                 shared.draining.store(true, Ordering::Release);

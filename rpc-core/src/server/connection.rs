@@ -19,7 +19,7 @@ use crate::frame::{Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
-use crate::transport::Connection;
+use crate::transport::{Connection, TransportError};
 
 pub(crate) type ServerService = BoxCloneSyncService<Request<Bytes>, Response<Bytes>, Status>;
 
@@ -27,7 +27,10 @@ pub(crate) type ServerService = BoxCloneSyncService<Request<Bytes>, Response<Byt
 enum Ending {
     PeerClosed,
     Drained,
+    /// The transport failed; nothing more can be sent.
     Failed(String),
+    /// The peer broke the protocol: tell it why (GOAWAY with the reason), then close.
+    ProtocolError(String),
 }
 
 /// Serves one connection until the peer closes it, it breaks, or `shutdown`
@@ -67,18 +70,21 @@ pub(crate) async fn serve_connection(
             next = stream.next() => {
                 let bytes = match next {
                     None => break Ending::PeerClosed,
+                    Some(Err(rpc_error @ TransportError::Frame(_))) => {
+                        break Ending::ProtocolError(format!("bad frame: {rpc_error}"));
+                    }
                     Some(Err(error)) => break Ending::Failed(error.to_string()),
                     Some(Ok(bytes)) => bytes,
                 };
                 let frame = match Frame::decode(bytes, config.max_frame_len) {
                     Ok(frame) => frame,
-                    Err(error) => break Ending::Failed(format!("bad frame: {error}")),
+                    Err(error) => break Ending::ProtocolError(format!("bad frame: {error}")),
                 };
                 match frame.kind {
                     FrameKind::Request => {
                         let call_id = frame.call_id;
                         if in_flight.contains_key(&call_id) {
-                            break Ending::Failed(format!("call id {call_id} reused while in flight"));
+                            break Ending::ProtocolError(format!("call id {call_id} reused while in flight"));
                         }
                         last_call_id = last_call_id.max(call_id);
                         let refusal = if draining {
@@ -113,7 +119,7 @@ pub(crate) async fn serve_connection(
                     }
                     FrameKind::Ping | FrameKind::GoAway => {}
                     FrameKind::Response => {
-                        break Ending::Failed("client sent a response frame".to_owned());
+                        break Ending::ProtocolError("client sent a response frame".to_owned());
                     }
                 }
             }
@@ -123,7 +129,14 @@ pub(crate) async fn serve_connection(
     match &ending {
         Ending::PeerClosed => tracing::debug!(%peer, "connection closed by client"),
         Ending::Drained => tracing::debug!(%peer, "connection drained for shutdown"),
-        Ending::Failed(reason) => tracing::warn!(%peer, "closing connection: {reason}"),
+        Ending::Failed(reason) => tracing::warn!(%peer, "connection failed: {reason}"),
+        Ending::ProtocolError(reason) => {
+            tracing::warn!(%peer, "closing connection: {reason}");
+            let mut goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
+            goaway.status = Code::Internal;
+            goaway.payload = Bytes::from(reason.clone());
+            let _ = outbound.send(goaway.encode());
+        }
     }
     // Handlers of a connection that is gone can deliver nothing: abort them.
     calls.shutdown().await;

@@ -1,0 +1,526 @@
+//! The transport conformance suite for rpc-core: every behaviour a user relies
+//! on, written once and run over each transport by [`transport_suite!`].
+//!
+//! A transport's test file provides a [`Bed`] (where to listen) and invokes
+//! the macro; `tests/transports.rs` does so for `tcp://` and `mem://`, and the
+//! RDMA transport includes this file to run the same assertions over `rdma://`.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rpc_core::server::NamedService;
+use rpc_core::transport::{self, Endpoint, TransportConfig};
+use rpc_core::{Channel, Code, Metadata, Request, Response, Server, Status};
+use tokio::sync::{mpsc, oneshot};
+
+/// Where a transport's servers listen in the suite.
+pub trait Bed: Send + Sync + 'static {
+    /// A fresh endpoint to bind (port 0 or a unique name).
+    fn listen_endpoint(&self) -> String;
+}
+
+/// `tcp://127.0.0.1:0`.
+pub struct TcpBed;
+impl Bed for TcpBed {
+    fn listen_endpoint(&self) -> String {
+        "tcp://127.0.0.1:0".into()
+    }
+}
+
+/// `mem://suite-N`.
+pub struct MemBed;
+impl Bed for MemBed {
+    fn listen_endpoint(&self) -> String {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        format!("mem://suite-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// What the probe service's handlers report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A `Hang` handler started.
+    HangStarted,
+    /// A `Hang` handler was dropped (aborted).
+    HangDropped,
+}
+
+/// The service under test: `/test.Probe/{Echo,Hang,Sleep,Fail,Panic,Timeout}`.
+#[derive(Clone)]
+pub struct Probe {
+    events: mpsc::UnboundedSender<Event>,
+}
+
+impl NamedService for Probe {
+    const NAME: &'static str = "test.Probe";
+}
+
+struct DropReporter(mpsc::UnboundedSender<Event>);
+impl Drop for DropReporter {
+    fn drop(&mut self) {
+        let _ = self.0.send(Event::HangDropped);
+    }
+}
+
+impl tower::Service<Request<Bytes>> for Probe {
+    type Response = Response<Bytes>;
+    type Error = Status;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Bytes>, Status>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Bytes>) -> Self::Future {
+        let events = self.events.clone();
+        Box::pin(async move {
+            let method = request.method().unwrap_or_default().rsplit('/').next().unwrap_or_default().to_owned();
+            match method.as_str() {
+                "Echo" => {
+                    let mut metadata = request.metadata().clone();
+                    let peer = request.remote_addr().unwrap_or_default().to_owned();
+                    metadata.insert("x-peer", &peer).unwrap();
+                    Ok(Response::from_parts(metadata, request.into_inner()))
+                }
+                "Hang" => {
+                    let _reporter = DropReporter(events.clone());
+                    let _ = events.send(Event::HangStarted);
+                    std::future::pending::<()>().await;
+                    unreachable!()
+                }
+                "Sleep" => {
+                    let millis = u64::from_le_bytes(request.get_ref()[..8].try_into().unwrap());
+                    tokio::time::sleep(Duration::from_millis(millis)).await;
+                    Ok(Response::new(Bytes::new()))
+                }
+                "Fail" => {
+                    let md = request.metadata();
+                    let code = Code::from(md.get("x-code").unwrap().parse::<i32>().unwrap());
+                    let mut status = Status::new(code, md.get("x-message").unwrap());
+                    status.metadata_mut().insert("x-detail", "ascii detail").unwrap();
+                    status.metadata_mut().insert_bin("x-detail-bin", md.get_bin("x-blob-bin").unwrap().clone()).unwrap();
+                    Err(status)
+                }
+                "Panic" => panic!("probe handler panics on purpose"),
+                "Timeout" => {
+                    let micros = request.timeout().map_or(0, |t| t.as_micros() as u64);
+                    Ok(Response::new(Bytes::copy_from_slice(&micros.to_le_bytes())))
+                }
+                other => Err(Status::unimplemented(format!("unknown method {other}"))),
+            }
+        })
+    }
+}
+
+/// A running server; dropping it shuts the server down.
+pub struct RunningServer {
+    pub endpoint: Endpoint,
+    pub events: mpsc::UnboundedReceiver<Event>,
+    shutdown: Option<oneshot::Sender<()>>,
+    pub task: tokio::task::JoinHandle<Result<(), rpc_core::Error>>,
+}
+
+impl RunningServer {
+    /// Graceful shutdown; resolves when the server has returned.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.take().unwrap().send(());
+        let task = std::mem::replace(&mut self.task, tokio::spawn(async { Ok(()) }));
+        tokio::time::timeout(Duration::from_secs(10), task).await.expect("server shut down").unwrap().unwrap();
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+    }
+}
+
+/// Starts the probe server with `configure` applied to the builder.
+pub async fn start_with(bed: &dyn Bed, configure: impl FnOnce(Server) -> Server) -> RunningServer {
+    let (events_tx, events) = mpsc::unbounded_channel();
+    let listening = configure(Server::builder())
+        .add_service(Probe { events: events_tx })
+        .listen(bed.listen_endpoint().as_str())
+        .await
+        .expect("bind");
+    let endpoint = listening.local_endpoint();
+    let (shutdown, signal) = oneshot::channel::<()>();
+    let task = tokio::spawn(listening.serve_with_shutdown(async move {
+        let _ = signal.await;
+    }));
+    RunningServer { endpoint, events, shutdown: Some(shutdown), task }
+}
+
+/// Starts the probe server with default settings.
+pub async fn start(bed: &dyn Bed) -> RunningServer {
+    start_with(bed, |server| server).await
+}
+
+/// A request for `/test.Probe/{method}`.
+pub fn probe(method: &str, payload: impl Into<Bytes>) -> Request<Bytes> {
+    let mut request = Request::new(payload.into());
+    request.set_method(format!("/test.Probe/{method}"));
+    request
+}
+
+/// Waits for the next event, failing the test after `limit`.
+pub async fn next_event(events: &mut mpsc::UnboundedReceiver<Event>, limit: Duration) -> Event {
+    tokio::time::timeout(limit, events.recv()).await.expect("event in time").expect("event")
+}
+
+fn pattern(len: usize, seed: u64) -> Bytes {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+// ---------------------------------------------------------------- the tests
+
+pub async fn unary_round_trip(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let mut request = probe("Echo", "hello");
+    request.metadata_mut().insert("x-trace", "abc").unwrap();
+    request.metadata_mut().insert_bin("x-raw-bin", vec![0u8, 159, 255]).unwrap();
+    let response = channel.unary(request).await.unwrap();
+    assert_eq!(response.metadata().get("x-trace"), Some("abc"));
+    assert_eq!(&response.metadata().get_bin("x-raw-bin").unwrap()[..], &[0u8, 159, 255]);
+    assert!(!response.metadata().get("x-peer").unwrap().is_empty());
+    assert_eq!(response.into_inner(), Bytes::from_static(b"hello"));
+}
+
+pub async fn thousand_concurrent_calls_share_one_connection(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let calls = (0..1000u64).map(|i| {
+        let channel = channel.clone();
+        async move {
+            let payload = pattern(16 + (i as usize % 200), i);
+            let response = channel.unary(probe("Echo", payload.clone())).await.unwrap();
+            let peer = response.metadata().get("x-peer").unwrap().to_owned();
+            assert_eq!(response.into_inner(), payload, "call {i}");
+            peer
+        }
+    });
+    let peers = futures_util::future::join_all(calls).await;
+    assert_eq!(peers.len(), 1000);
+    assert!(peers.iter().all(|peer| *peer == peers[0]), "all calls used one connection");
+}
+
+pub async fn deadline_exceeded_locally_and_on_the_server(bed: &dyn Bed) {
+    let mut server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+
+    let mut request = probe("Timeout", Bytes::new());
+    request.set_timeout(Duration::from_secs(30));
+    let seen = channel.unary(request).await.unwrap().into_inner();
+    let seen = Duration::from_micros(u64::from_le_bytes(seen[..].try_into().unwrap()));
+    assert!(seen <= Duration::from_secs(30) && seen > Duration::from_secs(20), "server saw {seen:?}");
+
+    let mut request = probe("Hang", Bytes::new());
+    request.set_timeout(Duration::from_millis(200));
+    let started = Instant::now();
+    let status = channel.unary(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangStarted);
+    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangDropped);
+
+    // The server enforces the deadline by itself too (a client that sends a
+    // deadline but never cancels): a raw request with a 100 ms deadline.
+    let config = TransportConfig::default();
+    let mut raw = transport::connect(&server.endpoint, &config).await.unwrap();
+    let frame = rpc_core::frame::Frame::request(1, "/test.Probe/Hang", Some(Duration::from_millis(100)), Metadata::new(), Bytes::new());
+    use futures_util::{SinkExt, StreamExt};
+    raw.sink.send(frame.encode()).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(5), raw.stream.next()).await.unwrap().unwrap().unwrap();
+    let reply = rpc_core::frame::Frame::decode(reply, config.max_frame_len).unwrap();
+    assert_eq!(reply.status, Code::DeadlineExceeded);
+    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangStarted);
+    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangDropped);
+}
+
+pub async fn dropping_a_call_cancels_the_server_handler(bed: &dyn Bed) {
+    let mut server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let call = tokio::spawn({
+        let channel = channel.clone();
+        async move { channel.unary(probe("Hang", Bytes::new())).await }
+    });
+    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangStarted);
+    call.abort();
+    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangDropped);
+    // The connection is still fine.
+    assert_eq!(channel.unary(probe("Echo", "ok")).await.unwrap().into_inner(), Bytes::from_static(b"ok"));
+}
+
+pub async fn unknown_service_and_method_are_unimplemented(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let status = channel.unary(probe("NoSuchMethod", Bytes::new())).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unimplemented);
+    assert!(status.message().contains("NoSuchMethod"), "{status:?}");
+    let mut request = Request::new(Bytes::new());
+    request.set_method("/nope.Missing/Call");
+    let status = channel.unary(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unimplemented);
+    assert!(status.message().contains("nope.Missing"), "{status:?}");
+}
+
+pub async fn error_status_round_trips_code_message_and_metadata(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    for code in [Code::NotFound, Code::PermissionDenied, Code::Unauthenticated, Code::DataLoss] {
+        let mut request = probe("Fail", Bytes::new());
+        let md = request.metadata_mut();
+        md.insert("x-code", &(code as i32).to_string()).unwrap();
+        md.insert("x-message", "the thing is gone: caf\\u00e9").unwrap();
+        md.insert_bin("x-blob-bin", vec![1u8, 2, 3, 0, 255]).unwrap();
+        let status = channel.unary(request).await.unwrap_err();
+        assert_eq!(status.code(), code);
+        assert_eq!(status.message(), "the thing is gone: caf\\u00e9");
+        assert_eq!(status.metadata().get("x-detail"), Some("ascii detail"));
+        assert_eq!(&status.metadata().get_bin("x-detail-bin").unwrap()[..], &[1u8, 2, 3, 0, 255]);
+    }
+}
+
+pub async fn handler_panic_is_internal_for_that_call_only(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let status = channel.unary(probe("Panic", Bytes::new())).await.unwrap_err();
+    assert_eq!(status.code(), Code::Internal);
+    assert_eq!(channel.unary(probe("Echo", "still here")).await.unwrap().into_inner(), Bytes::from_static(b"still here"));
+}
+
+pub async fn payload_16_mib_round_trips(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let payload = pattern(16 << 20, 42);
+    let response = channel.unary(probe("Echo", payload.clone())).await.unwrap();
+    assert!(response.get_ref() == &payload, "16 MiB echo differs");
+}
+
+pub async fn oversized_request_fails_locally_with_resource_exhausted(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::builder(server.endpoint.clone()).max_frame_len(1 << 20).connect().await.unwrap();
+    let status = channel.unary(probe("Echo", vec![0u8; 2 << 20])).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(channel.unary(probe("Echo", "small")).await.unwrap().into_inner(), Bytes::from_static(b"small"));
+}
+
+pub async fn per_connection_call_limit_refuses_excess_calls(bed: &dyn Bed) {
+    let mut server = start_with(bed, |s| s.max_concurrent_calls_per_connection(2)).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let hangs: Vec<_> = (0..2)
+        .map(|_| {
+            let channel = channel.clone();
+            tokio::spawn(async move { channel.unary(probe("Hang", Bytes::new())).await })
+        })
+        .collect();
+    for _ in 0..2 {
+        assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangStarted);
+    }
+    let status = channel.unary(probe("Echo", "x")).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    for hang in &hangs {
+        hang.abort();
+    }
+    for _ in 0..2 {
+        assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangDropped);
+    }
+    // Slots are free again once the cancels are processed.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match channel.unary(probe("Echo", "x")).await {
+            Ok(_) => break,
+            Err(status) if status.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(status) => panic!("{status:?}"),
+        }
+    }
+}
+
+pub async fn graceful_shutdown_finishes_in_flight_calls(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let slow = tokio::spawn({
+        let channel = channel.clone();
+        async move { channel.unary(probe("Sleep", 300u64.to_le_bytes().to_vec())).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let endpoint = server.endpoint.clone();
+    let started = Instant::now();
+    server.shutdown().await;
+    assert!(started.elapsed() >= Duration::from_millis(150), "shutdown waited for the call");
+    slow.await.unwrap().expect("in-flight call finished during graceful shutdown");
+    // Nothing listens any more.
+    let status = Channel::builder(endpoint).connect_timeout(Duration::from_secs(2)).connect().await;
+    assert!(status.is_err(), "server still accepts after shutdown");
+}
+
+pub async fn server_gone_fails_pending_calls_with_unavailable_and_reconnects(bed: &dyn Bed) {
+    // The server runs on its own runtime; shutting that runtime down kills
+    // every task of the server at once, as a crash would.
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (kill_tx, kill_rx) = std::sync::mpsc::channel::<()>();
+    let listen = bed.listen_endpoint();
+    let server_thread = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let listening = runtime
+            .block_on(Server::builder().add_service(Probe { events: events_tx }).listen(listen.as_str()))
+            .unwrap();
+        ready_tx.send(listening.local_endpoint()).unwrap();
+        runtime.spawn(listening.serve());
+        kill_rx.recv().unwrap();
+        drop(events);
+        runtime.shutdown_background();
+    });
+    let endpoint = ready_rx.recv().unwrap();
+    let channel = Channel::builder(endpoint.clone())
+        .backoff(rpc_core::client::Backoff { initial: Duration::from_millis(20), ..Default::default() })
+        .connect()
+        .await
+        .unwrap();
+    let pending: Vec<_> = (0..8)
+        .map(|_| {
+            let channel = channel.clone();
+            tokio::spawn(async move { channel.unary(probe("Hang", Bytes::new())).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let killed = Instant::now();
+    kill_tx.send(()).unwrap();
+    for call in pending {
+        let status = tokio::time::timeout(Duration::from_secs(1), call).await.expect("no hang").unwrap().unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    assert!(killed.elapsed() < Duration::from_secs(1));
+    server_thread.join().unwrap();
+
+    // Nothing there: calls fail fast with Unavailable.
+    let status = channel.unary(probe("Echo", "x")).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+
+    // A new server on the same endpoint: the channel reconnects by itself.
+    let (events_tx, _events) = mpsc::unbounded_channel();
+    let listening = Server::builder().add_service(Probe { events: events_tx }).listen(endpoint.clone()).await.unwrap();
+    let replacement = tokio::spawn(listening.serve());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match channel.unary(probe("Echo", "back")).await {
+            Ok(response) => {
+                assert_eq!(response.into_inner(), Bytes::from_static(b"back"));
+                break;
+            }
+            Err(status) if status.code() == Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(status) => panic!("did not reconnect: {status:?}"),
+        }
+    }
+    replacement.abort();
+}
+
+/// Sends `message` as one raw frame on a new connection and returns what the
+/// server answered before closing: the GOAWAY reason, if any.
+async fn send_raw_and_expect_close(endpoint: &Endpoint, message: Bytes) -> Option<String> {
+    use futures_util::{SinkExt, StreamExt};
+    let config = TransportConfig::default();
+    let mut raw = transport::connect(endpoint, &config).await.unwrap();
+    // The server may close before a large message is fully written.
+    let _ = raw.sink.send(message).await;
+    let mut reason = None;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), raw.stream.next()).await.expect("server closes the connection") {
+            Some(Ok(bytes)) => {
+                let frame = rpc_core::frame::Frame::decode(bytes, config.max_frame_len).unwrap();
+                assert_eq!(frame.kind, rpc_core::frame::FrameKind::GoAway);
+                assert_eq!(frame.status, Code::Internal);
+                reason = Some(String::from_utf8(frame.payload.to_vec()).unwrap());
+            }
+            Some(Err(_)) | None => return reason,
+        }
+    }
+}
+
+pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
+    let server = start_with(bed, |s| s.max_frame_len(1 << 20)).await;
+    let healthy = Channel::connect(server.endpoint.clone()).await.unwrap();
+
+    let good = rpc_core::frame::Frame::request(1, "/test.Probe/Echo", None, Metadata::new(), Bytes::from_static(b"x")).encode();
+    let mut bad_kind = bytes::BytesMut::from(&good[..]);
+    bad_kind[1] = 99;
+    let mut bad_version = bytes::BytesMut::from(&good[..]);
+    bad_version[0] = 7;
+    let truncated = good.slice(..good.len() - 1);
+    let mut huge_announcement = bytes::BytesMut::from(&good[..]);
+    huge_announcement[32..36].copy_from_slice(&(1u32 << 30).to_le_bytes());
+    let cases: Vec<(&str, Bytes, &str)> = vec![
+        ("garbage", Bytes::from_static(b"this is not a frame at all, not even close......"), "version"),
+        ("unknown kind", bad_kind.freeze(), "unknown frame kind 99"),
+        ("bad version", bad_version.freeze(), "unsupported protocol version 7"),
+        ("truncated", truncated, "truncated frame"),
+        ("announced length over the limit", huge_announcement.freeze(), "exceeds the limit"),
+    ];
+    for (what, message, expected) in cases {
+        let reason = send_raw_and_expect_close(&server.endpoint, message).await;
+        let reason = reason.unwrap_or_else(|| panic!("{what}: no GOAWAY reason"));
+        assert!(reason.contains(expected), "{what}: {reason}");
+        // The healthy connection and fresh ones keep working.
+        assert_eq!(healthy.unary(probe("Echo", what.to_owned())).await.unwrap().into_inner(), Bytes::from(what.to_owned()));
+        let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
+        assert_eq!(fresh.unary(probe("Echo", "fresh")).await.unwrap().into_inner(), Bytes::from_static(b"fresh"));
+    }
+
+    // A real frame over the server's limit.
+    let big = rpc_core::frame::Frame::request(1, "/test.Probe/Echo", None, Metadata::new(), vec![0u8; 2 << 20].into()).encode();
+    let _ = send_raw_and_expect_close(&server.endpoint, big).await;
+    assert_eq!(healthy.unary(probe("Echo", "after")).await.unwrap().into_inner(), Bytes::from_static(b"after"));
+}
+
+/// Generates one `#[tokio::test]` per suite test for `$bed`.
+#[macro_export]
+macro_rules! transport_suite {
+    ($bed:expr) => {
+        $crate::transport_suite!(@tests $bed;
+            unary_round_trip,
+            thousand_concurrent_calls_share_one_connection,
+            deadline_exceeded_locally_and_on_the_server,
+            dropping_a_call_cancels_the_server_handler,
+            unknown_service_and_method_are_unimplemented,
+            error_status_round_trips_code_message_and_metadata,
+            handler_panic_is_internal_for_that_call_only,
+            payload_16_mib_round_trips,
+            oversized_request_fails_locally_with_resource_exhausted,
+            per_connection_call_limit_refuses_excess_calls,
+            graceful_shutdown_finishes_in_flight_calls,
+            server_gone_fails_pending_calls_with_unavailable_and_reconnects,
+            malformed_frames_close_only_that_connection,
+        );
+    };
+    (@tests $bed:expr; $($name:ident,)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $crate::suite::$name(&$bed).await;
+            }
+        )*
+    };
+}

@@ -1,0 +1,121 @@
+//! The transport conformance suite over `tcp://` and `mem://`, plus the
+//! TCP-only cases (raw byte streams, a real server process killed).
+
+mod suite;
+
+mod tcp {
+    use crate::suite::TcpBed;
+    crate::transport_suite!(TcpBed);
+}
+
+mod mem {
+    use crate::suite::MemBed;
+    crate::transport_suite!(MemBed);
+}
+
+/// Cases that need raw TCP byte streams or a second process.
+mod tcp_only {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+    use rpc_core::{Channel, Code};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use crate::suite::{TcpBed, probe, start_with};
+
+    const CHILD_ENV: &str = "RPC_CORE_TEST_CHILD_SERVER";
+
+    /// Writes `bytes` on a raw TCP connection and checks the server closes it.
+    async fn expect_closed(addr: &str, bytes: &[u8], half_close: bool) {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let _ = stream.write_all(bytes).await;
+        if half_close {
+            stream.shutdown().await.unwrap();
+        }
+        let mut sink = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut sink)).await;
+        assert!(read.is_ok(), "server did not close the connection");
+    }
+
+    #[tokio::test]
+    async fn raw_byte_streams_close_only_their_connection() {
+        let server = start_with(&TcpBed, |s| s.max_frame_len(1 << 20)).await;
+        let addr = server.endpoint.authority().to_owned();
+        let healthy = Channel::connect(server.endpoint.clone()).await.unwrap();
+
+        // A 4 GiB length prefix: refused before anything is buffered.
+        expect_closed(&addr, &u32::MAX.to_le_bytes(), false).await;
+        // A frame cut short by EOF.
+        let mut cut = 100u32.to_le_bytes().to_vec();
+        cut.extend_from_slice(&[1u8; 10]);
+        expect_closed(&addr, &cut, true).await;
+        // Random bytes.
+        expect_closed(&addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", false).await;
+
+        assert_eq!(healthy.unary(probe("Echo", "ok")).await.unwrap().into_inner(), Bytes::from_static(b"ok"));
+        let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
+        assert_eq!(fresh.unary(probe("Echo", "ok")).await.unwrap().into_inner(), Bytes::from_static(b"ok"));
+    }
+
+    /// Not a test by itself: the server half of
+    /// `killed_server_process_fails_pending_calls_within_a_second`, run in a
+    /// child process of this test binary.
+    #[tokio::test]
+    #[ignore = "helper process for killed_server_process_fails_pending_calls_within_a_second"]
+    async fn child_server_process() {
+        if std::env::var_os(CHILD_ENV).is_none() {
+            return;
+        }
+        let server = start_with(&TcpBed, |s| s).await;
+        println!("LISTENING {}", server.endpoint);
+        std::future::pending::<()>().await;
+    }
+
+    /// Kills the child process if the test fails half-way.
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn killed_server_process_fails_pending_calls_within_a_second() {
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tcp_only::child_server_process", "--ignored", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut child = KillOnDrop(child);
+        let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+        let endpoint = loop {
+            let line = lines.next().expect("child printed its endpoint").unwrap();
+            // libtest prints "test <name> ... " on the same line first.
+            if let Some((_, endpoint)) = line.split_once("LISTENING ") {
+                break endpoint.trim().to_owned();
+            }
+        };
+        let channel = Channel::connect(endpoint.as_str()).await.unwrap();
+        assert_eq!(channel.unary(probe("Echo", "hi")).await.unwrap().into_inner(), Bytes::from_static(b"hi"));
+        let pending: Vec<_> = (0..16)
+            .map(|_| {
+                let channel = channel.clone();
+                tokio::spawn(async move { channel.unary(probe("Hang", Bytes::new())).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let killed = Instant::now();
+        child.0.kill().unwrap();
+        for call in pending {
+            let status = tokio::time::timeout(Duration::from_secs(1), call).await.expect("no hang").unwrap().unwrap_err();
+            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        }
+        assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+    }
+}
