@@ -1,0 +1,399 @@
+//! The service generator: prost-build calls it once per service.
+//!
+//! Code is built as tokens ([`client_module`], [`server_module`]) so tests can
+//! compare it token by token, then pretty-printed into prost's output.
+
+use proc_macro2::{Ident, Span, TokenStream};
+use prost_build::{Comments, Method, Service};
+use quote::{format_ident, quote};
+
+/// Implements [`prost_build::ServiceGenerator`] for rdma-rpc clients and servers.
+#[derive(Debug, Clone)]
+pub struct ServiceGenerator {
+    build_client: bool,
+    build_server: bool,
+}
+
+impl ServiceGenerator {
+    /// A generator that emits the client module, the server module, or both.
+    pub fn new(build_client: bool, build_server: bool) -> ServiceGenerator {
+        ServiceGenerator { build_client, build_server }
+    }
+}
+
+impl prost_build::ServiceGenerator for ServiceGenerator {
+    fn generate(&mut self, service: Service, buf: &mut String) {
+        for method in streaming_methods(&service) {
+            println!(
+                "cargo:warning=rpc-codegen: skipping streaming rpc {}/{}: streaming rpcs are not supported yet",
+                full_service_name(&service),
+                method.proto_name
+            );
+        }
+        let mut tokens = TokenStream::new();
+        if self.build_client {
+            tokens.extend(client_module(&service));
+        }
+        if self.build_server {
+            tokens.extend(server_module(&service));
+        }
+        let file: syn::File = syn::parse2(tokens).expect("generated code parses");
+        buf.push_str(&prettyplease::unparse(&file));
+    }
+}
+
+fn streaming_methods(service: &Service) -> impl Iterator<Item = &Method> {
+    service.methods.iter().filter(|m| m.client_streaming || m.server_streaming)
+}
+
+fn unary_methods(service: &Service) -> impl Iterator<Item = &Method> {
+    service.methods.iter().filter(|m| !m.client_streaming && !m.server_streaming)
+}
+
+/// `package.Service`, or `Service` without a package.
+fn full_service_name(service: &Service) -> String {
+    if service.package.is_empty() {
+        service.proto_name.clone()
+    } else {
+        format!("{}.{}", service.package, service.proto_name)
+    }
+}
+
+/// `/package.Service/Method`.
+fn method_path(service: &Service, method: &Method) -> String {
+    format!("/{}/{}", full_service_name(service), method.proto_name)
+}
+
+/// An identifier, raw when it is a Rust keyword (`r#type`).
+fn ident(name: &str) -> Ident {
+    syn::parse_str::<Ident>(name).unwrap_or_else(|_| Ident::new_raw(name, Span::call_site()))
+}
+
+/// `snake_case` of a CamelCase service name.
+fn snake_case(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() + 4);
+    let chars: Vec<char> = name.chars().collect();
+    for (i, &c) in chars.iter().enumerate() {
+        if c.is_uppercase() {
+            let prev_lower = i > 0 && (chars[i - 1].is_lowercase() || chars[i - 1].is_ascii_digit());
+            let next_lower = chars.get(i + 1).is_some_and(|n| n.is_lowercase());
+            if i > 0 && (prev_lower || (next_lower && chars[i - 1].is_uppercase())) {
+                out.push('_');
+            }
+            out.extend(c.to_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The type of a message as seen from inside a generated `*_client`/`*_server`
+/// module: prost's paths are relative to the package module, so add `super::`.
+fn message_type(rust_type: &str) -> TokenStream {
+    let path = if rust_type == "()" || rust_type.starts_with("::") || rust_type.starts_with("crate::") {
+        rust_type.to_owned()
+    } else {
+        format!("super::{rust_type}")
+    };
+    let ty: syn::Type = syn::parse_str(&path).expect("prost type path parses");
+    quote!(#ty)
+}
+
+/// Proto comments as `#[doc]` attributes. Lines are trimmed (an indented
+/// comment line would become a doctest) and brackets escaped (no broken links).
+fn doc_attrs(comments: &Comments) -> TokenStream {
+    let lines = comments.leading.iter().chain(comments.trailing.iter()).flat_map(|block| block.lines());
+    let docs = lines.map(|line| {
+        let text = format!(" {}", line.trim().replace('[', "\\[").replace(']', "\\]"));
+        quote!(#[doc = #text])
+    });
+    quote!(#(#docs)*)
+}
+
+/// The `<service>_client` module.
+pub fn client_module(service: &Service) -> TokenStream {
+    let module = format_ident!("{}_client", snake_case(&service.name));
+    let client = format_ident!("{}Client", service.name);
+    let service_doc = doc_attrs(&service.comments);
+    let module_doc = format!(" Client for the `{}` service.", full_service_name(service));
+    let methods = unary_methods(service).map(|method| client_method(service, method));
+    quote! {
+        #[doc = #module_doc]
+        pub mod #module {
+            #![allow(unused_imports, clippy::let_unit_value)]
+            use rpc_core::codegen::*;
+
+            #service_doc
+            #[derive(Debug, Clone)]
+            pub struct #client<T> {
+                inner: RpcClient<T>,
+            }
+
+            impl #client<Channel> {
+                /// Connects to `endpoint` (`tcp://host:port`, `rdma://host:port`, `mem://name`).
+                pub async fn connect<D>(endpoint: D) -> Result<Self, Error>
+                where
+                    D: TryInto<rpc_core::transport::Endpoint>,
+                    D::Error: Into<Error>,
+                {
+                    Ok(Self::new(Channel::connect(endpoint).await?))
+                }
+            }
+
+            impl<T> #client<T>
+            where
+                T: Service<Request<Bytes>, Response = Response<Bytes>>,
+                T::Error: Into<BoxError>,
+            {
+                /// Wraps a tower service: a `Channel`, or any stack of layers over one.
+                pub fn new(inner: T) -> Self {
+                    Self { inner: RpcClient::new(inner) }
+                }
+
+                /// The wrapped service.
+                pub fn into_inner(self) -> T {
+                    self.inner.into_inner()
+                }
+
+                #(#methods)*
+            }
+        }
+    }
+}
+
+fn client_method(service: &Service, method: &Method) -> TokenStream {
+    let name = ident(&method.name);
+    let input = message_type(&method.input_type);
+    let output = message_type(&method.output_type);
+    let path = method_path(service, method);
+    let docs = doc_attrs(&method.comments);
+    let deprecated = method.options.deprecated.unwrap_or(false).then(|| quote!(#[deprecated]));
+    quote! {
+        #docs
+        #deprecated
+        pub async fn #name(
+            &mut self,
+            request: impl IntoRequest<#input>,
+        ) -> Result<Response<#output>, Status> {
+            let codec: ProstCodec<#input, #output> = ProstCodec::default();
+            self.inner.unary(request.into_request(), #path, codec).await
+        }
+    }
+}
+
+/// The `<service>_server` module.
+pub fn server_module(service: &Service) -> TokenStream {
+    let module = format_ident!("{}_server", snake_case(&service.name));
+    let trait_name = format_ident!("{}", service.name);
+    let server = format_ident!("{}Server", service.name);
+    let service_doc = doc_attrs(&service.comments);
+    let module_doc = format!(" Server for the `{}` service.", full_service_name(service));
+    let full_name = full_service_name(service);
+    let trait_methods = unary_methods(service).map(|method| {
+        let name = ident(&method.name);
+        let input = message_type(&method.input_type);
+        let output = message_type(&method.output_type);
+        let docs = doc_attrs(&method.comments);
+        quote! {
+            #docs
+            fn #name(
+                &self,
+                request: Request<#input>,
+            ) -> impl Future<Output = Result<Response<#output>, Status>> + Send;
+        }
+    });
+    let arms = unary_methods(service).map(|method| {
+        let name = ident(&method.name);
+        let input = message_type(&method.input_type);
+        let output = message_type(&method.output_type);
+        let path = method_path(service, method);
+        quote! {
+            #path => Box::pin(async move {
+                let codec: ProstCodec<#output, #input> = ProstCodec::default();
+                unary(codec, request, |request| async move { inner.#name(request).await }).await
+            }),
+        }
+    });
+    quote! {
+        #[doc = #module_doc]
+        pub mod #module {
+            #![allow(unused_imports, unused_variables, clippy::let_unit_value)]
+            use rpc_core::codegen::*;
+
+            #service_doc
+            pub trait #trait_name: Send + Sync + 'static {
+                #(#trait_methods)*
+            }
+
+            #[doc = concat!(" The tower service that routes `/", #full_name, "/*` calls to a [`", stringify!(#trait_name), "`].")]
+            pub struct #server<S> {
+                inner: Arc<S>,
+            }
+
+            impl<S> #server<S> {
+                /// Serves `inner`.
+                pub fn new(inner: S) -> Self {
+                    Self { inner: Arc::new(inner) }
+                }
+
+                /// Serves an implementation that is already shared.
+                pub fn from_arc(inner: Arc<S>) -> Self {
+                    Self { inner }
+                }
+            }
+
+            impl<S> Clone for #server<S> {
+                fn clone(&self) -> Self {
+                    Self { inner: self.inner.clone() }
+                }
+            }
+
+            impl<S> std::fmt::Debug for #server<S> {
+                fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str(stringify!(#server))
+                }
+            }
+
+            impl<S: #trait_name> NamedService for #server<S> {
+                const NAME: &'static str = #full_name;
+            }
+
+            impl<S: #trait_name> Service<Request<Bytes>> for #server<S> {
+                type Response = Response<Bytes>;
+                type Error = Status;
+                type Future = BoxFuture<'static, Result<Response<Bytes>, Status>>;
+
+                fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+                    Poll::Ready(Ok(()))
+                }
+
+                fn call(&mut self, request: Request<Bytes>) -> Self::Future {
+                    let inner = self.inner.clone();
+                    match request.method().unwrap_or_default() {
+                        #(#arms)*
+                        other => {
+                            let status = Status::unimplemented(format!("unknown method {other}"));
+                            Box::pin(async move { Err(status) })
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn method(name: &str, proto_name: &str, input: &str, output: &str) -> Method {
+        Method {
+            name: name.into(),
+            proto_name: proto_name.into(),
+            comments: Comments::default(),
+            input_type: input.into(),
+            output_type: output.into(),
+            input_proto_type: String::new(),
+            output_proto_type: String::new(),
+            options: Default::default(),
+            client_streaming: false,
+            server_streaming: false,
+        }
+    }
+
+    fn service() -> Service {
+        let mut say = method("say_hello", "SayHello", "HelloRequest", "HelloReply");
+        say.comments.leading = vec![" Says hello [politely].".into(), "    indented".into()];
+        let mut watch = method("watch", "Watch", "HelloRequest", "HelloReply");
+        watch.server_streaming = true;
+        Service {
+            name: "Greeter".into(),
+            proto_name: "Greeter".into(),
+            package: "helloworld.v1".into(),
+            comments: Comments::default(),
+            methods: vec![say, watch, method("r#type", "Type", "()", "::prost_types::Timestamp")],
+            options: Default::default(),
+        }
+    }
+
+    fn same(actual: TokenStream, expected: TokenStream) {
+        assert_eq!(actual.to_string(), expected.to_string());
+    }
+
+    #[test]
+    fn client_method_tokens() {
+        let service = service();
+        same(
+            client_method(&service, &service.methods[0]),
+            quote! {
+                #[doc = " Says hello \\[politely\\]."]
+                #[doc = " indented"]
+                pub async fn say_hello(
+                    &mut self,
+                    request: impl IntoRequest<super::HelloRequest>,
+                ) -> Result<Response<super::HelloReply>, Status> {
+                    let codec: ProstCodec<super::HelloRequest, super::HelloReply> = ProstCodec::default();
+                    self.inner.unary(request.into_request(), "/helloworld.v1.Greeter/SayHello", codec).await
+                }
+            },
+        );
+    }
+
+    #[test]
+    fn well_known_and_keyword_methods_keep_their_paths() {
+        let service = service();
+        same(
+            client_method(&service, &service.methods[2]),
+            quote! {
+                pub async fn r#type(
+                    &mut self,
+                    request: impl IntoRequest<()>,
+                ) -> Result<Response<::prost_types::Timestamp>, Status> {
+                    let codec: ProstCodec<(), ::prost_types::Timestamp> = ProstCodec::default();
+                    self.inner.unary(request.into_request(), "/helloworld.v1.Greeter/Type", codec).await
+                }
+            },
+        );
+    }
+
+    #[test]
+    fn server_trait_and_routing_skip_streaming_methods() {
+        let service = service();
+        let server = server_module(&service).to_string();
+        let trait_method = quote! {
+            fn say_hello(
+                &self,
+                request: Request<super::HelloRequest>,
+            ) -> impl Future<Output = Result<Response<super::HelloReply>, Status>> + Send;
+        }
+        .to_string();
+        assert!(server.contains(&trait_method), "{server}");
+        assert!(server.contains(&quote!(pub trait Greeter: Send + Sync + 'static).to_string()));
+        assert!(server.contains(&quote!(const NAME: &'static str = "helloworld.v1.Greeter";).to_string()));
+        assert!(server.contains("\"/helloworld.v1.Greeter/SayHello\" =>"));
+        assert!(!server.contains("Watch") && !server.contains("watch"), "streaming rpc generated");
+        let client = client_module(&service).to_string();
+        assert!(client.contains(&quote!(pub mod greeter_client).to_string()));
+        assert!(client.contains(&quote!(pub struct GreeterClient<T>).to_string()));
+        assert!(!client.contains("watch"));
+    }
+
+    #[test]
+    fn generated_modules_parse_as_rust() {
+        let service = service();
+        syn::parse2::<syn::File>(client_module(&service)).unwrap();
+        syn::parse2::<syn::File>(server_module(&service)).unwrap();
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(snake_case("Greeter"), "greeter");
+        assert_eq!(snake_case("KeyValueStore"), "key_value_store");
+        assert_eq!(snake_case("HTTPProxy"), "http_proxy");
+        assert_eq!(snake_case("V2Api"), "v2_api");
+        assert_eq!(full_service_name(&Service { package: String::new(), ..service() }), "Greeter");
+        assert_eq!(ident("type").to_string(), "r#type");
+        assert_eq!(ident("get").to_string(), "get");
+    }
+}

@@ -1,0 +1,117 @@
+//! rpc-codegen: `.proto` → Rust, from `build.rs`, with no `protoc` on the machine.
+//!
+//! [protox](https://docs.rs/protox) parses the files, prost-build generates the
+//! messages, and this crate adds, for every service `Foo` in package `pkg`:
+//!
+//! - `foo_client::FooClient<T>`: one `async fn` per rpc over any tower service
+//!   of `rpc_core::Request<Bytes>` (usually an `rpc_core::Channel`), and
+//!   `FooClient::connect("tcp://host:port")`;
+//! - `foo_server::Foo`: the trait you implement with plain `async fn`s, and
+//!   `foo_server::FooServer<S>`, the tower service `rpc_core::Server` routes
+//!   `/pkg.Foo/Method` to.
+//!
+//! ```no_run
+//! // build.rs
+//! fn main() -> std::io::Result<()> {
+//!     rpc_codegen::compile_protos("proto/echo.proto")
+//! }
+//! ```
+//! and in the crate: `mod echo { rpc_core::include_proto!("echo.v1"); }`.
+//!
+//! Streaming rpcs are not generated yet: each one is skipped with a
+//! `cargo:warning` that names it.
+
+mod generator;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub use generator::{ServiceGenerator, client_module, server_module};
+
+/// Compiles one `.proto` file, with its own folder as the include path, into `OUT_DIR`.
+pub fn compile_protos(proto: impl AsRef<Path>) -> io::Result<()> {
+    let proto = proto.as_ref();
+    let include = proto.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    configure().compile(&[proto], &[include])
+}
+
+/// A [`Builder`] with defaults: client and server, output to `OUT_DIR`.
+pub fn configure() -> Builder {
+    Builder { out_dir: None, build_client: true, build_server: true, emit_rerun_if_changed: true }
+}
+
+/// Options for code generation.
+#[derive(Debug, Clone)]
+pub struct Builder {
+    out_dir: Option<PathBuf>,
+    build_client: bool,
+    build_server: bool,
+    emit_rerun_if_changed: bool,
+}
+
+impl Builder {
+    /// Where the generated `<package>.rs` files go (default: `OUT_DIR`).
+    pub fn out_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.out_dir = Some(dir.into());
+        self
+    }
+
+    /// Generate `<svc>_client` modules (default true).
+    pub fn build_client(mut self, yes: bool) -> Self {
+        self.build_client = yes;
+        self
+    }
+
+    /// Generate `<svc>_server` modules (default true).
+    pub fn build_server(mut self, yes: bool) -> Self {
+        self.build_server = yes;
+        self
+    }
+
+    /// Print `cargo:rerun-if-changed` for every input file (default true;
+    /// turn it off outside build scripts).
+    pub fn emit_rerun_if_changed(mut self, yes: bool) -> Self {
+        self.emit_rerun_if_changed = yes;
+        self
+    }
+
+    /// Compiles `protos`, resolving imports against `includes`.
+    pub fn compile(self, protos: &[impl AsRef<Path>], includes: &[impl AsRef<Path>]) -> io::Result<()> {
+        self.compile_with_config(prost_build::Config::new(), protos, includes)
+    }
+
+    /// Like [`Builder::compile`], with a prost-build configuration of your own
+    /// (type attributes, bytes fields, ...).
+    pub fn compile_with_config(
+        self,
+        mut config: prost_build::Config,
+        protos: &[impl AsRef<Path>],
+        includes: &[impl AsRef<Path>],
+    ) -> io::Result<()> {
+        let descriptors = protox::compile(protos, includes)
+            .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, format!("{error}")))?;
+        if self.emit_rerun_if_changed {
+            for proto in protos {
+                println!("cargo:rerun-if-changed={}", proto.as_ref().display());
+            }
+            for file in &descriptors.file {
+                for include in includes {
+                    let candidate = include.as_ref().join(file.name());
+                    if candidate.exists() {
+                        println!("cargo:rerun-if-changed={}", candidate.display());
+                    }
+                }
+            }
+        }
+        let out_dir = match self.out_dir {
+            Some(dir) => dir,
+            None => std::env::var_os("OUT_DIR")
+                .map(PathBuf::from)
+                .ok_or_else(|| io::Error::other("OUT_DIR is not set: call from build.rs or set out_dir()"))?,
+        };
+        std::fs::create_dir_all(&out_dir)?;
+        config.out_dir(out_dir);
+        config.service_generator(Box::new(ServiceGenerator::new(self.build_client, self.build_server)));
+        config.compile_fds(descriptors)
+    }
+}
