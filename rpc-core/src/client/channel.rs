@@ -255,6 +255,9 @@ async fn call(inner: Arc<ChannelInner>, request: Request<Bytes>) -> Result<Respo
     let work = async {
         let connection = inner.connection().await?;
         let remaining = deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
+        if remaining == Some(Duration::ZERO) {
+            return Err(deadline_exceeded(started, deadline));
+        }
         let metadata = request.metadata().clone();
         let pending = connection.start_call(&path, remaining, metadata, request.into_inner())?;
         tracing::Span::current().record("call_id", pending.call_id());
@@ -264,10 +267,7 @@ async fn call(inner: Arc<ChannelInner>, request: Request<Bytes>) -> Result<Respo
     let outcome = match deadline {
         Some(deadline) => match tokio::time::timeout_at(deadline, work.instrument(span.clone())).await {
             Ok(outcome) => outcome,
-            Err(_) => Err(Status::deadline_exceeded(format!(
-                "deadline of {:?} exceeded",
-                deadline.saturating_duration_since(started)
-            ))),
+            Err(_) => Err(deadline_exceeded(started, Some(deadline))),
         },
         None => work.instrument(span.clone()).await,
     };
@@ -275,6 +275,11 @@ async fn call(inner: Arc<ChannelInner>, request: Request<Bytes>) -> Result<Respo
     let code = outcome.as_ref().map_or_else(Status::code, |_| Code::Ok);
     tracing::debug!(parent: &span, ?code, elapsed_us = started.elapsed().as_micros() as u64, "call finished");
     outcome
+}
+
+fn deadline_exceeded(started: Instant, deadline: Option<Instant>) -> Status {
+    let budget = deadline.map(|deadline| deadline.saturating_duration_since(started)).unwrap_or_default();
+    Status::deadline_exceeded(format!("deadline of {budget:?} exceeded"))
 }
 
 fn into_response(frame: Frame) -> Result<Response<Bytes>, Status> {

@@ -1,0 +1,25 @@
+//! An echo server in its own process.
+//!
+//! ```text
+//! cargo run --release --example echo_server -- tcp://127.0.0.1:50051
+//! ```
+//! Stops gracefully on Ctrl-C.
+
+use rdma_rpc_examples::echo::echo_server::EchoServer;
+use rdma_rpc_examples::{EchoService, endpoint_arg, init_logging};
+use rpc_core::Server;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    init_logging();
+    let listen = endpoint_arg("tcp://127.0.0.1:50051");
+    let listening = Server::builder().add_service(EchoServer::new(EchoService)).listen(listen.as_str()).await?;
+    println!("echo server listening on {}", listening.local_endpoint());
+    listening
+        .serve_with_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    println!("echo server stopped");
+    Ok(())
+}
