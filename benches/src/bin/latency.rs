@@ -1,0 +1,136 @@
+//! Round-trip latency of an empty unary call, per transport and runtime flavour.
+//!
+//! ```text
+//! cargo run --release -p rdma-rpc-benches --bin latency -- [--calls N] [--warmup N]
+//! ```
+//! The server runs on its own runtime thread, the client on another, in one
+//! process. Each call is `echo.v1.Echo/Say` with an empty message, one at a
+//! time. Prints a markdown table; timings on a shared machine drift, so
+//! compare rows of the same run.
+
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use rdma_rpc_examples::EchoService;
+use rdma_rpc_examples::echo::{EchoRequest, echo_client::EchoClient, echo_server::EchoServer};
+use rpc_core::Server;
+
+#[derive(Clone, Copy, Debug)]
+enum Flavor {
+    /// Server and client each on a current-thread runtime of its own thread.
+    CurrentThread,
+    /// Server and client each on a 2-worker multi-thread runtime.
+    MultiThread,
+    /// Server and client tasks on one current-thread runtime: no cross-thread
+    /// wake-ups, so this is the framework's own cost per call.
+    OneThread,
+}
+
+fn runtime(flavor: Flavor) -> tokio::runtime::Runtime {
+    match flavor {
+        Flavor::CurrentThread | Flavor::OneThread => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        Flavor::MultiThread => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build(),
+    }
+    .expect("runtime")
+}
+
+struct Row {
+    transport: &'static str,
+    flavor: Flavor,
+    histogram: Histogram<u64>,
+    elapsed: Duration,
+}
+
+async fn call_loop(endpoint: rpc_core::transport::Endpoint, warmup: u64, calls: u64) -> (Histogram<u64>, Duration) {
+    let mut client = EchoClient::connect(endpoint).await.expect("connect");
+    for _ in 0..warmup {
+        client.say(EchoRequest::default()).await.expect("warm-up call");
+    }
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("histogram");
+    let started = Instant::now();
+    for _ in 0..calls {
+        let call = Instant::now();
+        client.say(EchoRequest::default()).await.expect("call");
+        histogram.record(call.elapsed().as_nanos() as u64).expect("record");
+    }
+    (histogram, started.elapsed())
+}
+
+fn measure_one_thread(listen: &str, transport: &'static str, warmup: u64, calls: u64) -> Row {
+    let (histogram, elapsed) = runtime(Flavor::OneThread).block_on(async {
+        let listening = Server::builder().add_service(EchoServer::new(EchoService)).listen(listen).await.expect("bind");
+        let endpoint = listening.local_endpoint();
+        let server = tokio::spawn(listening.serve());
+        let outcome = call_loop(endpoint, warmup, calls).await;
+        server.abort();
+        outcome
+    });
+    Row { transport, flavor: Flavor::OneThread, histogram, elapsed }
+}
+
+fn measure(listen: &str, transport: &'static str, flavor: Flavor, warmup: u64, calls: u64) -> Row {
+    if let Flavor::OneThread = flavor {
+        return measure_one_thread(listen, transport, warmup, calls);
+    }
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let listen = listen.to_owned();
+    let server = std::thread::spawn(move || {
+        runtime(flavor).block_on(async move {
+            let listening = Server::builder().add_service(EchoServer::new(EchoService)).listen(listen.as_str()).await.expect("bind");
+            ready_tx.send(listening.local_endpoint()).expect("report endpoint");
+            listening
+                .serve_with_shutdown(async {
+                    let _ = stop_rx.await;
+                })
+                .await
+                .expect("serve");
+        });
+    });
+    let endpoint = ready_rx.recv().expect("server started");
+    let (histogram, elapsed) = runtime(flavor).block_on(call_loop(endpoint, warmup, calls));
+    let _ = stop_tx.send(());
+    server.join().expect("server thread");
+    Row { transport, flavor, histogram, elapsed }
+}
+
+fn micros(nanos: u64) -> String {
+    format!("{:.1}", nanos as f64 / 1000.0)
+}
+
+fn main() {
+    let mut calls = 20_000u64;
+    let mut warmup = 2_000u64;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().and_then(|v| v.parse().ok());
+        match arg.as_str() {
+            "--calls" => calls = value().expect("--calls N"),
+            "--warmup" => warmup = value().expect("--warmup N"),
+            other => panic!("unknown argument {other}; use --calls N --warmup N"),
+        }
+    }
+    let mut rows = Vec::new();
+    for flavor in [Flavor::CurrentThread, Flavor::MultiThread, Flavor::OneThread] {
+        for (listen, transport) in [("tcp://127.0.0.1:0", "tcp://"), ("mem://latency-bench", "mem://")] {
+            eprintln!("measuring {transport} on {flavor:?} runtimes ({calls} calls)...");
+            rows.push(measure(listen, transport, flavor, warmup, calls));
+        }
+    }
+    println!("Empty unary call, one in flight, {calls} calls after {warmup} warm-up (µs):\n");
+    println!("| transport | runtimes | p50 | p99 | p99.9 | mean | calls/s |");
+    println!("|---|---|---|---|---|---|---|");
+    for row in rows {
+        let h = &row.histogram;
+        println!(
+            "| {} | {:?} | {} | {} | {} | {:.1} | {:.0} |",
+            row.transport,
+            row.flavor,
+            micros(h.value_at_quantile(0.5)),
+            micros(h.value_at_quantile(0.99)),
+            micros(h.value_at_quantile(0.999)),
+            h.mean() / 1000.0,
+            h.len() as f64 / row.elapsed.as_secs_f64()
+        );
+    }
+}
