@@ -15,7 +15,10 @@ use rpc_core::{Code, Request, Server};
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_logging();
     let listen = endpoint_arg("tcp://127.0.0.1:0");
-    let listening = Server::builder().add_service(EchoServer::new(EchoService)).listen(listen.as_str()).await?;
+    let listening = Server::builder()
+        .add_service(EchoServer::new(EchoService))
+        .listen(listen.as_str())
+        .await?;
     let endpoint = listening.local_endpoint();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(listening.serve_with_shutdown(async {
@@ -27,19 +30,43 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("client connected to {endpoint}");
 
     let started = Instant::now();
-    let reply = client.say(EchoRequest { message: "hello, rdma-rpc".into(), payload: vec![] }).await?;
-    println!("say(\"hello, rdma-rpc\") -> {:?} in {:?}", reply.get_ref().message, started.elapsed());
+    let reply = client
+        .say(EchoRequest {
+            message: "hello, rdma-rpc".into(),
+            payload: vec![],
+        })
+        .await?;
+    println!(
+        "say(\"hello, rdma-rpc\") -> {:?} in {:?}",
+        reply.get_ref().message,
+        started.elapsed()
+    );
 
-    let mut request = Request::new(EchoRequest { message: "with metadata".into(), payload: vec![] });
+    let mut request = Request::new(EchoRequest {
+        message: "with metadata".into(),
+        payload: vec![],
+    });
     request.metadata_mut().insert("x-request-id", "42")?;
     let reply = client.say(request).await?;
-    println!("say with metadata x-request-id=42 -> {:?}", reply.get_ref().message);
+    println!(
+        "say with metadata x-request-id=42 -> {:?}",
+        reply.get_ref().message
+    );
 
     let payload: Vec<u8> = (0..(4 << 20)).map(|i: u32| (i % 251) as u8).collect();
     let started = Instant::now();
-    let reply = client.say(EchoRequest { message: "4 MiB".into(), payload: payload.clone() }).await?;
+    let reply = client
+        .say(EchoRequest {
+            message: "4 MiB".into(),
+            payload: payload.clone(),
+        })
+        .await?;
     let elapsed = started.elapsed();
-    assert_eq!(reply.get_ref().payload, payload, "payload came back different");
+    assert_eq!(
+        reply.get_ref().payload,
+        payload,
+        "payload came back different"
+    );
     println!(
         "say with a 4 MiB payload -> identical bytes back in {elapsed:?} ({:.2} GB/s both ways)",
         2.0 * payload.len() as f64 / elapsed.as_secs_f64() / 1e9
@@ -48,14 +75,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rounds = 2000;
     let started = Instant::now();
     for i in 0..rounds {
-        client.say(EchoRequest { message: format!("#{i}"), payload: vec![] }).await?;
+        client
+            .say(EchoRequest {
+                message: format!("#{i}"),
+                payload: vec![],
+            })
+            .await?;
     }
-    println!("{rounds} sequential calls: {:?} per call", started.elapsed() / rounds);
+    println!(
+        "{rounds} sequential calls: {:?} per call",
+        started.elapsed() / rounds
+    );
 
-    let mut request = Request::new(EchoRequest { message: "too late".into(), payload: vec![] });
+    let mut request = Request::new(EchoRequest {
+        message: "too late".into(),
+        payload: vec![],
+    });
     request.set_timeout(Duration::from_nanos(1));
     match client.say(request).await {
-        Err(status) if status.code() == Code::DeadlineExceeded => println!("a call with a 1 ns timeout -> DeadlineExceeded, as it should"),
+        Err(status) if status.code() == Code::DeadlineExceeded => {
+            println!("a call with a 1 ns timeout -> DeadlineExceeded, as it should")
+        }
         other => return Err(format!("expected DeadlineExceeded, got {other:?}").into()),
     }
 

@@ -13,20 +13,42 @@ use rdma_rpc_examples::{endpoint_arg, init_logging};
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_logging();
     let endpoint = endpoint_arg("tcp://127.0.0.1:50051");
-    let calls: u32 = std::env::args().nth(2).map(|n| n.parse()).transpose()?.unwrap_or(1000);
+    let calls: u32 = std::env::args()
+        .nth(2)
+        .map(|n| n.parse())
+        .transpose()?
+        .unwrap_or(1000);
     let mut client = EchoClient::connect(endpoint.as_str()).await?;
-    let reply = client.say(EchoRequest { message: "hello".into(), payload: vec![] }).await?;
-    println!("{endpoint}: say(\"hello\") -> {:?}", reply.into_inner().message);
+    let reply = client
+        .say(EchoRequest {
+            message: "hello".into(),
+            payload: vec![],
+        })
+        .await?;
+    println!(
+        "{endpoint}: say(\"hello\") -> {:?}",
+        reply.into_inner().message
+    );
     let mut latencies = Vec::with_capacity(calls as usize);
     for i in 0..calls {
         let started = Instant::now();
-        client.say(EchoRequest { message: format!("{i}"), payload: vec![0; 64] }).await?;
+        client
+            .say(EchoRequest {
+                message: format!("{i}"),
+                payload: vec![0; 64],
+            })
+            .await?;
         latencies.push(started.elapsed());
     }
     latencies.sort();
     if !latencies.is_empty() {
         let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
-        println!("{calls} calls with 64 B payloads: p50 {:?}, p99 {:?}, max {:?}", at(0.5), at(0.99), at(1.0));
+        println!(
+            "{calls} calls with 64 B payloads: p50 {:?}, p99 {:?}, max {:?}",
+            at(0.5),
+            at(0.99),
+            at(1.0)
+        );
     }
     Ok(())
 }

@@ -13,7 +13,10 @@ use rpc_core::Server;
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_logging();
     let listen = endpoint_arg("tcp://127.0.0.1:50051");
-    let listening = Server::builder().add_service(EchoServer::new(EchoService)).listen(listen.as_str()).await?;
+    let listening = Server::builder()
+        .add_service(EchoServer::new(EchoService))
+        .listen(listen.as_str())
+        .await?;
     println!("echo server listening on {}", listening.local_endpoint());
     listening
         .serve_with_shutdown(async {

@@ -23,7 +23,10 @@ pub mod kv {
 pub struct EchoService;
 
 impl echo::echo_server::Echo for EchoService {
-    async fn say(&self, request: Request<echo::EchoRequest>) -> Result<Response<echo::EchoReply>, Status> {
+    async fn say(
+        &self,
+        request: Request<echo::EchoRequest>,
+    ) -> Result<Response<echo::EchoReply>, Status> {
         let echo::EchoRequest { message, payload } = request.into_inner();
         Ok(Response::new(echo::EchoReply { message, payload }))
     }
@@ -31,14 +34,19 @@ impl echo::echo_server::Echo for EchoService {
 
 /// The endpoint given as the first argument, or `default`.
 pub fn endpoint_arg(default: &str) -> String {
-    std::env::args().nth(1).unwrap_or_else(|| default.to_owned())
+    std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| default.to_owned())
 }
 
 /// Logs to stderr at the level in `RUST_LOG` (default `info`).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// Longest page a scan returns.
@@ -51,19 +59,32 @@ pub struct KvStore {
 }
 
 fn now() -> prost_types::Timestamp {
-    let since_epoch = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    prost_types::Timestamp { seconds: since_epoch.as_secs() as i64, nanos: since_epoch.subsec_nanos() as i32 }
+    let since_epoch = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    prost_types::Timestamp {
+        seconds: since_epoch.as_secs() as i64,
+        nanos: since_epoch.subsec_nanos() as i32,
+    }
 }
 
 impl kv::key_value_server::KeyValue for KvStore {
     async fn get(&self, request: Request<kv::GetRequest>) -> Result<Response<kv::Entry>, Status> {
         let key = request.into_inner().key;
         let entries = self.entries.lock().unwrap();
-        entries.get(&key).cloned().map(Response::new).ok_or_else(|| Status::not_found(format!("no key {key:?}")))
+        entries
+            .get(&key)
+            .cloned()
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("no key {key:?}")))
     }
 
     async fn put(&self, request: Request<kv::PutRequest>) -> Result<Response<kv::Entry>, Status> {
-        let kv::PutRequest { key, value, expected_version } = request.into_inner();
+        let kv::PutRequest {
+            key,
+            value,
+            expected_version,
+        } = request.into_inner();
         if key.is_empty() {
             return Err(Status::invalid_argument("key must not be empty"));
         }
@@ -76,19 +97,38 @@ impl kv::key_value_server::KeyValue for KvStore {
                 )));
             }
         }
-        let entry = kv::Entry { key: key.clone(), value, version: current + 1, updated_at: Some(now()) };
+        let entry = kv::Entry {
+            key: key.clone(),
+            value,
+            version: current + 1,
+            updated_at: Some(now()),
+        };
         entries.insert(key, entry.clone());
         Ok(Response::new(entry))
     }
 
     async fn delete(&self, request: Request<kv::DeleteRequest>) -> Result<Response<()>, Status> {
-        self.entries.lock().unwrap().remove(&request.into_inner().key);
+        self.entries
+            .lock()
+            .unwrap()
+            .remove(&request.into_inner().key);
         Ok(Response::new(()))
     }
 
-    async fn scan(&self, request: Request<kv::ScanRequest>) -> Result<Response<kv::ScanReply>, Status> {
-        let kv::ScanRequest { start, limit, include_values } = request.into_inner();
-        let limit = if limit == 0 { 100 } else { limit.min(MAX_SCAN_PAGE) } as usize;
+    async fn scan(
+        &self,
+        request: Request<kv::ScanRequest>,
+    ) -> Result<Response<kv::ScanReply>, Status> {
+        let kv::ScanRequest {
+            start,
+            limit,
+            include_values,
+        } = request.into_inner();
+        let limit = if limit == 0 {
+            100
+        } else {
+            limit.min(MAX_SCAN_PAGE)
+        } as usize;
         let entries = self.entries.lock().unwrap();
         let mut page = entries.range(start..).map(|(_, entry)| entry.clone());
         let mut reply = kv::ScanReply::default();

@@ -17,7 +17,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use rdma_rpc_examples::kv::{GetRequest, PutRequest, ScanRequest, key_value_client::KeyValueClient, key_value_server::KeyValueServer};
+use rdma_rpc_examples::kv::{
+    GetRequest, PutRequest, ScanRequest, key_value_client::KeyValueClient,
+    key_value_server::KeyValueServer,
+};
 use rdma_rpc_examples::{KvStore, endpoint_arg, init_logging};
 use rpc_core::{BoxError, Channel, Code, Request, Response, Server, Status};
 use tower::{Layer, Service, ServiceBuilder};
@@ -39,7 +42,10 @@ struct ChaosLayer(Arc<ChaosStats>);
 impl<S> Layer<S> for ChaosLayer {
     type Service = Chaos<S>;
     fn layer(&self, inner: S) -> Chaos<S> {
-        Chaos { inner, stats: self.0.clone() }
+        Chaos {
+            inner,
+            stats: self.0.clone(),
+        }
     }
 }
 
@@ -75,7 +81,11 @@ where
             }
             let running = stats.running.fetch_add(1, Ordering::SeqCst) + 1;
             stats.most_running.fetch_max(running, Ordering::SeqCst);
-            let delay = request.metadata().get("x-delay-ms").and_then(|ms| ms.parse().ok()).unwrap_or(1);
+            let delay = request
+                .metadata()
+                .get("x-delay-ms")
+                .and_then(|ms| ms.parse().ok())
+                .unwrap_or(1);
             tokio::time::sleep(Duration::from_millis(delay)).await;
             let outcome = inner.call(request).await;
             stats.running.fetch_sub(1, Ordering::SeqCst);
@@ -92,21 +102,32 @@ struct RetryIdempotent {
 }
 
 fn is_idempotent(path: Option<&str>) -> bool {
-    matches!(path.and_then(|p| p.rsplit('/').next()), Some("Get" | "Scan" | "Delete"))
+    matches!(
+        path.and_then(|p| p.rsplit('/').next()),
+        Some("Get" | "Scan" | "Delete")
+    )
 }
 
 impl tower::retry::Policy<Request<Bytes>, Response<Bytes>, BoxError> for RetryIdempotent {
     type Future = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-    fn retry(&mut self, request: &mut Request<Bytes>, result: &mut Result<Response<Bytes>, BoxError>) -> Option<Self::Future> {
+    fn retry(
+        &mut self,
+        request: &mut Request<Bytes>,
+        result: &mut Result<Response<Bytes>, BoxError>,
+    ) -> Option<Self::Future> {
         let Err(error) = result else { return None };
-        let unavailable = error.downcast_ref::<Status>().is_some_and(|s| s.code() == Code::Unavailable);
+        let unavailable = error
+            .downcast_ref::<Status>()
+            .is_some_and(|s| s.code() == Code::Unavailable);
         if !unavailable || !is_idempotent(request.method()) || self.attempts == 0 {
             return None;
         }
         self.attempts -= 1;
         let attempt = self.retries.fetch_add(1, Ordering::Relaxed) + 1;
-        let _ = request.metadata_mut().insert("x-retry-attempt", &attempt.to_string());
+        let _ = request
+            .metadata_mut()
+            .insert("x-retry-attempt", &attempt.to_string());
         Some(Box::pin(tokio::time::sleep(Duration::from_millis(2))))
     }
 
@@ -130,7 +151,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let retries = Arc::new(AtomicUsize::new(0));
     let stack = ServiceBuilder::new()
-        .retry(RetryIdempotent { attempts: 3, retries: retries.clone() })
+        .retry(RetryIdempotent {
+            attempts: 3,
+            retries: retries.clone(),
+        })
         .timeout(Duration::from_millis(200))
         .concurrency_limit(8)
         .service(Channel::connect(endpoint).await?);
@@ -138,7 +162,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let (mut put_ok, mut put_failed) = (0, 0);
     for i in 0..12 {
-        let request = PutRequest { key: format!("key-{i:02}"), value: vec![i as u8; 1024], expected_version: None };
+        let request = PutRequest {
+            key: format!("key-{i:02}"),
+            value: vec![i as u8; 1024],
+            expected_version: None,
+        };
         match client.clone().put(request).await {
             Ok(_) => put_ok += 1,
             Err(status) => {
@@ -147,30 +175,64 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
-    println!("put x12: {put_ok} ok, {put_failed} failed with Unavailable and were not retried (Put is not idempotent)");
+    println!(
+        "put x12: {put_ok} ok, {put_failed} failed with Unavailable and were not retried (Put is not idempotent)"
+    );
 
     let before = retries.load(Ordering::Relaxed);
     let gets = (0..64).map(|i| {
         let mut client = client.clone();
-        async move { client.get(GetRequest { key: format!("key-{:02}", i % 12) }).await }
+        async move {
+            client
+                .get(GetRequest {
+                    key: format!("key-{:02}", i % 12),
+                })
+                .await
+        }
     });
     let results = futures_util::future::join_all(gets).await;
     let found = results.iter().filter(|r| r.is_ok()).count();
-    let not_found = results.iter().filter(|r| matches!(r, Err(s) if s.code() == Code::NotFound)).count();
+    let not_found = results
+        .iter()
+        .filter(|r| matches!(r, Err(s) if s.code() == Code::NotFound))
+        .count();
     println!(
         "get x64 concurrently: {found} found, {not_found} NotFound (keys whose put failed), {} transparent retries",
         retries.load(Ordering::Relaxed) - before
     );
-    assert_eq!(found + not_found, 64, "every get succeeded or was NotFound after retries");
-    println!("the server saw at most {} calls at once (client concurrency limit: 8)", stats.most_running.load(Ordering::SeqCst));
+    assert_eq!(
+        found + not_found,
+        64,
+        "every get succeeded or was NotFound after retries"
+    );
+    println!(
+        "the server saw at most {} calls at once (client concurrency limit: 8)",
+        stats.most_running.load(Ordering::SeqCst)
+    );
 
-    let page = client.clone().scan(ScanRequest { start: String::new(), limit: 5, include_values: false }).await?.into_inner();
-    println!("scan limit 5: {:?}, next page starts at {:?}", page.entries.iter().map(|e| &e.key).collect::<Vec<_>>(), page.next_start);
+    let page = client
+        .clone()
+        .scan(ScanRequest {
+            start: String::new(),
+            limit: 5,
+            include_values: false,
+        })
+        .await?
+        .into_inner();
+    println!(
+        "scan limit 5: {:?}, next page starts at {:?}",
+        page.entries.iter().map(|e| &e.key).collect::<Vec<_>>(),
+        page.next_start
+    );
 
-    let mut slow = Request::new(GetRequest { key: "key-00".into() });
+    let mut slow = Request::new(GetRequest {
+        key: "key-00".into(),
+    });
     slow.metadata_mut().insert("x-delay-ms", "1000")?;
     match client.clone().get(slow).await {
-        Err(status) if status.code() == Code::DeadlineExceeded => println!("a get the server delays by 1 s -> DeadlineExceeded after the 200 ms client timeout"),
+        Err(status) if status.code() == Code::DeadlineExceeded => println!(
+            "a get the server delays by 1 s -> DeadlineExceeded after the 200 ms client timeout"
+        ),
         // The chaos layer may have failed it first; a retry then hits the delay.
         other => return Err(format!("expected DeadlineExceeded, got {other:?}").into()),
     }

@@ -17,7 +17,10 @@ pub struct ServiceGenerator {
 impl ServiceGenerator {
     /// A generator that emits the client module, the server module, or both.
     pub fn new(build_client: bool, build_server: bool) -> ServiceGenerator {
-        ServiceGenerator { build_client, build_server }
+        ServiceGenerator {
+            build_client,
+            build_server,
+        }
     }
 }
 
@@ -43,11 +46,17 @@ impl prost_build::ServiceGenerator for ServiceGenerator {
 }
 
 fn streaming_methods(service: &Service) -> impl Iterator<Item = &Method> {
-    service.methods.iter().filter(|m| m.client_streaming || m.server_streaming)
+    service
+        .methods
+        .iter()
+        .filter(|m| m.client_streaming || m.server_streaming)
 }
 
 fn unary_methods(service: &Service) -> impl Iterator<Item = &Method> {
-    service.methods.iter().filter(|m| !m.client_streaming && !m.server_streaming)
+    service
+        .methods
+        .iter()
+        .filter(|m| !m.client_streaming && !m.server_streaming)
 }
 
 /// `package.Service`, or `Service` without a package.
@@ -75,7 +84,8 @@ fn snake_case(name: &str) -> String {
     let chars: Vec<char> = name.chars().collect();
     for (i, &c) in chars.iter().enumerate() {
         if c.is_uppercase() {
-            let prev_lower = i > 0 && (chars[i - 1].is_lowercase() || chars[i - 1].is_ascii_digit());
+            let prev_lower =
+                i > 0 && (chars[i - 1].is_lowercase() || chars[i - 1].is_ascii_digit());
             let next_lower = chars.get(i + 1).is_some_and(|n| n.is_lowercase());
             if i > 0 && (prev_lower || (next_lower && chars[i - 1].is_uppercase())) {
                 out.push('_');
@@ -91,11 +101,12 @@ fn snake_case(name: &str) -> String {
 /// The type of a message as seen from inside a generated `*_client`/`*_server`
 /// module: prost's paths are relative to the package module, so add `super::`.
 fn message_type(rust_type: &str) -> TokenStream {
-    let path = if rust_type == "()" || rust_type.starts_with("::") || rust_type.starts_with("crate::") {
-        rust_type.to_owned()
-    } else {
-        format!("super::{rust_type}")
-    };
+    let path =
+        if rust_type == "()" || rust_type.starts_with("::") || rust_type.starts_with("crate::") {
+            rust_type.to_owned()
+        } else {
+            format!("super::{rust_type}")
+        };
     let ty: syn::Type = syn::parse_str(&path).expect("prost type path parses");
     quote!(#ty)
 }
@@ -103,7 +114,11 @@ fn message_type(rust_type: &str) -> TokenStream {
 /// Proto comments as `#[doc]` attributes. Lines are trimmed (an indented
 /// comment line would become a doctest) and brackets escaped (no broken links).
 fn doc_attrs(comments: &Comments) -> TokenStream {
-    let lines = comments.leading.iter().chain(comments.trailing.iter()).flat_map(|block| block.lines());
+    let lines = comments
+        .leading
+        .iter()
+        .chain(comments.trailing.iter())
+        .flat_map(|block| block.lines());
     let docs = lines.map(|line| {
         let text = format!(" {}", line.trim().replace('[', "\\[").replace(']', "\\]"));
         quote!(#[doc = #text])
@@ -168,7 +183,11 @@ fn client_method(service: &Service, method: &Method) -> TokenStream {
     let output = message_type(&method.output_type);
     let path = method_path(service, method);
     let docs = doc_attrs(&method.comments);
-    let deprecated = method.options.deprecated.unwrap_or(false).then(|| quote!(#[deprecated]));
+    let deprecated = method
+        .options
+        .deprecated
+        .unwrap_or(false)
+        .then(|| quote!(#[deprecated]));
     quote! {
         #docs
         #deprecated
@@ -312,7 +331,11 @@ mod tests {
             proto_name: "Greeter".into(),
             package: "helloworld.v1".into(),
             comments: Comments::default(),
-            methods: vec![say, watch, method("r#type", "Type", "()", "::prost_types::Timestamp")],
+            methods: vec![
+                say,
+                watch,
+                method("r#type", "Type", "()", "::prost_types::Timestamp"),
+            ],
             options: Default::default(),
         }
     }
@@ -370,9 +393,19 @@ mod tests {
         .to_string();
         assert!(server.contains(&trait_method), "{server}");
         assert!(server.contains(&quote!(pub trait Greeter: Send + Sync + 'static).to_string()));
-        assert!(server.contains(&quote!(const NAME: &'static str = "helloworld.v1.Greeter";).to_string()));
+        assert!(
+            server.contains(
+                &quote!(
+                    const NAME: &'static str = "helloworld.v1.Greeter";
+                )
+                .to_string()
+            )
+        );
         assert!(server.contains("\"/helloworld.v1.Greeter/SayHello\" =>"));
-        assert!(!server.contains("Watch") && !server.contains("watch"), "streaming rpc generated");
+        assert!(
+            !server.contains("Watch") && !server.contains("watch"),
+            "streaming rpc generated"
+        );
         let client = client_module(&service).to_string();
         assert!(client.contains(&quote!(pub mod greeter_client).to_string()));
         assert!(client.contains(&quote!(pub struct GreeterClient<T>).to_string()));
@@ -392,7 +425,13 @@ mod tests {
         assert_eq!(snake_case("KeyValueStore"), "key_value_store");
         assert_eq!(snake_case("HTTPProxy"), "http_proxy");
         assert_eq!(snake_case("V2Api"), "v2_api");
-        assert_eq!(full_service_name(&Service { package: String::new(), ..service() }), "Greeter");
+        assert_eq!(
+            full_service_name(&Service {
+                package: String::new(),
+                ..service()
+            }),
+            "Greeter"
+        );
         assert_eq!(ident("type").to_string(), "r#type");
         assert_eq!(ident("get").to_string(), "get");
     }

@@ -31,13 +31,21 @@ pub use generator::{ServiceGenerator, client_module, server_module};
 /// Compiles one `.proto` file, with its own folder as the include path, into `OUT_DIR`.
 pub fn compile_protos(proto: impl AsRef<Path>) -> io::Result<()> {
     let proto = proto.as_ref();
-    let include = proto.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let include = proto
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     configure().compile(&[proto], &[include])
 }
 
 /// A [`Builder`] with defaults: client and server, output to `OUT_DIR`.
 pub fn configure() -> Builder {
-    Builder { out_dir: None, build_client: true, build_server: true, emit_rerun_if_changed: true }
+    Builder {
+        out_dir: None,
+        build_client: true,
+        build_server: true,
+        emit_rerun_if_changed: true,
+    }
 }
 
 /// Options for code generation.
@@ -76,7 +84,11 @@ impl Builder {
     }
 
     /// Compiles `protos`, resolving imports against `includes`.
-    pub fn compile(self, protos: &[impl AsRef<Path>], includes: &[impl AsRef<Path>]) -> io::Result<()> {
+    pub fn compile(
+        self,
+        protos: &[impl AsRef<Path>],
+        includes: &[impl AsRef<Path>],
+    ) -> io::Result<()> {
         self.compile_with_config(prost_build::Config::new(), protos, includes)
     }
 
@@ -107,11 +119,16 @@ impl Builder {
             Some(dir) => dir,
             None => std::env::var_os("OUT_DIR")
                 .map(PathBuf::from)
-                .ok_or_else(|| io::Error::other("OUT_DIR is not set: call from build.rs or set out_dir()"))?,
+                .ok_or_else(|| {
+                    io::Error::other("OUT_DIR is not set: call from build.rs or set out_dir()")
+                })?,
         };
         std::fs::create_dir_all(&out_dir)?;
         config.out_dir(out_dir);
-        config.service_generator(Box::new(ServiceGenerator::new(self.build_client, self.build_server)));
+        config.service_generator(Box::new(ServiceGenerator::new(
+            self.build_client,
+            self.build_server,
+        )));
         config.compile_fds(descriptors)
     }
 }

@@ -37,7 +37,10 @@ pub const DEFAULT_MAX_FRAME_LEN: usize = 64 << 20;
 /// Longest method path.
 pub const MAX_PATH_LEN: usize = u16::MAX as usize;
 
-const _: () = assert!(HEADER_LEN % 8 == 0, "header keeps 8-byte alignment of what follows");
+const _: () = assert!(
+    HEADER_LEN % 8 == 0,
+    "header keeps 8-byte alignment of what follows"
+);
 const _: () = assert!(DEFAULT_MAX_FRAME_LEN <= u32::MAX as usize);
 
 /// What a frame is.
@@ -268,10 +271,16 @@ impl Frame {
     pub fn decode(mut message: Bytes, max_len: usize) -> Result<Frame, FrameError> {
         let actual = message.len();
         if actual > max_len {
-            return Err(FrameError::TooLarge { len: actual, max: max_len });
+            return Err(FrameError::TooLarge {
+                len: actual,
+                max: max_len,
+            });
         }
         if actual < HEADER_LEN {
-            return Err(FrameError::Truncated { expected: HEADER_LEN, actual });
+            return Err(FrameError::Truncated {
+                expected: HEADER_LEN,
+                actual,
+            });
         }
         let version = message.get_u8();
         if version != PROTOCOL_VERSION {
@@ -296,7 +305,10 @@ impl Frame {
         }
         let expected = HEADER_LEN + path_len + metadata_len + payload_len;
         if expected > max_len {
-            return Err(FrameError::TooLarge { len: expected, max: max_len });
+            return Err(FrameError::TooLarge {
+                len: expected,
+                max: max_len,
+            });
         }
         if actual < expected {
             return Err(FrameError::Truncated { expected, actual });
@@ -310,7 +322,9 @@ impl Frame {
                 let path = std::str::from_utf8(&path_bytes)
                     .map_err(|_| FrameError::InvalidPath("not UTF-8"))?;
                 if !path.starts_with('/') {
-                    return Err(FrameError::InvalidPath("a request path must start with '/'"));
+                    return Err(FrameError::InvalidPath(
+                        "a request path must start with '/'",
+                    ));
                 }
                 path.to_owned()
             }
@@ -354,7 +368,12 @@ mod tests {
     fn round_trip_every_kind() {
         let frames = [
             sample(),
-            Frame::response(7, Code::NotFound, Metadata::new(), Bytes::from_static(b"gone")),
+            Frame::response(
+                7,
+                Code::NotFound,
+                Metadata::new(),
+                Bytes::from_static(b"gone"),
+            ),
             Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, 9),
             Frame::control(FrameKind::Ping, FrameFlags::ACK, 0),
             Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, 41),
@@ -373,11 +392,42 @@ mod tests {
         assert_eq!(bytes[1], FrameKind::Request as u8);
         assert_eq!(u16::from_le_bytes([bytes[2], bytes[3]]), 1);
         assert_eq!(u64::from_le_bytes(bytes[8..16].try_into().unwrap()), 7);
-        assert_eq!(u64::from_le_bytes(bytes[16..24].try_into().unwrap()), 1_500_000);
+        assert_eq!(
+            u64::from_le_bytes(bytes[16..24].try_into().unwrap()),
+            1_500_000
+        );
         assert_eq!(u16::from_le_bytes([bytes[24], bytes[25]]), 14);
         assert_eq!(u32::from_le_bytes(bytes[32..36].try_into().unwrap()), 5);
         assert_eq!(&bytes[HEADER_LEN..HEADER_LEN + 14], b"/echo.Echo/Say");
         assert_eq!(&bytes[bytes.len() - 5..], b"hello");
+    }
+
+    /// The example in docs/wire-format.md, byte for byte.
+    #[test]
+    fn documented_example_bytes() {
+        let mut metadata = Metadata::new();
+        metadata.insert("x-user", "ada").unwrap();
+        let frame = Frame::request(
+            7,
+            "/echo.v1.Echo/Say",
+            Some(Duration::from_millis(1500)),
+            metadata,
+            Bytes::from_static(b"hello"),
+        );
+        let mut expected = vec![
+            0x01, 0x01, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, // version, kind, flags, status
+            0x07, 0, 0, 0, 0, 0, 0, 0, // call id
+            0x60, 0xe3, 0x16, 0, 0, 0, 0, 0, // deadline 1_500_000 µs
+            0x11, 0x00, 0x00, 0x00, // path_len 17, reserved
+            0x0f, 0, 0, 0, // metadata_len 15
+            0x05, 0, 0, 0, // payload_len 5
+            0, 0, 0, 0, // reserved
+        ];
+        expected.extend_from_slice(b"/echo.v1.Echo/Say");
+        expected.extend_from_slice(&[0x06, 0x00, 0x03, 0x00, 0x00, 0x00]);
+        expected.extend_from_slice(b"x-userada");
+        expected.extend_from_slice(b"hello");
+        assert_eq!(&frame.encode()[..], &expected[..]);
     }
 
     #[test]
@@ -401,7 +451,10 @@ mod tests {
         let good = sample().encode();
         for cut in 0..good.len() {
             let err = Frame::decode(good.slice(..cut), DEFAULT_MAX_FRAME_LEN).unwrap_err();
-            assert!(matches!(err, FrameError::Truncated { .. }), "cut {cut}: {err}");
+            assert!(
+                matches!(err, FrameError::Truncated { .. }),
+                "cut {cut}: {err}"
+            );
         }
         let mut longer = BytesMut::from(&good[..]);
         longer.put_u8(0);

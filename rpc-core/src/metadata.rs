@@ -31,7 +31,9 @@ pub enum InvalidMetadata {
     #[error("invalid value for metadata key {0:?}: values must be printable ASCII")]
     AsciiValue(String),
     /// A binary value was given for a key without the `-bin` suffix, or a string value for one with it.
-    #[error("metadata key {0:?}: binary values need a key ending in \"-bin\", string values a key without it")]
+    #[error(
+        "metadata key {0:?}: binary values need a key ending in \"-bin\", string values a key without it"
+    )]
     WrongKind(String),
     /// The encoded block is truncated or malformed.
     #[error("malformed metadata block: {0}")]
@@ -137,13 +139,18 @@ impl Metadata {
     }
 
     /// Sets the binary value of `key` (which must end in `-bin`), replacing earlier values.
-    pub fn insert_bin(&mut self, key: &str, value: impl Into<Bytes>) -> Result<(), InvalidMetadata> {
+    pub fn insert_bin(
+        &mut self,
+        key: &str,
+        value: impl Into<Bytes>,
+    ) -> Result<(), InvalidMetadata> {
         let key = normalize_key(key)?;
         if !is_binary_key(&key) {
             return Err(InvalidMetadata::WrongKind(key));
         }
         self.remove(&key);
-        self.entries.push((key, MetadataValue::Binary(value.into())));
+        self.entries
+            .push((key, MetadataValue::Binary(value.into())));
         Ok(())
     }
 
@@ -153,7 +160,10 @@ impl Metadata {
             return Err(InvalidMetadata::WrongKind(key));
         }
         check_ascii_value(&key, value.as_bytes())?;
-        Ok((key, MetadataValue::Ascii(Bytes::copy_from_slice(value.as_bytes()))))
+        Ok((
+            key,
+            MetadataValue::Ascii(Bytes::copy_from_slice(value.as_bytes())),
+        ))
     }
 
     /// The first string value of `key`.
@@ -171,7 +181,10 @@ impl Metadata {
 
     /// The first value of `key`, of either kind.
     pub fn get_value(&self, key: &str) -> Option<&MetadataValue> {
-        self.entries.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v)
+        self.entries
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+            .map(|(_, v)| v)
     }
 
     /// Every value of `key`, in insertion order.
@@ -268,10 +281,22 @@ mod tests {
         md.insert("X-Trace", "a").unwrap();
         assert_eq!(md.get("x-trace"), Some("a"));
         assert!(matches!(md.insert("", "a"), Err(InvalidMetadata::Key(_))));
-        assert!(matches!(md.insert("bad key", "a"), Err(InvalidMetadata::Key(_))));
-        assert!(matches!(md.insert("k", "caf\u{e9}"), Err(InvalidMetadata::AsciiValue(_))));
-        assert!(matches!(md.insert("k-bin", "a"), Err(InvalidMetadata::WrongKind(_))));
-        assert!(matches!(md.insert_bin("k", vec![1]), Err(InvalidMetadata::WrongKind(_))));
+        assert!(matches!(
+            md.insert("bad key", "a"),
+            Err(InvalidMetadata::Key(_))
+        ));
+        assert!(matches!(
+            md.insert("k", "caf\u{e9}"),
+            Err(InvalidMetadata::AsciiValue(_))
+        ));
+        assert!(matches!(
+            md.insert("k-bin", "a"),
+            Err(InvalidMetadata::WrongKind(_))
+        ));
+        assert!(matches!(
+            md.insert_bin("k", vec![1]),
+            Err(InvalidMetadata::WrongKind(_))
+        ));
     }
 
     #[test]

@@ -99,7 +99,9 @@ impl<T> Request<T> {
 
     /// The peer's address, on the server side.
     pub fn remote_addr(&self) -> Option<&str> {
-        self.extensions.get::<PeerInfo>().map(|peer| peer.addr.as_str())
+        self.extensions
+            .get::<PeerInfo>()
+            .map(|peer| peer.addr.as_str())
     }
 
     /// Maps the message with a fallible function, keeping everything else.

@@ -84,7 +84,9 @@ impl Code {
             Code::DeadlineExceeded => "deadline expired before operation could complete",
             Code::NotFound => "some requested entity was not found",
             Code::AlreadyExists => "some entity that we attempted to create already exists",
-            Code::PermissionDenied => "the caller does not have permission to execute the operation",
+            Code::PermissionDenied => {
+                "the caller does not have permission to execute the operation"
+            }
             Code::ResourceExhausted => "some resource has been exhausted",
             Code::FailedPrecondition => "the system is not in a state required for the operation",
             Code::Aborted => "the operation was aborted",
@@ -275,7 +277,11 @@ impl fmt::Debug for Status {
 
 impl fmt::Display for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "status: {:?}, message: {:?}", self.inner.code, self.inner.message)
+        write!(
+            f,
+            "status: {:?}, message: {:?}",
+            self.inner.code, self.inner.message
+        )
     }
 }
 

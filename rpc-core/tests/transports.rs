@@ -36,7 +36,8 @@ mod tcp_only {
             stream.shutdown().await.unwrap();
         }
         let mut sink = Vec::new();
-        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut sink)).await;
+        let read =
+            tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut sink)).await;
         assert!(read.is_ok(), "server did not close the connection");
     }
 
@@ -55,9 +56,19 @@ mod tcp_only {
         // Random bytes.
         expect_closed(&addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", false).await;
 
-        assert_eq!(healthy.unary(probe("Echo", "ok")).await.unwrap().into_inner(), Bytes::from_static(b"ok"));
+        assert_eq!(
+            healthy
+                .unary(probe("Echo", "ok"))
+                .await
+                .unwrap()
+                .into_inner(),
+            Bytes::from_static(b"ok")
+        );
         let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
-        assert_eq!(fresh.unary(probe("Echo", "ok")).await.unwrap().into_inner(), Bytes::from_static(b"ok"));
+        assert_eq!(
+            fresh.unary(probe("Echo", "ok")).await.unwrap().into_inner(),
+            Bytes::from_static(b"ok")
+        );
     }
 
     /// Not a test by itself: the server half of
@@ -86,7 +97,13 @@ mod tcp_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn killed_server_process_fails_pending_calls_within_a_second() {
         let child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "tcp_only::child_server_process", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "tcp_only::child_server_process",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(CHILD_ENV, "1")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -102,7 +119,14 @@ mod tcp_only {
             }
         };
         let channel = Channel::connect(endpoint.as_str()).await.unwrap();
-        assert_eq!(channel.unary(probe("Echo", "hi")).await.unwrap().into_inner(), Bytes::from_static(b"hi"));
+        assert_eq!(
+            channel
+                .unary(probe("Echo", "hi"))
+                .await
+                .unwrap()
+                .into_inner(),
+            Bytes::from_static(b"hi")
+        );
         let pending: Vec<_> = (0..16)
             .map(|_| {
                 let channel = channel.clone();
@@ -113,9 +137,17 @@ mod tcp_only {
         let killed = Instant::now();
         child.0.kill().unwrap();
         for call in pending {
-            let status = tokio::time::timeout(Duration::from_secs(1), call).await.expect("no hang").unwrap().unwrap_err();
+            let status = tokio::time::timeout(Duration::from_secs(1), call)
+                .await
+                .expect("no hang")
+                .unwrap()
+                .unwrap_err();
             assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         }
-        assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+        assert!(
+            killed.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            killed.elapsed()
+        );
     }
 }

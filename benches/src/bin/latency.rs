@@ -18,18 +18,35 @@ use rpc_core::Server;
 #[derive(Clone, Copy, Debug)]
 enum Flavor {
     /// Server and client each on a current-thread runtime of its own thread.
-    CurrentThread,
+    SeparateCurrent,
     /// Server and client each on a 2-worker multi-thread runtime.
-    MultiThread,
+    SeparateMulti,
     /// Server and client tasks on one current-thread runtime: no cross-thread
     /// wake-ups, so this is the framework's own cost per call.
-    OneThread,
+    SharedCurrent,
+}
+
+impl Flavor {
+    fn label(self) -> &'static str {
+        match self {
+            Flavor::SeparateCurrent => "server, client: current_thread each",
+            Flavor::SeparateMulti => "server, client: multi_thread (2 workers) each",
+            Flavor::SharedCurrent => "server + client on one current_thread",
+        }
+    }
 }
 
 fn runtime(flavor: Flavor) -> tokio::runtime::Runtime {
     match flavor {
-        Flavor::CurrentThread | Flavor::OneThread => tokio::runtime::Builder::new_current_thread().enable_all().build(),
-        Flavor::MultiThread => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build(),
+        Flavor::SeparateCurrent | Flavor::SharedCurrent => {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+        }
+        Flavor::SeparateMulti => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build(),
     }
     .expect("runtime")
 }
@@ -41,35 +58,53 @@ struct Row {
     elapsed: Duration,
 }
 
-async fn call_loop(endpoint: rpc_core::transport::Endpoint, warmup: u64, calls: u64) -> (Histogram<u64>, Duration) {
+async fn call_loop(
+    endpoint: rpc_core::transport::Endpoint,
+    warmup: u64,
+    calls: u64,
+) -> (Histogram<u64>, Duration) {
     let mut client = EchoClient::connect(endpoint).await.expect("connect");
     for _ in 0..warmup {
-        client.say(EchoRequest::default()).await.expect("warm-up call");
+        client
+            .say(EchoRequest::default())
+            .await
+            .expect("warm-up call");
     }
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("histogram");
     let started = Instant::now();
     for _ in 0..calls {
         let call = Instant::now();
         client.say(EchoRequest::default()).await.expect("call");
-        histogram.record(call.elapsed().as_nanos() as u64).expect("record");
+        histogram
+            .record(call.elapsed().as_nanos() as u64)
+            .expect("record");
     }
     (histogram, started.elapsed())
 }
 
 fn measure_one_thread(listen: &str, transport: &'static str, warmup: u64, calls: u64) -> Row {
-    let (histogram, elapsed) = runtime(Flavor::OneThread).block_on(async {
-        let listening = Server::builder().add_service(EchoServer::new(EchoService)).listen(listen).await.expect("bind");
+    let (histogram, elapsed) = runtime(Flavor::SharedCurrent).block_on(async {
+        let listening = Server::builder()
+            .add_service(EchoServer::new(EchoService))
+            .listen(listen)
+            .await
+            .expect("bind");
         let endpoint = listening.local_endpoint();
         let server = tokio::spawn(listening.serve());
         let outcome = call_loop(endpoint, warmup, calls).await;
         server.abort();
         outcome
     });
-    Row { transport, flavor: Flavor::OneThread, histogram, elapsed }
+    Row {
+        transport,
+        flavor: Flavor::SharedCurrent,
+        histogram,
+        elapsed,
+    }
 }
 
 fn measure(listen: &str, transport: &'static str, flavor: Flavor, warmup: u64, calls: u64) -> Row {
-    if let Flavor::OneThread = flavor {
+    if let Flavor::SharedCurrent = flavor {
         return measure_one_thread(listen, transport, warmup, calls);
     }
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -77,8 +112,14 @@ fn measure(listen: &str, transport: &'static str, flavor: Flavor, warmup: u64, c
     let listen = listen.to_owned();
     let server = std::thread::spawn(move || {
         runtime(flavor).block_on(async move {
-            let listening = Server::builder().add_service(EchoServer::new(EchoService)).listen(listen.as_str()).await.expect("bind");
-            ready_tx.send(listening.local_endpoint()).expect("report endpoint");
+            let listening = Server::builder()
+                .add_service(EchoServer::new(EchoService))
+                .listen(listen.as_str())
+                .await
+                .expect("bind");
+            ready_tx
+                .send(listening.local_endpoint())
+                .expect("report endpoint");
             listening
                 .serve_with_shutdown(async {
                     let _ = stop_rx.await;
@@ -91,7 +132,12 @@ fn measure(listen: &str, transport: &'static str, flavor: Flavor, warmup: u64, c
     let (histogram, elapsed) = runtime(flavor).block_on(call_loop(endpoint, warmup, calls));
     let _ = stop_tx.send(());
     server.join().expect("server thread");
-    Row { transport, flavor, histogram, elapsed }
+    Row {
+        transport,
+        flavor,
+        histogram,
+        elapsed,
+    }
 }
 
 fn micros(nanos: u64) -> String {
@@ -111,9 +157,19 @@ fn main() {
         }
     }
     let mut rows = Vec::new();
-    for flavor in [Flavor::CurrentThread, Flavor::MultiThread, Flavor::OneThread] {
-        for (listen, transport) in [("tcp://127.0.0.1:0", "tcp://"), ("mem://latency-bench", "mem://")] {
-            eprintln!("measuring {transport} on {flavor:?} runtimes ({calls} calls)...");
+    for flavor in [
+        Flavor::SeparateCurrent,
+        Flavor::SeparateMulti,
+        Flavor::SharedCurrent,
+    ] {
+        for (listen, transport) in [
+            ("tcp://127.0.0.1:0", "tcp://"),
+            ("mem://latency-bench", "mem://"),
+        ] {
+            eprintln!(
+                "measuring {transport}, {} ({calls} calls)...",
+                flavor.label()
+            );
             rows.push(measure(listen, transport, flavor, warmup, calls));
         }
     }
@@ -123,9 +179,9 @@ fn main() {
     for row in rows {
         let h = &row.histogram;
         println!(
-            "| {} | {:?} | {} | {} | {} | {:.1} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {:.1} | {:.0} |",
             row.transport,
-            row.flavor,
+            row.flavor.label(),
             micros(h.value_at_quantile(0.5)),
             micros(h.value_at_quantile(0.99)),
             micros(h.value_at_quantile(0.999)),

@@ -6,12 +6,17 @@ use std::time::Duration;
 
 use rpc_codegen_protos_test::acme::common::v1::{Availability, Item, Money, item};
 use rpc_codegen_protos_test::acme::inventory::v1::{
-    AddItemRequest, GetItemRequest, ItemList, SearchRequest, inventory_client::InventoryClient,
+    AddItemRequest, GetItemRequest, ItemList, SearchRequest,
+    inventory_client::InventoryClient,
     inventory_server::{Inventory, InventoryServer},
     search_client::SearchClient,
     search_server::{Search, SearchServer},
 };
-use rpc_codegen_protos_test::plain::{PingMessage, pinger_client::PingerClient, pinger_server::{Pinger, PingerServer}};
+use rpc_codegen_protos_test::plain::{
+    PingMessage,
+    pinger_client::PingerClient,
+    pinger_server::{Pinger, PingerServer},
+};
 use rpc_core::{Channel, Code, Request, Response, Server, Status};
 
 #[derive(Default)]
@@ -22,13 +27,19 @@ struct Store {
 
 impl Store {
     fn touch(&self) {
-        *self.last_change.lock().unwrap() = Some(prost_types::Timestamp { seconds: 1_700_000_000, nanos: 5 });
+        *self.last_change.lock().unwrap() = Some(prost_types::Timestamp {
+            seconds: 1_700_000_000,
+            nanos: 5,
+        });
     }
 }
 
 impl Inventory for Store {
     async fn add_item(&self, request: Request<AddItemRequest>) -> Result<Response<Item>, Status> {
-        let item = request.into_inner().item.ok_or_else(|| Status::invalid_argument("item is required"))?;
+        let item = request
+            .into_inner()
+            .item
+            .ok_or_else(|| Status::invalid_argument("item is required"))?;
         let mut items = self.items.lock().unwrap();
         if items.contains_key(&item.sku) {
             return Err(Status::already_exists(format!("sku {} exists", item.sku)));
@@ -41,11 +52,19 @@ impl Inventory for Store {
 
     async fn get_item(&self, request: Request<GetItemRequest>) -> Result<Response<Item>, Status> {
         let sku = request.into_inner().sku;
-        self.items.lock().unwrap().get(&sku).cloned().map(Response::new).ok_or_else(|| Status::not_found(sku))
+        self.items
+            .lock()
+            .unwrap()
+            .get(&sku)
+            .cloned()
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(sku))
     }
 
     async fn list_items(&self, _request: Request<()>) -> Result<Response<ItemList>, Status> {
-        Ok(Response::new(ItemList { items: self.items.lock().unwrap().values().cloned().collect() }))
+        Ok(Response::new(ItemList {
+            items: self.items.lock().unwrap().values().cloned().collect(),
+        }))
     }
 
     async fn clear(&self, _request: Request<()>) -> Result<Response<()>, Status> {
@@ -54,8 +73,15 @@ impl Inventory for Store {
         Ok(Response::new(()))
     }
 
-    async fn last_change(&self, _request: Request<()>) -> Result<Response<prost_types::Timestamp>, Status> {
-        self.last_change.lock().unwrap().map(Response::new).ok_or_else(|| Status::failed_precondition("no change yet"))
+    async fn last_change(
+        &self,
+        _request: Request<()>,
+    ) -> Result<Response<prost_types::Timestamp>, Status> {
+        self.last_change
+            .lock()
+            .unwrap()
+            .map(Response::new)
+            .ok_or_else(|| Status::failed_precondition("no change yet"))
     }
 }
 
@@ -64,7 +90,11 @@ struct Finder;
 impl Search for Finder {
     async fn r#match(&self, request: Request<SearchRequest>) -> Result<Response<ItemList>, Status> {
         let request = request.into_inner();
-        let item = Item { sku: request.query, kind: request.kind, ..Default::default() };
+        let item = Item {
+            sku: request.query,
+            kind: request.kind,
+            ..Default::default()
+        };
         Ok(Response::new(ItemList { items: vec![item] }))
     }
 }
@@ -73,7 +103,9 @@ struct Echoer;
 
 impl Pinger for Echoer {
     async fn ping(&self, request: Request<PingMessage>) -> Result<Response<PingMessage>, Status> {
-        Ok(Response::new(PingMessage { sequence: request.into_inner().sequence + 1 }))
+        Ok(Response::new(PingMessage {
+            sequence: request.into_inner().sequence + 1,
+        }))
     }
 }
 
@@ -83,11 +115,24 @@ fn sample_item(sku: &str) -> Item {
         name: "Widget".into(),
         kind: item::Kind::Physical as i32,
         availability: Availability::Backorder as i32,
-        dimensions: Some(item::Dimensions { width_mm: 10, height_mm: 20, depth_mm: 30 }),
-        pricing: Some(item::Pricing::FixedPrice(Money { currency_code: "EUR".into(), units: 12, nanos: 500_000_000 })),
-        labels: [("color".to_owned(), "red".to_owned())].into_iter().collect(),
+        dimensions: Some(item::Dimensions {
+            width_mm: 10,
+            height_mm: 20,
+            depth_mm: 30,
+        }),
+        pricing: Some(item::Pricing::FixedPrice(Money {
+            currency_code: "EUR".into(),
+            units: 12,
+            nanos: 500_000_000,
+        })),
+        labels: [("color".to_owned(), "red".to_owned())]
+            .into_iter()
+            .collect(),
         tags: vec!["new".into(), "sale".into()],
-        created_at: Some(prost_types::Timestamp { seconds: 1, nanos: 2 }),
+        created_at: Some(prost_types::Timestamp {
+            seconds: 1,
+            nanos: 2,
+        }),
         #[allow(deprecated)]
         thumbnail: vec![1, 2, 3],
     }
@@ -112,32 +157,78 @@ async fn exercise(endpoint: rpc_core::transport::Endpoint) {
     let status = inventory.last_change(()).await.unwrap_err();
     assert_eq!(status.code(), Code::FailedPrecondition);
 
-    let added = inventory.add_item(AddItemRequest { item: Some(sample_item("A-1")) }).await.unwrap().into_inner();
+    let added = inventory
+        .add_item(AddItemRequest {
+            item: Some(sample_item("A-1")),
+        })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(added, sample_item("A-1"));
-    let status = inventory.add_item(AddItemRequest { item: Some(sample_item("A-1")) }).await.unwrap_err();
+    let status = inventory
+        .add_item(AddItemRequest {
+            item: Some(sample_item("A-1")),
+        })
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::AlreadyExists);
-    let status = inventory.add_item(AddItemRequest { item: None }).await.unwrap_err();
+    let status = inventory
+        .add_item(AddItemRequest { item: None })
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
 
     #[allow(deprecated)]
-    let fetched = inventory.get_item(GetItemRequest { sku: "A-1".into() }).await.unwrap().into_inner();
+    let fetched = inventory
+        .get_item(GetItemRequest { sku: "A-1".into() })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(fetched.pricing, sample_item("A-1").pricing);
     assert_eq!(fetched.labels.get("color").map(String::as_str), Some("red"));
     assert_eq!(fetched.dimensions.unwrap().depth_mm, 30);
 
-    inventory.add_item(Request::new(AddItemRequest { item: Some(sample_item("B-2")) })).await.unwrap();
+    inventory
+        .add_item(Request::new(AddItemRequest {
+            item: Some(sample_item("B-2")),
+        }))
+        .await
+        .unwrap();
     let listed = inventory.list_items(()).await.unwrap().into_inner();
-    assert_eq!(listed.items.iter().map(|i| i.sku.as_str()).collect::<Vec<_>>(), ["A-1", "B-2"]);
-    assert_eq!(inventory.last_change(()).await.unwrap().into_inner().nanos, 5);
+    assert_eq!(
+        listed
+            .items
+            .iter()
+            .map(|i| i.sku.as_str())
+            .collect::<Vec<_>>(),
+        ["A-1", "B-2"]
+    );
+    assert_eq!(
+        inventory.last_change(()).await.unwrap().into_inner().nanos,
+        5
+    );
     inventory.clear(()).await.unwrap();
-    assert!(inventory.list_items(()).await.unwrap().into_inner().items.is_empty());
+    assert!(
+        inventory
+            .list_items(())
+            .await
+            .unwrap()
+            .into_inner()
+            .items
+            .is_empty()
+    );
 
     // The client works through a tower stack as well.
     let channel = Channel::connect(endpoint.clone()).await.unwrap();
-    let stack = tower::ServiceBuilder::new().timeout(Duration::from_secs(5)).service(channel.clone());
+    let stack = tower::ServiceBuilder::new()
+        .timeout(Duration::from_secs(5))
+        .service(channel.clone());
     let mut search = SearchClient::new(stack);
     let found = search
-        .r#match(SearchRequest { query: "lamp".into(), kind: item::Kind::Digital as i32 })
+        .r#match(SearchRequest {
+            query: "lamp".into(),
+            kind: item::Kind::Digital as i32,
+        })
         .await
         .unwrap()
         .into_inner();
@@ -145,7 +236,15 @@ async fn exercise(endpoint: rpc_core::transport::Endpoint) {
     assert_eq!(found.items[0].kind(), item::Kind::Digital);
 
     let mut pinger = PingerClient::new(channel.clone());
-    assert_eq!(pinger.ping(PingMessage { sequence: 41 }).await.unwrap().into_inner().sequence, 42);
+    assert_eq!(
+        pinger
+            .ping(PingMessage { sequence: 41 })
+            .await
+            .unwrap()
+            .into_inner()
+            .sequence,
+        42
+    );
     // The package-less service lives at /Pinger/Ping.
     let mut raw = Request::new(bytes::Bytes::new());
     raw.set_method("/Pinger/Ping");
@@ -172,8 +271,12 @@ fn clients_are_clone_when_their_service_is() {
 
 #[test]
 fn proto_comments_become_docs_and_streaming_rpcs_are_skipped() {
-    let generated = std::fs::read_to_string(concat!(env!("OUT_DIR"), "/acme.inventory.v1.rs")).unwrap();
-    assert!(generated.contains("/// Adds an item; ALREADY_EXISTS when the SKU is taken."), "{generated}");
+    let generated =
+        std::fs::read_to_string(concat!(env!("OUT_DIR"), "/acme.inventory.v1.rs")).unwrap();
+    assert!(
+        generated.contains("/// Adds an item; ALREADY_EXISTS when the SKU is taken."),
+        "{generated}"
+    );
     assert!(generated.contains("/// Keeps track of items."));
     assert!(generated.contains("/// Items are identified by SKU."));
     assert!(generated.contains("\"/acme.inventory.v1.Inventory/AddItem\""));

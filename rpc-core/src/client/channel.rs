@@ -33,7 +33,11 @@ pub struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Self {
-        Backoff { initial: Duration::from_millis(50), max: Duration::from_secs(5), multiplier: 2 }
+        Backoff {
+            initial: Duration::from_millis(50),
+            max: Duration::from_secs(5),
+            multiplier: 2,
+        }
     }
 }
 
@@ -88,7 +92,11 @@ impl ChannelBuilder {
         Channel {
             inner: Arc::new(ChannelInner {
                 current: Mutex::new(None),
-                connecting: tokio::sync::Mutex::new(Reconnect { retry_at: None, next_wait: self.backoff.initial, last_error: None }),
+                connecting: tokio::sync::Mutex::new(Reconnect {
+                    retry_at: None,
+                    next_wait: self.backoff.initial,
+                    last_error: None,
+                }),
                 config: self,
             }),
         }
@@ -118,20 +126,38 @@ struct ChannelInner {
 
 impl ChannelInner {
     fn current_slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<ClientConnection>>> {
-        self.current.lock().unwrap_or_else(|poison| poison.into_inner())
+        self.current
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
     }
 
     fn usable(&self) -> Option<Arc<ClientConnection>> {
-        self.current_slot().as_ref().filter(|c| c.is_usable()).cloned()
+        self.current_slot()
+            .as_ref()
+            .filter(|c| c.is_usable())
+            .cloned()
     }
 
     async fn open_connection(&self) -> Result<Arc<ClientConnection>, Error> {
-        let config = TransportConfig { max_frame_len: self.config.max_frame_len };
+        let config = TransportConfig {
+            max_frame_len: self.config.max_frame_len,
+        };
         let endpoint = &self.config.endpoint;
-        match tokio::time::timeout(self.config.connect_timeout, transport::connect(endpoint, &config)).await {
-            Ok(Ok(connection)) => Ok(ClientConnection::start(connection, self.config.max_frame_len)),
+        match tokio::time::timeout(
+            self.config.connect_timeout,
+            transport::connect(endpoint, &config),
+        )
+        .await
+        {
+            Ok(Ok(connection)) => Ok(ClientConnection::start(
+                connection,
+                self.config.max_frame_len,
+            )),
             Ok(Err(error)) => Err(error.into()),
-            Err(_) => Err(Error::ConnectTimeout { endpoint: endpoint.to_string(), timeout: self.config.connect_timeout }),
+            Err(_) => Err(Error::ConnectTimeout {
+                endpoint: endpoint.to_string(),
+                timeout: self.config.connect_timeout,
+            }),
         }
     }
 
@@ -167,10 +193,14 @@ impl ChannelInner {
             Err(error) => {
                 let backoff = self.config.backoff;
                 reconnect.retry_at = Some(Instant::now() + reconnect.next_wait);
-                reconnect.next_wait = (reconnect.next_wait * backoff.multiplier.max(1)).min(backoff.max);
+                reconnect.next_wait =
+                    (reconnect.next_wait * backoff.multiplier.max(1)).min(backoff.max);
                 reconnect.last_error = Some(error.to_string());
                 tracing::debug!(%endpoint, %error, "connect failed");
-                Err(Status::unavailable(format!("cannot connect to {endpoint}: {error}")).with_source(error))
+                Err(
+                    Status::unavailable(format!("cannot connect to {endpoint}: {error}"))
+                        .with_source(error),
+                )
             }
         }
     }
@@ -197,7 +227,9 @@ pub struct Channel {
 
 impl fmt::Debug for Channel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Channel").field("endpoint", &self.inner.config.endpoint).finish()
+        f.debug_struct("Channel")
+            .field("endpoint", &self.inner.config.endpoint)
+            .finish()
     }
 }
 
@@ -219,7 +251,9 @@ impl Channel {
         E: TryInto<Endpoint>,
         E::Error: Into<Error>,
     {
-        Channel::builder(endpoint.try_into().map_err(Into::into)?).connect().await
+        Channel::builder(endpoint.try_into().map_err(Into::into)?)
+            .connect()
+            .await
     }
 
     /// A channel with default settings that connects on its first call.
@@ -238,14 +272,20 @@ impl Channel {
     }
 }
 
-async fn call(inner: Arc<ChannelInner>, request: Request<Bytes>) -> Result<Response<Bytes>, Status> {
+async fn call(
+    inner: Arc<ChannelInner>,
+    request: Request<Bytes>,
+) -> Result<Response<Bytes>, Status> {
     let Some(path) = request.method().map(str::to_owned) else {
         return Err(Status::internal(
             "request has no method path: set one with Request::set_method or use a generated client",
         ));
     };
     let started = Instant::now();
-    let deadline = request.timeout().or(inner.config.default_timeout).map(|timeout| started + timeout);
+    let deadline = request
+        .timeout()
+        .or(inner.config.default_timeout)
+        .map(|timeout| started + timeout);
     let span = tracing::debug_span!(
         "rpc.client",
         method = %path,
@@ -265,10 +305,12 @@ async fn call(inner: Arc<ChannelInner>, request: Request<Bytes>) -> Result<Respo
         Ok(into_response(frame))
     };
     let outcome = match deadline {
-        Some(deadline) => match tokio::time::timeout_at(deadline, work.instrument(span.clone())).await {
-            Ok(outcome) => outcome,
-            Err(_) => Err(deadline_exceeded(started, Some(deadline))),
-        },
+        Some(deadline) => {
+            match tokio::time::timeout_at(deadline, work.instrument(span.clone())).await {
+                Ok(outcome) => outcome,
+                Err(_) => Err(deadline_exceeded(started, Some(deadline))),
+            }
+        }
         None => work.instrument(span.clone()).await,
     };
     let outcome = outcome.and_then(|response| response);
@@ -278,7 +320,9 @@ async fn call(inner: Arc<ChannelInner>, request: Request<Bytes>) -> Result<Respo
 }
 
 fn deadline_exceeded(started: Instant, deadline: Option<Instant>) -> Status {
-    let budget = deadline.map(|deadline| deadline.saturating_duration_since(started)).unwrap_or_default();
+    let budget = deadline
+        .map(|deadline| deadline.saturating_duration_since(started))
+        .unwrap_or_default();
     Status::deadline_exceeded(format!("deadline of {budget:?} exceeded"))
 }
 
@@ -322,6 +366,8 @@ impl Service<Request<Bytes>> for Channel {
     }
 
     fn call(&mut self, request: Request<Bytes>) -> ResponseFuture {
-        ResponseFuture { inner: Box::pin(call(self.inner.clone(), request)) }
+        ResponseFuture {
+            inner: Box::pin(call(self.inner.clone(), request)),
+        }
     }
 }

@@ -44,7 +44,9 @@ struct Shared {
 
 impl Shared {
     fn table(&self) -> MutexGuard<'_, CallTable> {
-        self.calls.lock().unwrap_or_else(|poison| poison.into_inner())
+        self.calls
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
     }
 
     /// Marks the connection closed and fails every pending call with `status`.
@@ -99,7 +101,12 @@ impl ClientConnection {
             writer_shared.close(Status::unavailable(reason));
         });
 
-        tokio::spawn(read_frames(shared.clone(), stream, outbound.clone(), max_frame_len));
+        tokio::spawn(read_frames(
+            shared.clone(),
+            stream,
+            outbound.clone(),
+            max_frame_len,
+        ));
 
         Arc::new(ClientConnection {
             shared,
@@ -132,7 +139,9 @@ impl ClientConnection {
             )));
         }
         if path.len() > crate::frame::MAX_PATH_LEN {
-            return Err(Status::invalid_argument("method path longer than 65535 bytes"));
+            return Err(Status::invalid_argument(
+                "method path longer than 65535 bytes",
+            ));
         }
         let (sender, receiver) = oneshot::channel();
         {
@@ -146,7 +155,12 @@ impl ClientConnection {
             self.shared.table().pending.remove(&call_id);
             return Err(Status::unavailable("connection closed"));
         }
-        Ok(PendingCall { connection: self.clone(), call_id, receiver, finished: false })
+        Ok(PendingCall {
+            connection: self.clone(),
+            call_id,
+            receiver,
+            finished: false,
+        })
     }
 
     fn abandon(&self, call_id: u64) {
@@ -234,7 +248,8 @@ async fn read_frames(
                 }
             }
             FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
-                let _ = outbound.send(Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id).encode());
+                let _ = outbound
+                    .send(Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id).encode());
             }
             FrameKind::Ping => {}
             FrameKind::GoAway if frame.status != Code::Ok => {
@@ -248,7 +263,10 @@ async fn read_frames(
             }
             FrameKind::Request | FrameKind::Cancel => {
                 tracing::warn!(peer = %shared.peer, kind = ?frame.kind, "closing connection: server sent a client-only frame");
-                break format!("protocol error from server: unexpected {:?} frame", frame.kind);
+                break format!(
+                    "protocol error from server: unexpected {:?} frame",
+                    frame.kind
+                );
             }
         }
     };

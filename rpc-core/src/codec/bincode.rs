@@ -18,7 +18,9 @@ pub struct BincodeCodec<E, D> {
 
 impl<E, D> Default for BincodeCodec<E, D> {
     fn default() -> Self {
-        BincodeCodec { _types: PhantomData }
+        BincodeCodec {
+            _types: PhantomData,
+        }
     }
 }
 
@@ -68,14 +70,28 @@ mod tests {
     fn round_trip_and_bad_input() {
         let mut codec = BincodeCodec::<Put, Put>::default();
         let mut buf = BytesMut::new();
-        codec.encode(Put { key: "k".into(), value: vec![1, 2] }, &mut buf).unwrap();
+        codec
+            .encode(
+                Put {
+                    key: "k".into(),
+                    value: vec![1, 2],
+                },
+                &mut buf,
+            )
+            .unwrap();
         let mut extra = buf.clone();
         assert_eq!(
             codec.decode(buf.freeze()).unwrap(),
-            Put { key: "k".into(), value: vec![1, 2] }
+            Put {
+                key: "k".into(),
+                value: vec![1, 2]
+            }
         );
         extra.put_u8(0);
-        assert_eq!(codec.decode(extra.freeze()).unwrap_err().code(), crate::Code::Internal);
+        assert_eq!(
+            codec.decode(extra.freeze()).unwrap_err().code(),
+            crate::Code::Internal
+        );
         assert!(codec.decode(Bytes::from_static(&[200])).is_err());
     }
 }

@@ -15,7 +15,9 @@ pub struct ProstCodec<E, D> {
 
 impl<E, D> Default for ProstCodec<E, D> {
     fn default() -> Self {
-        ProstCodec { _types: PhantomData }
+        ProstCodec {
+            _types: PhantomData,
+        }
     }
 }
 
@@ -33,7 +35,8 @@ where
     }
 
     fn decode(&mut self, src: Bytes) -> Result<D, Status> {
-        D::decode(src).map_err(|error| Status::internal(format!("failed to decode message: {error}")))
+        D::decode(src)
+            .map_err(|error| Status::internal(format!("failed to decode message: {error}")))
     }
 }
 
@@ -53,7 +56,10 @@ mod tests {
     fn round_trip_and_bad_input() {
         let mut codec = ProstCodec::<Point, Point>::default();
         let mut buf = BytesMut::new();
-        let point = Point { x: -3, label: "p".into() };
+        let point = Point {
+            x: -3,
+            label: "p".into(),
+        };
         codec.encode(point.clone(), &mut buf).unwrap();
         assert_eq!(codec.decode(buf.freeze()).unwrap(), point);
         let err = codec.decode(Bytes::from_static(&[0x0a, 0xff])).unwrap_err();

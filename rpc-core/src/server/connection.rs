@@ -9,8 +9,8 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
-use tower::util::BoxCloneSyncService;
 use tower::ServiceExt;
+use tower::util::BoxCloneSyncService;
 use tracing::Instrument;
 
 use super::ServerConfig;
@@ -41,7 +41,11 @@ pub(crate) async fn serve_connection(
     config: ServerConfig,
     shutdown: CancellationToken,
 ) {
-    let Connection { sink, mut stream, peer } = connection;
+    let Connection {
+        sink,
+        mut stream,
+        peer,
+    } = connection;
     let (outbound, outbound_rx) = mpsc::unbounded_channel::<Bytes>();
     let writer = tokio::spawn(write_frames(sink, outbound_rx));
     let mut calls: JoinSet<u64> = JoinSet::new();
@@ -148,7 +152,11 @@ pub(crate) async fn serve_connection(
 }
 
 fn status_frame(call_id: u64, status: Status) -> Frame {
-    let code = if status.code() == Code::Ok { Code::Unknown } else { status.code() };
+    let code = if status.code() == Code::Ok {
+        Code::Unknown
+    } else {
+        status.code()
+    };
     let message = Bytes::from(status.message().to_owned());
     Frame::response(call_id, code, status.metadata().clone(), message)
 }
@@ -177,7 +185,11 @@ async fn run_call(
         Some(deadline) => tokio::time::timeout(deadline, handler)
             .instrument(span.clone())
             .await
-            .unwrap_or_else(|_| Ok(Err(Status::deadline_exceeded("deadline exceeded on the server")))),
+            .unwrap_or_else(|_| {
+                Ok(Err(Status::deadline_exceeded(
+                    "deadline exceeded on the server",
+                )))
+            }),
         None => handler.instrument(span.clone()).await,
     };
     let response = match outcome {

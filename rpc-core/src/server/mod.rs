@@ -78,7 +78,10 @@ impl Server {
 impl<L> Server<L> {
     /// Wraps every call in `layer`. The first layer added is the outermost.
     pub fn layer<NewLayer>(self, layer: NewLayer) -> Server<Stack<NewLayer, L>> {
-        Server { layer: Stack::new(layer, self.layer), config: self.config }
+        Server {
+            layer: Stack::new(layer, self.layer),
+            config: self.config,
+        }
     }
 
     /// Calls one connection may have in flight; more are answered with
@@ -97,13 +100,21 @@ impl<L> Server<L> {
     /// Adds the first service.
     pub fn add_service<S>(self, service: S) -> Router<L>
     where
-        S: Service<Request<Bytes>, Response = Response<Bytes>> + NamedService + Clone + Send + Sync + 'static,
+        S: Service<Request<Bytes>, Response = Response<Bytes>>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
         S::Error: Into<BoxError>,
         S::Future: Send + 'static,
     {
         let mut routes = Routes::default();
         routes.add_service(service);
-        Router { server: self, routes }
+        Router {
+            server: self,
+            routes,
+        }
     }
 }
 
@@ -124,7 +135,12 @@ where
     /// Adds another service.
     pub fn add_service<S>(mut self, service: S) -> Self
     where
-        S: Service<Request<Bytes>, Response = Response<Bytes>> + NamedService + Clone + Send + Sync + 'static,
+        S: Service<Request<Bytes>, Response = Response<Bytes>>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
         S::Error: Into<BoxError>,
         S::Future: Send + 'static,
     {
@@ -140,13 +156,22 @@ where
         E::Error: Into<Error>,
     {
         let endpoint = endpoint.try_into().map_err(Into::into)?;
-        let transport_config = TransportConfig { max_frame_len: self.server.config.max_frame_len };
+        let transport_config = TransportConfig {
+            max_frame_len: self.server.config.max_frame_len,
+        };
         let listener = transport::bind(&endpoint, &transport_config).await?;
         let service = self.server.layer.layer(self.routes);
-        let service = tower::ServiceExt::map_err(service, |error: <L::Service as Service<Request<Bytes>>>::Error| {
-            Status::from_error(error.into())
-        });
-        Ok(Listening { listener, service: BoxCloneSyncService::new(service), config: self.server.config })
+        let service = tower::ServiceExt::map_err(
+            service,
+            |error: <L::Service as Service<Request<Bytes>>>::Error| {
+                Status::from_error(error.into())
+            },
+        );
+        Ok(Listening {
+            listener,
+            service: BoxCloneSyncService::new(service),
+            config: self.server.config,
+        })
     }
 
     /// Serves on `endpoint` until the process ends or accepting fails for good.
@@ -167,7 +192,10 @@ where
         E::Error: Into<Error>,
         F: Future<Output = ()> + Send,
     {
-        self.listen(endpoint).await?.serve_with_shutdown(signal).await
+        self.listen(endpoint)
+            .await?
+            .serve_with_shutdown(signal)
+            .await
     }
 }
 
@@ -180,7 +208,9 @@ pub struct Listening {
 
 impl std::fmt::Debug for Listening {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Listening").field("endpoint", &self.listener.local_endpoint()).finish()
+        f.debug_struct("Listening")
+            .field("endpoint", &self.listener.local_endpoint())
+            .finish()
     }
 }
 
@@ -200,7 +230,11 @@ impl Listening {
     where
         F: Future<Output = ()> + Send,
     {
-        let Listening { mut listener, service, config } = self;
+        let Listening {
+            mut listener,
+            service,
+            config,
+        } = self;
         let endpoint = listener.local_endpoint();
         tracing::info!(%endpoint, "serving");
         let connections = TaskTracker::new();

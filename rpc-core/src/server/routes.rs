@@ -38,11 +38,17 @@ impl Routes {
     /// Adds `service`, replacing one with the same name.
     pub fn add_service<S>(&mut self, service: S)
     where
-        S: Service<Request<Bytes>, Response = Response<Bytes>> + NamedService + Clone + Send + Sync + 'static,
+        S: Service<Request<Bytes>, Response = Response<Bytes>>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
         S::Error: Into<BoxError>,
         S::Future: Send + 'static,
     {
-        let service = tower::ServiceExt::map_err(service, |error: S::Error| Status::from_error(error.into()));
+        let service =
+            tower::ServiceExt::map_err(service, |error: S::Error| Status::from_error(error.into()));
         Arc::make_mut(&mut self.services).insert(S::NAME, BoxCloneSyncService::new(service));
     }
 
@@ -55,7 +61,8 @@ impl Routes {
 /// Splits `/package.Service/Method` into its two names.
 pub(crate) fn split_path(path: &str) -> Option<(&str, &str)> {
     let (service, method) = path.strip_prefix('/')?.split_once('/')?;
-    (!service.is_empty() && !method.is_empty() && !method.contains('/')).then_some((service, method))
+    (!service.is_empty() && !method.is_empty() && !method.contains('/'))
+        .then_some((service, method))
 }
 
 impl Service<Request<Bytes>> for Routes {

@@ -33,12 +33,19 @@ impl FromStr for Endpoint {
     type Err = TransportError;
 
     fn from_str(s: &str) -> Result<Endpoint, TransportError> {
-        let invalid = |reason| TransportError::InvalidEndpoint { endpoint: s.to_owned(), reason };
+        let invalid = |reason| TransportError::InvalidEndpoint {
+            endpoint: s.to_owned(),
+            reason,
+        };
         let (scheme, authority) = s
             .split_once("://")
             .ok_or_else(|| invalid("expected scheme://address, e.g. tcp://127.0.0.1:50051"))?;
         let authority = authority.strip_suffix('/').unwrap_or(authority);
-        if scheme.is_empty() || !scheme.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+') {
+        if scheme.is_empty()
+            || !scheme
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'+')
+        {
             return Err(invalid("the scheme must be letters and digits"));
         }
         if authority.is_empty() {
@@ -47,7 +54,10 @@ impl FromStr for Endpoint {
         if authority.contains('/') || authority.chars().any(char::is_whitespace) {
             return Err(invalid("the address may not contain '/' or spaces"));
         }
-        Ok(Endpoint { scheme: scheme.to_ascii_lowercase(), authority: authority.to_owned() })
+        Ok(Endpoint {
+            scheme: scheme.to_ascii_lowercase(),
+            authority: authority.to_owned(),
+        })
     }
 }
 

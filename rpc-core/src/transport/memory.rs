@@ -31,11 +31,14 @@ pub struct MemoryTransport;
 type AcceptQueue = mpsc::UnboundedSender<Connection>;
 
 /// Bound names → (listener id, its accept queue).
-static LISTENERS: LazyLock<Mutex<HashMap<String, (u64, AcceptQueue)>>> = LazyLock::new(Default::default);
+static LISTENERS: LazyLock<Mutex<HashMap<String, (u64, AcceptQueue)>>> =
+    LazyLock::new(Default::default);
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 fn listeners() -> std::sync::MutexGuard<'static, HashMap<String, (u64, AcceptQueue)>> {
-    LISTENERS.lock().unwrap_or_else(|poison| poison.into_inner())
+    LISTENERS
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner())
 }
 
 struct FrameReceiver {
@@ -51,7 +54,11 @@ impl Stream for FrameReceiver {
         self.receiver.poll_recv(cx).map(|frame| {
             frame.map(|frame| {
                 if frame.len() > max {
-                    Err(FrameError::TooLarge { len: frame.len(), max }.into())
+                    Err(FrameError::TooLarge {
+                        len: frame.len(),
+                        max,
+                    }
+                    .into())
                 } else {
                     Ok(frame)
                 }
@@ -68,7 +75,10 @@ fn half(
 ) -> Connection {
     Connection {
         sink: Box::pin(PollSender::new(sender).sink_map_err(|_| TransportError::Closed)),
-        stream: Box::pin(FrameReceiver { receiver, max_frame_len }),
+        stream: Box::pin(FrameReceiver {
+            receiver,
+            max_frame_len,
+        }),
         peer,
     }
 }
@@ -88,11 +98,19 @@ impl Transport for MemoryTransport {
                     format!("nothing listens on mem://{name}"),
                 ))
             };
-            let accept = listeners().get(&name).map(|(_, accept)| accept.clone()).ok_or_else(refused)?;
+            let accept = listeners()
+                .get(&name)
+                .map(|(_, accept)| accept.clone())
+                .ok_or_else(refused)?;
             let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
             let (to_server, server_rx) = mpsc::channel(QUEUE_FRAMES);
             let (to_client, client_rx) = mpsc::channel(QUEUE_FRAMES);
-            let server_side = half(to_client, server_rx, max, format!("mem://{name}#client-{id}"));
+            let server_side = half(
+                to_client,
+                server_rx,
+                max,
+                format!("mem://{name}#client-{id}"),
+            );
             accept.send(server_side).map_err(|_| refused())?;
             Ok(half(to_server, client_rx, max, format!("mem://{name}")))
         }
@@ -110,7 +128,10 @@ impl Transport for MemoryTransport {
             let name = endpoint.authority().to_owned();
             let (accept, incoming) = mpsc::unbounded_channel();
             let mut table = listeners();
-            if table.get(&name).is_some_and(|(_, existing)| !existing.is_closed()) {
+            if table
+                .get(&name)
+                .is_some_and(|(_, existing)| !existing.is_closed())
+            {
                 return Err(TransportError::Io(std::io::Error::new(
                     std::io::ErrorKind::AddrInUse,
                     format!("mem://{name} is already bound"),
@@ -118,7 +139,12 @@ impl Transport for MemoryTransport {
             }
             let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
             table.insert(name.clone(), (id, accept));
-            Ok(Box::new(MemoryListener { id, name, endpoint, incoming }) as Box<dyn Listener>)
+            Ok(Box::new(MemoryListener {
+                id,
+                name,
+                endpoint,
+                incoming,
+            }) as Box<dyn Listener>)
         }
         .boxed()
     }

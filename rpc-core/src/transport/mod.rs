@@ -54,7 +54,9 @@ pub struct Connection {
 
 impl fmt::Debug for Connection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Connection").field("peer", &self.peer).finish_non_exhaustive()
+        f.debug_struct("Connection")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
     }
 }
 
@@ -68,7 +70,9 @@ pub struct TransportConfig {
 
 impl Default for TransportConfig {
     fn default() -> Self {
-        TransportConfig { max_frame_len: DEFAULT_MAX_FRAME_LEN }
+        TransportConfig {
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+        }
     }
 }
 
@@ -153,23 +157,32 @@ pub fn register(scheme: &str, transport: Arc<dyn Transport>) -> Option<Arc<dyn T
 /// The transport registered for `scheme`.
 pub fn lookup(scheme: &str) -> Result<Arc<dyn Transport>, TransportError> {
     let registry = REGISTRY.read().unwrap_or_else(|poison| poison.into_inner());
-    registry.get(scheme).cloned().ok_or_else(|| TransportError::UnknownScheme {
-        scheme: scheme.to_owned(),
-        registered: registry.keys().cloned().collect::<Vec<_>>().join(", "),
-        hint: if scheme == "rdma" {
-            "; call rpc_transport_rdma::register() once at start-up"
-        } else {
-            ""
-        },
-    })
+    registry
+        .get(scheme)
+        .cloned()
+        .ok_or_else(|| TransportError::UnknownScheme {
+            scheme: scheme.to_owned(),
+            registered: registry.keys().cloned().collect::<Vec<_>>().join(", "),
+            hint: if scheme == "rdma" {
+                "; call rpc_transport_rdma::register() once at start-up"
+            } else {
+                ""
+            },
+        })
 }
 
 /// Connects to `endpoint` with the transport its scheme names.
-pub async fn connect(endpoint: &Endpoint, config: &TransportConfig) -> Result<Connection, TransportError> {
+pub async fn connect(
+    endpoint: &Endpoint,
+    config: &TransportConfig,
+) -> Result<Connection, TransportError> {
     lookup(endpoint.scheme())?.connect(endpoint, config).await
 }
 
 /// Binds a listener on `endpoint` with the transport its scheme names.
-pub async fn bind(endpoint: &Endpoint, config: &TransportConfig) -> Result<Box<dyn Listener>, TransportError> {
+pub async fn bind(
+    endpoint: &Endpoint,
+    config: &TransportConfig,
+) -> Result<Box<dyn Listener>, TransportError> {
     lookup(endpoint.scheme())?.bind(endpoint, config).await
 }

@@ -9,8 +9,8 @@ use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures_core::Stream;
-use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Decoder, Encoder, FramedRead, FramedWrite};
 
@@ -47,7 +47,11 @@ impl Decoder for LengthPrefixCodec {
         }
         let len = u32::from_le_bytes([src[0], src[1], src[2], src[3]]) as usize;
         if len > self.max_frame_len {
-            return Err(FrameError::TooLarge { len, max: self.max_frame_len }.into());
+            return Err(FrameError::TooLarge {
+                len,
+                max: self.max_frame_len,
+            }
+            .into());
         }
         if src.len() < LENGTH_PREFIX_LEN + len {
             src.reserve(LENGTH_PREFIX_LEN + len - src.len());
@@ -63,7 +67,10 @@ impl Decoder for LengthPrefixCodec {
             None if src.is_empty() => Ok(None),
             None => Err(TransportError::Io(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
-                format!("connection closed inside a frame ({} bytes of it received)", src.len()),
+                format!(
+                    "connection closed inside a frame ({} bytes of it received)",
+                    src.len()
+                ),
             ))),
         }
     }
@@ -73,8 +80,10 @@ impl Encoder<Bytes> for LengthPrefixCodec {
     type Error = TransportError;
 
     fn encode(&mut self, frame: Bytes, dst: &mut BytesMut) -> Result<(), TransportError> {
-        let len = u32::try_from(frame.len())
-            .map_err(|_| FrameError::TooLarge { len: frame.len(), max: u32::MAX as usize })?;
+        let len = u32::try_from(frame.len()).map_err(|_| FrameError::TooLarge {
+            len: frame.len(),
+            max: u32::MAX as usize,
+        })?;
         dst.reserve(LENGTH_PREFIX_LEN + frame.len());
         dst.put_u32_le(len);
         dst.put_slice(&frame);
@@ -119,7 +128,11 @@ impl Transport for TcpTransport {
         async move {
             let listener = TcpListener::bind(&authority).await?;
             let local = Endpoint::new("tcp", &listener.local_addr()?.to_string())?;
-            Ok(Box::new(TcpFrameListener { listener, local, max_frame_len }) as Box<dyn Listener>)
+            Ok(Box::new(TcpFrameListener {
+                listener,
+                local,
+                max_frame_len,
+            }) as Box<dyn Listener>)
         }
         .boxed()
     }
@@ -137,7 +150,9 @@ impl Stream for TcpFrameListener {
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
         match this.listener.poll_accept(cx) {
-            Poll::Ready(Ok((stream, _))) => Poll::Ready(Some(into_connection(stream, this.max_frame_len))),
+            Poll::Ready(Ok((stream, _))) => {
+                Poll::Ready(Some(into_connection(stream, this.max_frame_len)))
+            }
             Poll::Ready(Err(error)) => Poll::Ready(Some(Err(error.into()))),
             Poll::Pending => Poll::Pending,
         }
@@ -162,13 +177,19 @@ mod tests {
         let mut partial = buf.split_to(5);
         assert!(codec.decode(&mut partial).unwrap().is_none());
         partial.unsplit(buf);
-        assert_eq!(codec.decode(&mut partial).unwrap().unwrap(), Bytes::from_static(b"abc"));
+        assert_eq!(
+            codec.decode(&mut partial).unwrap().unwrap(),
+            Bytes::from_static(b"abc")
+        );
 
         let mut huge = BytesMut::new();
         huge.put_u32_le(9);
         assert!(matches!(
             codec.decode(&mut huge),
-            Err(TransportError::Frame(FrameError::TooLarge { len: 9, max: 8 }))
+            Err(TransportError::Frame(FrameError::TooLarge {
+                len: 9,
+                max: 8
+            }))
         ));
 
         let mut cut = BytesMut::new();

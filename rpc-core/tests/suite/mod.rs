@@ -38,7 +38,11 @@ pub struct MemBed;
 impl Bed for MemBed {
     fn listen_endpoint(&self) -> String {
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        format!("mem://suite-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+        format!(
+            "mem://suite-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        )
     }
 }
 
@@ -80,7 +84,13 @@ impl tower::Service<Request<Bytes>> for Probe {
     fn call(&mut self, request: Request<Bytes>) -> Self::Future {
         let events = self.events.clone();
         Box::pin(async move {
-            let method = request.method().unwrap_or_default().rsplit('/').next().unwrap_or_default().to_owned();
+            let method = request
+                .method()
+                .unwrap_or_default()
+                .rsplit('/')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
             match method.as_str() {
                 "Echo" => {
                     let mut metadata = request.metadata().clone();
@@ -103,8 +113,14 @@ impl tower::Service<Request<Bytes>> for Probe {
                     let md = request.metadata();
                     let code = Code::from(md.get("x-code").unwrap().parse::<i32>().unwrap());
                     let mut status = Status::new(code, md.get("x-message").unwrap());
-                    status.metadata_mut().insert("x-detail", "ascii detail").unwrap();
-                    status.metadata_mut().insert_bin("x-detail-bin", md.get_bin("x-blob-bin").unwrap().clone()).unwrap();
+                    status
+                        .metadata_mut()
+                        .insert("x-detail", "ascii detail")
+                        .unwrap();
+                    status
+                        .metadata_mut()
+                        .insert_bin("x-detail-bin", md.get_bin("x-blob-bin").unwrap().clone())
+                        .unwrap();
                     Err(status)
                 }
                 "Panic" => panic!("probe handler panics on purpose"),
@@ -131,7 +147,11 @@ impl RunningServer {
     pub async fn shutdown(mut self) {
         let _ = self.shutdown.take().unwrap().send(());
         let task = std::mem::replace(&mut self.task, tokio::spawn(async { Ok(()) }));
-        tokio::time::timeout(Duration::from_secs(10), task).await.expect("server shut down").unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("server shut down")
+            .unwrap()
+            .unwrap();
     }
 }
 
@@ -156,7 +176,12 @@ pub async fn start_with(bed: &dyn Bed, configure: impl FnOnce(Server) -> Server)
     let task = tokio::spawn(listening.serve_with_shutdown(async move {
         let _ = signal.await;
     }));
-    RunningServer { endpoint, events, shutdown: Some(shutdown), task }
+    RunningServer {
+        endpoint,
+        events,
+        shutdown: Some(shutdown),
+        task,
+    }
 }
 
 /// Starts the probe server with default settings.
@@ -173,7 +198,10 @@ pub fn probe(method: &str, payload: impl Into<Bytes>) -> Request<Bytes> {
 
 /// Waits for the next event, failing the test after `limit`.
 pub async fn next_event(events: &mut mpsc::UnboundedReceiver<Event>, limit: Duration) -> Event {
-    tokio::time::timeout(limit, events.recv()).await.expect("event in time").expect("event")
+    tokio::time::timeout(limit, events.recv())
+        .await
+        .expect("event in time")
+        .expect("event")
 }
 
 fn pattern(len: usize, seed: u64) -> Bytes {
@@ -196,10 +224,16 @@ pub async fn unary_round_trip(bed: &dyn Bed) {
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
     let mut request = probe("Echo", "hello");
     request.metadata_mut().insert("x-trace", "abc").unwrap();
-    request.metadata_mut().insert_bin("x-raw-bin", vec![0u8, 159, 255]).unwrap();
+    request
+        .metadata_mut()
+        .insert_bin("x-raw-bin", vec![0u8, 159, 255])
+        .unwrap();
     let response = channel.unary(request).await.unwrap();
     assert_eq!(response.metadata().get("x-trace"), Some("abc"));
-    assert_eq!(&response.metadata().get_bin("x-raw-bin").unwrap()[..], &[0u8, 159, 255]);
+    assert_eq!(
+        &response.metadata().get_bin("x-raw-bin").unwrap()[..],
+        &[0u8, 159, 255]
+    );
     assert!(!response.metadata().get("x-peer").unwrap().is_empty());
     assert_eq!(response.into_inner(), Bytes::from_static(b"hello"));
 }
@@ -219,7 +253,10 @@ pub async fn thousand_concurrent_calls_share_one_connection(bed: &dyn Bed) {
     });
     let peers = futures_util::future::join_all(calls).await;
     assert_eq!(peers.len(), 1000);
-    assert!(peers.iter().all(|peer| *peer == peers[0]), "all calls used one connection");
+    assert!(
+        peers.iter().all(|peer| *peer == peers[0]),
+        "all calls used one connection"
+    );
 }
 
 pub async fn deadline_exceeded_locally_and_on_the_server(bed: &dyn Bed) {
@@ -230,29 +267,58 @@ pub async fn deadline_exceeded_locally_and_on_the_server(bed: &dyn Bed) {
     request.set_timeout(Duration::from_secs(30));
     let seen = channel.unary(request).await.unwrap().into_inner();
     let seen = Duration::from_micros(u64::from_le_bytes(seen[..].try_into().unwrap()));
-    assert!(seen <= Duration::from_secs(30) && seen > Duration::from_secs(20), "server saw {seen:?}");
+    assert!(
+        seen <= Duration::from_secs(30) && seen > Duration::from_secs(20),
+        "server saw {seen:?}"
+    );
 
     let mut request = probe("Hang", Bytes::new());
     request.set_timeout(Duration::from_millis(200));
     let started = Instant::now();
     let status = channel.unary(request).await.unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
-    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
-    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangStarted);
-    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangDropped);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangStarted
+    );
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangDropped
+    );
 
     // The server enforces the deadline by itself too (a client that sends a
     // deadline but never cancels): a raw request with a 100 ms deadline.
     let config = TransportConfig::default();
     let mut raw = transport::connect(&server.endpoint, &config).await.unwrap();
-    let frame = rpc_core::frame::Frame::request(1, "/test.Probe/Hang", Some(Duration::from_millis(100)), Metadata::new(), Bytes::new());
+    let frame = rpc_core::frame::Frame::request(
+        1,
+        "/test.Probe/Hang",
+        Some(Duration::from_millis(100)),
+        Metadata::new(),
+        Bytes::new(),
+    );
     use futures_util::{SinkExt, StreamExt};
     raw.sink.send(frame.encode()).await.unwrap();
-    let reply = tokio::time::timeout(Duration::from_secs(5), raw.stream.next()).await.unwrap().unwrap().unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(5), raw.stream.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     let reply = rpc_core::frame::Frame::decode(reply, config.max_frame_len).unwrap();
     assert_eq!(reply.status, Code::DeadlineExceeded);
-    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangStarted);
-    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangDropped);
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangStarted
+    );
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangDropped
+    );
 }
 
 pub async fn dropping_a_call_cancels_the_server_handler(bed: &dyn Bed) {
@@ -262,17 +328,33 @@ pub async fn dropping_a_call_cancels_the_server_handler(bed: &dyn Bed) {
         let channel = channel.clone();
         async move { channel.unary(probe("Hang", Bytes::new())).await }
     });
-    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangStarted);
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangStarted
+    );
     call.abort();
-    assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangDropped);
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangDropped
+    );
     // The connection is still fine.
-    assert_eq!(channel.unary(probe("Echo", "ok")).await.unwrap().into_inner(), Bytes::from_static(b"ok"));
+    assert_eq!(
+        channel
+            .unary(probe("Echo", "ok"))
+            .await
+            .unwrap()
+            .into_inner(),
+        Bytes::from_static(b"ok")
+    );
 }
 
 pub async fn unknown_service_and_method_are_unimplemented(bed: &dyn Bed) {
     let server = start(bed).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
-    let status = channel.unary(probe("NoSuchMethod", Bytes::new())).await.unwrap_err();
+    let status = channel
+        .unary(probe("NoSuchMethod", Bytes::new()))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::Unimplemented);
     assert!(status.message().contains("NoSuchMethod"), "{status:?}");
     let mut request = Request::new(Bytes::new());
@@ -285,26 +367,46 @@ pub async fn unknown_service_and_method_are_unimplemented(bed: &dyn Bed) {
 pub async fn error_status_round_trips_code_message_and_metadata(bed: &dyn Bed) {
     let server = start(bed).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
-    for code in [Code::NotFound, Code::PermissionDenied, Code::Unauthenticated, Code::DataLoss] {
+    for code in [
+        Code::NotFound,
+        Code::PermissionDenied,
+        Code::Unauthenticated,
+        Code::DataLoss,
+    ] {
         let mut request = probe("Fail", Bytes::new());
         let md = request.metadata_mut();
         md.insert("x-code", &(code as i32).to_string()).unwrap();
-        md.insert("x-message", "the thing is gone: caf\\u00e9").unwrap();
-        md.insert_bin("x-blob-bin", vec![1u8, 2, 3, 0, 255]).unwrap();
+        md.insert("x-message", "the thing is gone: caf\\u00e9")
+            .unwrap();
+        md.insert_bin("x-blob-bin", vec![1u8, 2, 3, 0, 255])
+            .unwrap();
         let status = channel.unary(request).await.unwrap_err();
         assert_eq!(status.code(), code);
         assert_eq!(status.message(), "the thing is gone: caf\\u00e9");
         assert_eq!(status.metadata().get("x-detail"), Some("ascii detail"));
-        assert_eq!(&status.metadata().get_bin("x-detail-bin").unwrap()[..], &[1u8, 2, 3, 0, 255]);
+        assert_eq!(
+            &status.metadata().get_bin("x-detail-bin").unwrap()[..],
+            &[1u8, 2, 3, 0, 255]
+        );
     }
 }
 
 pub async fn handler_panic_is_internal_for_that_call_only(bed: &dyn Bed) {
     let server = start(bed).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
-    let status = channel.unary(probe("Panic", Bytes::new())).await.unwrap_err();
+    let status = channel
+        .unary(probe("Panic", Bytes::new()))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::Internal);
-    assert_eq!(channel.unary(probe("Echo", "still here")).await.unwrap().into_inner(), Bytes::from_static(b"still here"));
+    assert_eq!(
+        channel
+            .unary(probe("Echo", "still here"))
+            .await
+            .unwrap()
+            .into_inner(),
+        Bytes::from_static(b"still here")
+    );
 }
 
 pub async fn payload_16_mib_round_trips(bed: &dyn Bed) {
@@ -317,10 +419,24 @@ pub async fn payload_16_mib_round_trips(bed: &dyn Bed) {
 
 pub async fn oversized_request_fails_locally_with_resource_exhausted(bed: &dyn Bed) {
     let server = start(bed).await;
-    let channel = Channel::builder(server.endpoint.clone()).max_frame_len(1 << 20).connect().await.unwrap();
-    let status = channel.unary(probe("Echo", vec![0u8; 2 << 20])).await.unwrap_err();
+    let channel = Channel::builder(server.endpoint.clone())
+        .max_frame_len(1 << 20)
+        .connect()
+        .await
+        .unwrap();
+    let status = channel
+        .unary(probe("Echo", vec![0u8; 2 << 20]))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-    assert_eq!(channel.unary(probe("Echo", "small")).await.unwrap().into_inner(), Bytes::from_static(b"small"));
+    assert_eq!(
+        channel
+            .unary(probe("Echo", "small"))
+            .await
+            .unwrap()
+            .into_inner(),
+        Bytes::from_static(b"small")
+    );
 }
 
 pub async fn per_connection_call_limit_refuses_excess_calls(bed: &dyn Bed) {
@@ -333,7 +449,10 @@ pub async fn per_connection_call_limit_refuses_excess_calls(bed: &dyn Bed) {
         })
         .collect();
     for _ in 0..2 {
-        assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangStarted);
+        assert_eq!(
+            next_event(&mut server.events, Duration::from_secs(5)).await,
+            Event::HangStarted
+        );
     }
     let status = channel.unary(probe("Echo", "x")).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
@@ -341,14 +460,19 @@ pub async fn per_connection_call_limit_refuses_excess_calls(bed: &dyn Bed) {
         hang.abort();
     }
     for _ in 0..2 {
-        assert_eq!(next_event(&mut server.events, Duration::from_secs(5)).await, Event::HangDropped);
+        assert_eq!(
+            next_event(&mut server.events, Duration::from_secs(5)).await,
+            Event::HangDropped
+        );
     }
     // Slots are free again once the cancels are processed.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         match channel.unary(probe("Echo", "x")).await {
             Ok(_) => break,
-            Err(status) if status.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+            Err(status)
+                if status.code() == Code::ResourceExhausted && Instant::now() < deadline =>
+            {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             Err(status) => panic!("{status:?}"),
@@ -361,16 +485,28 @@ pub async fn graceful_shutdown_finishes_in_flight_calls(bed: &dyn Bed) {
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
     let slow = tokio::spawn({
         let channel = channel.clone();
-        async move { channel.unary(probe("Sleep", 300u64.to_le_bytes().to_vec())).await }
+        async move {
+            channel
+                .unary(probe("Sleep", 300u64.to_le_bytes().to_vec()))
+                .await
+        }
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     let endpoint = server.endpoint.clone();
     let started = Instant::now();
     server.shutdown().await;
-    assert!(started.elapsed() >= Duration::from_millis(150), "shutdown waited for the call");
-    slow.await.unwrap().expect("in-flight call finished during graceful shutdown");
+    assert!(
+        started.elapsed() >= Duration::from_millis(150),
+        "shutdown waited for the call"
+    );
+    slow.await
+        .unwrap()
+        .expect("in-flight call finished during graceful shutdown");
     // Nothing listens any more.
-    let status = Channel::builder(endpoint).connect_timeout(Duration::from_secs(2)).connect().await;
+    let status = Channel::builder(endpoint)
+        .connect_timeout(Duration::from_secs(2))
+        .connect()
+        .await;
     assert!(status.is_err(), "server still accepts after shutdown");
 }
 
@@ -381,10 +517,18 @@ pub async fn server_gone_fails_pending_calls_with_unavailable_and_reconnects(bed
     let (kill_tx, kill_rx) = std::sync::mpsc::channel::<()>();
     let listen = bed.listen_endpoint();
     let server_thread = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
         let (events_tx, events) = mpsc::unbounded_channel();
         let listening = runtime
-            .block_on(Server::builder().add_service(Probe { events: events_tx }).listen(listen.as_str()))
+            .block_on(
+                Server::builder()
+                    .add_service(Probe { events: events_tx })
+                    .listen(listen.as_str()),
+            )
             .unwrap();
         ready_tx.send(listening.local_endpoint()).unwrap();
         runtime.spawn(listening.serve());
@@ -394,7 +538,10 @@ pub async fn server_gone_fails_pending_calls_with_unavailable_and_reconnects(bed
     });
     let endpoint = ready_rx.recv().unwrap();
     let channel = Channel::builder(endpoint.clone())
-        .backoff(rpc_core::client::Backoff { initial: Duration::from_millis(20), ..Default::default() })
+        .backoff(rpc_core::client::Backoff {
+            initial: Duration::from_millis(20),
+            ..Default::default()
+        })
         .connect()
         .await
         .unwrap();
@@ -408,7 +555,11 @@ pub async fn server_gone_fails_pending_calls_with_unavailable_and_reconnects(bed
     let killed = Instant::now();
     kill_tx.send(()).unwrap();
     for call in pending {
-        let status = tokio::time::timeout(Duration::from_secs(1), call).await.expect("no hang").unwrap().unwrap_err();
+        let status = tokio::time::timeout(Duration::from_secs(1), call)
+            .await
+            .expect("no hang")
+            .unwrap()
+            .unwrap_err();
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     }
     assert!(killed.elapsed() < Duration::from_secs(1));
@@ -420,7 +571,11 @@ pub async fn server_gone_fails_pending_calls_with_unavailable_and_reconnects(bed
 
     // A new server on the same endpoint: the channel reconnects by itself.
     let (events_tx, _events) = mpsc::unbounded_channel();
-    let listening = Server::builder().add_service(Probe { events: events_tx }).listen(endpoint.clone()).await.unwrap();
+    let listening = Server::builder()
+        .add_service(Probe { events: events_tx })
+        .listen(endpoint.clone())
+        .await
+        .unwrap();
     let replacement = tokio::spawn(listening.serve());
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -448,7 +603,10 @@ async fn send_raw_and_expect_close(endpoint: &Endpoint, message: Bytes) -> Optio
     let _ = raw.sink.send(message).await;
     let mut reason = None;
     loop {
-        match tokio::time::timeout(Duration::from_secs(5), raw.stream.next()).await.expect("server closes the connection") {
+        match tokio::time::timeout(Duration::from_secs(5), raw.stream.next())
+            .await
+            .expect("server closes the connection")
+        {
             Some(Ok(bytes)) => {
                 let frame = rpc_core::frame::Frame::decode(bytes, config.max_frame_len).unwrap();
                 assert_eq!(frame.kind, rpc_core::frame::FrameKind::GoAway);
@@ -464,7 +622,14 @@ pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
     let server = start_with(bed, |s| s.max_frame_len(1 << 20)).await;
     let healthy = Channel::connect(server.endpoint.clone()).await.unwrap();
 
-    let good = rpc_core::frame::Frame::request(1, "/test.Probe/Echo", None, Metadata::new(), Bytes::from_static(b"x")).encode();
+    let good = rpc_core::frame::Frame::request(
+        1,
+        "/test.Probe/Echo",
+        None,
+        Metadata::new(),
+        Bytes::from_static(b"x"),
+    )
+    .encode();
     let mut bad_kind = bytes::BytesMut::from(&good[..]);
     bad_kind[1] = 99;
     let mut bad_version = bytes::BytesMut::from(&good[..]);
@@ -473,26 +638,66 @@ pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
     let mut huge_announcement = bytes::BytesMut::from(&good[..]);
     huge_announcement[32..36].copy_from_slice(&(1u32 << 30).to_le_bytes());
     let cases: Vec<(&str, Bytes, &str)> = vec![
-        ("garbage", Bytes::from_static(b"this is not a frame at all, not even close......"), "version"),
+        (
+            "garbage",
+            Bytes::from_static(b"this is not a frame at all, not even close......"),
+            "version",
+        ),
         ("unknown kind", bad_kind.freeze(), "unknown frame kind 99"),
-        ("bad version", bad_version.freeze(), "unsupported protocol version 7"),
+        (
+            "bad version",
+            bad_version.freeze(),
+            "unsupported protocol version 7",
+        ),
         ("truncated", truncated, "truncated frame"),
-        ("announced length over the limit", huge_announcement.freeze(), "exceeds the limit"),
+        (
+            "announced length over the limit",
+            huge_announcement.freeze(),
+            "exceeds the limit",
+        ),
     ];
     for (what, message, expected) in cases {
         let reason = send_raw_and_expect_close(&server.endpoint, message).await;
         let reason = reason.unwrap_or_else(|| panic!("{what}: no GOAWAY reason"));
         assert!(reason.contains(expected), "{what}: {reason}");
         // The healthy connection and fresh ones keep working.
-        assert_eq!(healthy.unary(probe("Echo", what.to_owned())).await.unwrap().into_inner(), Bytes::from(what.to_owned()));
+        assert_eq!(
+            healthy
+                .unary(probe("Echo", what.to_owned()))
+                .await
+                .unwrap()
+                .into_inner(),
+            Bytes::from(what.to_owned())
+        );
         let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
-        assert_eq!(fresh.unary(probe("Echo", "fresh")).await.unwrap().into_inner(), Bytes::from_static(b"fresh"));
+        assert_eq!(
+            fresh
+                .unary(probe("Echo", "fresh"))
+                .await
+                .unwrap()
+                .into_inner(),
+            Bytes::from_static(b"fresh")
+        );
     }
 
     // A real frame over the server's limit.
-    let big = rpc_core::frame::Frame::request(1, "/test.Probe/Echo", None, Metadata::new(), vec![0u8; 2 << 20].into()).encode();
+    let big = rpc_core::frame::Frame::request(
+        1,
+        "/test.Probe/Echo",
+        None,
+        Metadata::new(),
+        vec![0u8; 2 << 20].into(),
+    )
+    .encode();
     let _ = send_raw_and_expect_close(&server.endpoint, big).await;
-    assert_eq!(healthy.unary(probe("Echo", "after")).await.unwrap().into_inner(), Bytes::from_static(b"after"));
+    assert_eq!(
+        healthy
+            .unary(probe("Echo", "after"))
+            .await
+            .unwrap()
+            .into_inner(),
+        Bytes::from_static(b"after")
+    );
 }
 
 /// Generates one `#[tokio::test]` per suite test for `$bed`.
