@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Instrument;
 
-use super::connection::ClientConnection;
+use super::connection::{ClientConnection, Keepalive};
 use crate::error::Error;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame};
 use crate::request::{Request, Response};
@@ -60,6 +60,7 @@ pub struct ChannelBuilder {
     default_timeout: Option<Duration>,
     max_frame_len: usize,
     backoff: Backoff,
+    keepalive: Option<Keepalive>,
 }
 
 impl ChannelBuilder {
@@ -78,6 +79,22 @@ impl ChannelBuilder {
     /// Largest frame sent or accepted (default 64 MiB).
     pub fn max_frame_len(mut self, len: usize) -> Self {
         self.max_frame_len = len;
+        self
+    }
+
+    /// Probes a silent connection: after `interval` without a frame from the
+    /// server a ping is sent, and after `timeout` more the connection is
+    /// declared dead (pending calls fail with `Unavailable`). This is what ends
+    /// calls without deadlines when the server's host vanishes without closing
+    /// the connection. Default: 30 s and 20 s.
+    pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
+        self.keepalive = Some(Keepalive { interval, timeout });
+        self
+    }
+
+    /// Turns keepalive probing off.
+    pub fn no_keepalive(mut self) -> Self {
+        self.keepalive = None;
         self
     }
 
@@ -152,6 +169,7 @@ impl ChannelInner {
             Ok(Ok(connection)) => Ok(ClientConnection::start(
                 connection,
                 self.config.max_frame_len,
+                self.config.keepalive,
             )),
             Ok(Err(error)) => Err(error.into()),
             Err(_) => Err(Error::ConnectTimeout {
@@ -242,6 +260,7 @@ impl Channel {
             default_timeout: None,
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             backoff: Backoff::default(),
+            keepalive: Some(Keepalive::default()),
         }
     }
 

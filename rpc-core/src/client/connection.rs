@@ -78,7 +78,11 @@ pub(crate) struct ClientConnection {
 
 impl ClientConnection {
     /// Takes over `connection` and starts its reader and writer tasks.
-    pub(crate) fn start(connection: Connection, max_frame_len: usize) -> Arc<ClientConnection> {
+    pub(crate) fn start(
+        connection: Connection,
+        max_frame_len: usize,
+        keepalive: Option<Keepalive>,
+    ) -> Arc<ClientConnection> {
         let Connection { sink, stream, peer } = connection;
         let shared = Arc::new(Shared {
             calls: Mutex::default(),
@@ -106,6 +110,7 @@ impl ClientConnection {
             stream,
             outbound.clone(),
             max_frame_len,
+            keepalive,
         ));
 
         Arc::new(ClientConnection {
@@ -216,17 +221,71 @@ impl Drop for PendingCall {
     }
 }
 
+/// Liveness probing of an otherwise silent connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalive {
+    /// Silence after which a ping is sent.
+    pub interval: Duration,
+    /// Further silence after which the connection is declared dead and every
+    /// pending call fails with `Unavailable`.
+    pub timeout: Duration,
+}
+
+impl Default for Keepalive {
+    fn default() -> Self {
+        Keepalive {
+            interval: Duration::from_secs(30),
+            timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// Ticks every `keepalive.interval`, or never.
+async fn keepalive_tick(ticker: &mut Option<tokio::time::Interval>) {
+    match ticker {
+        Some(ticker) => {
+            ticker.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
 async fn read_frames(
     shared: Arc<Shared>,
     mut stream: FrameStream,
     outbound: mpsc::UnboundedSender<Bytes>,
     max_frame_len: usize,
+    keepalive: Option<Keepalive>,
 ) {
+    let mut last_heard = tokio::time::Instant::now();
+    let mut ticker = keepalive.map(|keepalive| {
+        let period = keepalive
+            .interval
+            .min(keepalive.timeout)
+            .max(Duration::from_millis(1));
+        let mut ticker = tokio::time::interval_at(last_heard + period, period);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticker
+    });
     let reason = loop {
         let next = tokio::select! {
             () = shared.shutdown.cancelled() => return,
+            () = keepalive_tick(&mut ticker) => {
+                let Some(keepalive) = keepalive else { continue };
+                let silent = last_heard.elapsed();
+                if silent >= keepalive.interval + keepalive.timeout {
+                    tracing::warn!(peer = %shared.peer, ?silent, "closing connection: keepalive timed out");
+                    break format!("connection lost: nothing heard from the server for {silent:?} (keepalive)");
+                }
+                if silent >= keepalive.interval {
+                    let ping = Frame::control(FrameKind::Ping, FrameFlags::EMPTY, 0);
+                    let _ = outbound.send(ping.encode());
+                }
+                continue;
+            }
             next = stream.next() => next,
         };
+        last_heard = tokio::time::Instant::now();
         let bytes = match next {
             None => break "connection closed by peer".to_owned(),
             Some(Err(error)) => break format!("connection lost: {error}"),

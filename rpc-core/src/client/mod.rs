@@ -7,4 +7,5 @@ mod connection;
 mod rpc;
 
 pub use channel::{Backoff, Channel, ChannelBuilder, ResponseFuture};
+pub use connection::Keepalive;
 pub use rpc::RpcClient;

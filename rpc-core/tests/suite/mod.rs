@@ -700,6 +700,59 @@ pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
     );
 }
 
+pub async fn silent_server_is_detected_by_keepalive(bed: &dyn Bed) {
+    // A "server" that accepts connections and then never says anything, as a
+    // host that vanished without closing its sockets would.
+    let config = TransportConfig::default();
+    let mut listener = transport::bind(&bed.listen_endpoint().parse().unwrap(), &config)
+        .await
+        .unwrap();
+    let endpoint = listener.local_endpoint();
+    let hold = tokio::spawn(async move {
+        use futures_util::StreamExt;
+        let mut held = Vec::new();
+        while let Some(Ok(connection)) = listener.next().await {
+            held.push(connection);
+        }
+    });
+    let channel = Channel::builder(endpoint)
+        .keepalive(Duration::from_millis(100), Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let status = tokio::time::timeout(
+        Duration::from_secs(5),
+        channel.unary(probe("Echo", "anyone?")),
+    )
+    .await
+    .expect("keepalive ended the call")
+    .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("keepalive"), "{status:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "not before interval + timeout"
+    );
+    hold.abort();
+
+    // A live server answers the pings: an idle connection stays up.
+    let server = start(bed).await;
+    let channel = Channel::builder(server.endpoint.clone())
+        .keepalive(Duration::from_millis(50), Duration::from_millis(100))
+        .connect()
+        .await
+        .unwrap();
+    let first = channel.unary(probe("Echo", "a")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let second = channel.unary(probe("Echo", "b")).await.unwrap();
+    assert_eq!(
+        first.metadata().get("x-peer"),
+        second.metadata().get("x-peer"),
+        "same connection after idling past several keepalive periods"
+    );
+}
+
 /// Generates one `#[tokio::test]` per suite test for `$bed`.
 #[macro_export]
 macro_rules! transport_suite {
@@ -718,6 +771,7 @@ macro_rules! transport_suite {
             graceful_shutdown_finishes_in_flight_calls,
             server_gone_fails_pending_calls_with_unavailable_and_reconnects,
             malformed_frames_close_only_that_connection,
+            silent_server_is_detected_by_keepalive,
         );
     };
     (@tests $bed:expr; $($name:ident,)*) => {
