@@ -1,0 +1,839 @@
+//! The verbs layer: RDMA's vocabulary, behind provider traits.
+//!
+//! The names and semantics are those of libibverbs, so that what you know
+//! from `man ibv_post_send` holds here:
+//!
+//! - a [`Provider`] lists and opens devices; an opened device is a
+//!   [`Context`];
+//! - a [`ProtectionDomain`] registers memory ([`MemoryRegion`]: `lkey` for
+//!   local access, `rkey` for the peer, access flags) and creates queue pairs;
+//! - a [`CompletionQueue`] collects [`WorkCompletion`]s, and may be tied to a
+//!   [`CompletionChannel`], a pollable fd that becomes readable once the CQ
+//!   was armed with [`CompletionQueue::req_notify`] and a completion arrived;
+//! - a [`QueuePair`] (reliable connected) moves RESET → INIT → RTR → RTS and
+//!   to ERROR, and takes [`SendWr`]s and [`RecvWr`]s with scatter/gather lists;
+//!   a [`SharedReceiveQueue`] feeds receives to several QPs.
+//!
+//! Errors of a *posted* work request are reported as completions with a
+//! [`WcStatus`], as on hardware; errors of the *post* itself hand the work
+//! requests back ([`PostError`]).
+//!
+//! Providers: [`soft`] (always built) — our own software device with faithful
+//! RC semantics between processes of one host.
+
+#![allow(unsafe_code)]
+
+pub mod soft;
+
+use std::fmt;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Memory access rights of a [`MemoryRegion`] (values as in `ibv_access_flags`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct AccessFlags(u32);
+
+impl AccessFlags {
+    /// Local reads only.
+    pub const NONE: AccessFlags = AccessFlags(0);
+    /// The local HCA may write (needed for receives and READ/atomic destinations).
+    pub const LOCAL_WRITE: AccessFlags = AccessFlags(1);
+    /// The peer may RDMA WRITE into the region.
+    pub const REMOTE_WRITE: AccessFlags = AccessFlags(1 << 1);
+    /// The peer may RDMA READ from the region.
+    pub const REMOTE_READ: AccessFlags = AccessFlags(1 << 2);
+    /// The peer may run atomics on the region.
+    pub const REMOTE_ATOMIC: AccessFlags = AccessFlags(1 << 3);
+
+    /// The raw bits.
+    pub fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// From raw bits (unknown bits are dropped).
+    pub fn from_bits_truncate(bits: u32) -> AccessFlags {
+        AccessFlags(bits & 0xf)
+    }
+
+    /// True when every flag of `other` is set.
+    pub fn contains(self, other: AccessFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl std::ops::BitOr for AccessFlags {
+    type Output = AccessFlags;
+    fn bitor(self, rhs: AccessFlags) -> AccessFlags {
+        AccessFlags(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for AccessFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names = [
+            (AccessFlags::LOCAL_WRITE, "LOCAL_WRITE"),
+            (AccessFlags::REMOTE_WRITE, "REMOTE_WRITE"),
+            (AccessFlags::REMOTE_READ, "REMOTE_READ"),
+            (AccessFlags::REMOTE_ATOMIC, "REMOTE_ATOMIC"),
+        ];
+        let set: Vec<&str> = names
+            .iter()
+            .filter(|(flag, _)| self.contains(*flag))
+            .map(|(_, name)| *name)
+            .collect();
+        if set.is_empty() {
+            f.write_str("NONE")
+        } else {
+            f.write_str(&set.join(" | "))
+        }
+    }
+}
+
+/// One scatter/gather element: `length` bytes at `addr` inside the region of `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sge {
+    /// Start address (a virtual address of this process).
+    pub addr: u64,
+    /// Bytes.
+    pub length: u32,
+    /// The local key of the region that contains the range.
+    pub lkey: u32,
+}
+
+/// What a send work request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    /// Two-sided send into the peer's next receive.
+    Send,
+    /// Send with 32 bits of immediate data delivered in the receive completion.
+    SendWithImm(u32),
+    /// One-sided write to `remote_addr` in the peer's region `rkey`.
+    RdmaWrite {
+        /// Target address in the peer.
+        remote_addr: u64,
+        /// The peer region's remote key.
+        rkey: u32,
+    },
+    /// A write that also consumes a receive at the peer and delivers `imm`.
+    RdmaWriteWithImm {
+        /// Target address in the peer.
+        remote_addr: u64,
+        /// The peer region's remote key.
+        rkey: u32,
+        /// Immediate data for the peer's receive completion.
+        imm: u32,
+    },
+    /// One-sided read from `remote_addr` in the peer into the local SGEs.
+    RdmaRead {
+        /// Source address in the peer.
+        remote_addr: u64,
+        /// The peer region's remote key.
+        rkey: u32,
+    },
+    /// 64-bit compare-and-swap at an 8-byte aligned remote address; the old value lands in the SGE.
+    AtomicCmpAndSwp {
+        /// Target address in the peer (8-byte aligned).
+        remote_addr: u64,
+        /// The peer region's remote key.
+        rkey: u32,
+        /// Value expected.
+        compare: u64,
+        /// Value stored when it matches.
+        swap: u64,
+    },
+    /// 64-bit fetch-and-add at an 8-byte aligned remote address; the old value lands in the SGE.
+    AtomicFetchAndAdd {
+        /// Target address in the peer (8-byte aligned).
+        remote_addr: u64,
+        /// The peer region's remote key.
+        rkey: u32,
+        /// Added to the remote value.
+        add: u64,
+    },
+}
+
+impl SendOp {
+    /// The completion opcode a successful request of this kind reports.
+    pub fn completion_opcode(&self) -> WcOpcode {
+        match self {
+            SendOp::Send | SendOp::SendWithImm(_) => WcOpcode::Send,
+            SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. } => WcOpcode::RdmaWrite,
+            SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
+            SendOp::AtomicCmpAndSwp { .. } => WcOpcode::CompSwap,
+            SendOp::AtomicFetchAndAdd { .. } => WcOpcode::FetchAdd,
+        }
+    }
+
+    /// True for operations whose local SGEs are written (READ, atomics).
+    pub fn writes_locally(&self) -> bool {
+        matches!(
+            self,
+            SendOp::RdmaRead { .. }
+                | SendOp::AtomicCmpAndSwp { .. }
+                | SendOp::AtomicFetchAndAdd { .. }
+        )
+    }
+}
+
+/// A send-queue work request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: SendOp,
+    /// Local memory: gathered for sends and writes, scattered into for reads and atomics.
+    pub sg_list: Vec<Sge>,
+    /// Produce a completion on success (errors always complete).
+    pub signaled: bool,
+    /// Copy the data at post time (lkeys ignored); up to the QP's `max_inline_data`.
+    pub inline: bool,
+    /// Ask the peer's CQ to raise a solicited event.
+    pub solicited: bool,
+}
+
+impl SendWr {
+    /// A signaled request with no inline data and no solicited event.
+    pub fn new(wr_id: u64, op: SendOp, sg_list: Vec<Sge>) -> SendWr {
+        SendWr {
+            wr_id,
+            op,
+            sg_list,
+            signaled: true,
+            inline: false,
+            solicited: false,
+        }
+    }
+}
+
+/// A receive work request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecvWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Where an incoming SEND's bytes land, in order.
+    pub sg_list: Vec<Sge>,
+}
+
+/// Completion status (numbers as in `ibv_wc_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum WcStatus {
+    /// The request completed.
+    Success = 0,
+    /// A receive buffer was too small, or a send longer than the path allows.
+    LocLenErr = 1,
+    /// Internal QP consistency error.
+    LocQpOpErr = 2,
+    /// An SGE's lkey is invalid, its range is outside the region, or the region lacks an access right.
+    LocProtErr = 4,
+    /// Flushed: the QP was (or went) in the ERROR state.
+    WrFlushErr = 5,
+    /// Memory window bind error.
+    MwBindErr = 6,
+    /// Unexpected response from the peer.
+    BadRespErr = 7,
+    /// Local access error on a received write.
+    LocAccessErr = 8,
+    /// The peer found the request invalid (e.g. its receive buffer was too small).
+    RemInvReqErr = 9,
+    /// The peer refused access: unknown rkey, range outside the region, or missing right.
+    RemAccessErr = 10,
+    /// The peer could not complete the operation.
+    RemOpErr = 11,
+    /// Transport retries exhausted: the peer stopped answering (or died).
+    RetryExcErr = 12,
+    /// Receiver-not-ready retries exhausted: the peer never posted a receive.
+    RnrRetryExcErr = 13,
+    /// Any other error.
+    GeneralErr = 21,
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self {
+            WcStatus::Success => "SUCCESS",
+            WcStatus::LocLenErr => "LOC_LEN_ERR",
+            WcStatus::LocQpOpErr => "LOC_QP_OP_ERR",
+            WcStatus::LocProtErr => "LOC_PROT_ERR",
+            WcStatus::WrFlushErr => "WR_FLUSH_ERR",
+            WcStatus::MwBindErr => "MW_BIND_ERR",
+            WcStatus::BadRespErr => "BAD_RESP_ERR",
+            WcStatus::LocAccessErr => "LOC_ACCESS_ERR",
+            WcStatus::RemInvReqErr => "REM_INV_REQ_ERR",
+            WcStatus::RemAccessErr => "REM_ACCESS_ERR",
+            WcStatus::RemOpErr => "REM_OP_ERR",
+            WcStatus::RetryExcErr => "RETRY_EXC_ERR",
+            WcStatus::RnrRetryExcErr => "RNR_RETRY_EXC_ERR",
+            WcStatus::GeneralErr => "GENERAL_ERR",
+        };
+        f.write_str(name)
+    }
+}
+
+/// What a completion completes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WcOpcode {
+    /// A SEND or SEND_WITH_IMM.
+    Send,
+    /// An RDMA WRITE (with or without immediate).
+    RdmaWrite,
+    /// An RDMA READ.
+    RdmaRead,
+    /// A compare-and-swap.
+    CompSwap,
+    /// A fetch-and-add.
+    FetchAdd,
+    /// A receive consumed by a SEND.
+    Recv,
+    /// A receive consumed by an RDMA WRITE with immediate.
+    RecvRdmaWithImm,
+}
+
+/// A work completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The `wr_id` of the request.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// What completed (meaningful for errors only as far as the provider knows it).
+    pub opcode: WcOpcode,
+    /// Bytes received (receives) or transferred.
+    pub byte_len: u32,
+    /// Immediate data of a SEND_WITH_IMM / WRITE_WITH_IMM receive.
+    pub imm_data: Option<u32>,
+    /// The local QP the request belonged to.
+    pub qp_num: u32,
+}
+
+/// Queue pair states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QpState {
+    /// Just created; nothing may be posted.
+    Reset,
+    /// Receives may be posted.
+    Init,
+    /// Ready to receive: receives are processed.
+    Rtr,
+    /// Ready to send.
+    Rts,
+    /// Broken: every outstanding and newly posted request completes with WR_FLUSH_ERR.
+    Error,
+}
+
+/// Sizes of a queue pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth (ignored with an SRQ).
+    pub max_recv_wr: u32,
+    /// SGEs per send request.
+    pub max_send_sge: u32,
+    /// SGEs per receive request.
+    pub max_recv_sge: u32,
+    /// Largest inline send.
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps {
+            max_send_wr: 128,
+            max_recv_wr: 128,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: 64,
+        }
+    }
+}
+
+/// What a new queue pair is built with.
+#[derive(Clone)]
+pub struct QpInit {
+    /// Completions of send requests.
+    pub send_cq: Arc<dyn CompletionQueue>,
+    /// Completions of receives.
+    pub recv_cq: Arc<dyn CompletionQueue>,
+    /// Take receives from this SRQ instead of an own receive queue.
+    pub srq: Option<Arc<dyn SharedReceiveQueue>>,
+    /// Sizes.
+    pub caps: QpCaps,
+    /// Every send request completes, whatever its `signaled` says.
+    pub sq_sig_all: bool,
+}
+
+/// Reliability settings applied when connecting (RTR/RTS attributes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// Receiver-not-ready retries, 0..=7; 7 means retry forever.
+    pub rnr_retry: u8,
+    /// Wait between RNR retries (the peer's `min_rnr_timer`).
+    pub rnr_timer: Duration,
+    /// Transport retries before RETRY_EXC_ERR, 0..=7.
+    pub retry_count: u8,
+    /// Outstanding RDMA READs / atomics this QP may have at the peer.
+    pub max_rd_atomic: u8,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            rnr_retry: 7,
+            rnr_timer: Duration::from_micros(640),
+            retry_count: 7,
+            max_rd_atomic: 16,
+        }
+    }
+}
+
+/// What a peer needs to reach a queue pair, exchanged out of band (TCP or
+/// Unix socket) before connecting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QpAddress {
+    /// The queue pair number.
+    pub qp_num: u32,
+    /// Initial packet sequence number.
+    pub psn: u32,
+    /// Port LID (InfiniBand), 0 on RoCE/iWARP/soft.
+    pub lid: u16,
+    /// GID (RoCE v2: IPv4-mapped address).
+    pub gid: [u8; 16],
+    /// Path MTU in bytes.
+    pub mtu: u32,
+    /// Provider-specific bytes (soft: where to rendezvous).
+    pub extra: Vec<u8>,
+}
+
+impl QpAddress {
+    /// Serialises for the out-of-band exchange.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(32 + self.extra.len());
+        out.extend_from_slice(&self.qp_num.to_le_bytes());
+        out.extend_from_slice(&self.psn.to_le_bytes());
+        out.extend_from_slice(&self.lid.to_le_bytes());
+        out.extend_from_slice(&self.gid);
+        out.extend_from_slice(&self.mtu.to_le_bytes());
+        out.extend_from_slice(&(self.extra.len() as u32).to_le_bytes());
+        out.extend_from_slice(&self.extra);
+        out
+    }
+
+    /// Parses [`QpAddress::to_bytes`] output.
+    pub fn from_bytes(bytes: &[u8]) -> Result<QpAddress, VerbsError> {
+        let bad = || VerbsError::InvalidArgument("malformed queue pair address");
+        if bytes.len() < 34 {
+            return Err(bad());
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+        let extra_len = u32_at(30) as usize;
+        if bytes.len() != 34 + extra_len {
+            return Err(bad());
+        }
+        Ok(QpAddress {
+            qp_num: u32_at(0),
+            psn: u32_at(4),
+            lid: u16::from_le_bytes([bytes[8], bytes[9]]),
+            gid: bytes[10..26].try_into().expect("16 bytes"),
+            mtu: u32_at(26),
+            extra: bytes[34..].to_vec(),
+        })
+    }
+}
+
+/// What can fail in a verbs call.
+#[derive(Debug, thiserror::Error)]
+pub enum VerbsError {
+    /// The provider cannot be used on this machine (library or kernel support missing).
+    #[error("RDMA provider {provider} is unavailable: {reason}")]
+    ProviderUnavailable {
+        /// Which provider.
+        provider: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// No device with that name.
+    #[error("no RDMA device named {0:?}")]
+    NoSuchDevice(String),
+    /// The call is not allowed in the QP's current state.
+    #[error("queue pair {qp_num} is in state {state:?}: {what}")]
+    InvalidState {
+        /// The QP.
+        qp_num: u32,
+        /// Its state.
+        state: QpState,
+        /// What was attempted.
+        what: &'static str,
+    },
+    /// The queue is full.
+    #[error("{0} is full")]
+    QueueFull(&'static str),
+    /// An argument is out of range.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(&'static str),
+    /// The device does not support the operation.
+    #[error("not supported by this device: {0}")]
+    Unsupported(&'static str),
+    /// An operating-system error.
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A failed post: why, and the work requests that were not posted (the failing one first).
+#[derive(Debug)]
+pub struct PostError<W> {
+    /// Why the first of `rejected` could not be posted.
+    pub error: VerbsError,
+    /// The requests handed back, in order.
+    pub rejected: Vec<W>,
+}
+
+impl<W: fmt::Debug> fmt::Display for PostError<W> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "post failed ({} work requests handed back): {}",
+            self.rejected.len(),
+            self.error
+        )
+    }
+}
+
+impl<W: fmt::Debug> std::error::Error for PostError<W> {}
+
+/// A device as listed by a provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Name to open it by (`soft0`, `rxe0`, `mlx5_0`).
+    pub name: String,
+    /// Transport in words (`soft`, `InfiniBand`, `RoCE v2`, `iWARP`).
+    pub transport: String,
+}
+
+/// What a device supports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceCaps {
+    /// Largest registered region.
+    pub max_mr_size: u64,
+    /// Most SGEs per send or receive.
+    pub max_sge: u32,
+    /// Most SGEs per RDMA READ.
+    pub max_sge_rd: u32,
+    /// Atomics are supported.
+    pub atomics: bool,
+    /// RDMA WRITE with immediate is supported.
+    pub write_with_imm: bool,
+    /// Shared receive queues are supported.
+    pub srq: bool,
+    /// Largest CQ.
+    pub max_cqe: u32,
+    /// Deepest queue.
+    pub max_qp_wr: u32,
+}
+
+/// A family of devices (soft, ibverbs).
+pub trait Provider: Send + Sync {
+    /// `soft` or `ibverbs`.
+    fn name(&self) -> &'static str;
+    /// The devices present.
+    fn devices(&self) -> Result<Vec<DeviceInfo>, VerbsError>;
+    /// Opens a device by name.
+    fn open(&self, device: &str) -> Result<Arc<dyn Context>, VerbsError>;
+}
+
+/// An opened device.
+pub trait Context: Send + Sync {
+    /// The device's name.
+    fn device_name(&self) -> &str;
+    /// What the device supports.
+    fn caps(&self) -> DeviceCaps;
+    /// A new protection domain.
+    fn alloc_pd(&self) -> Result<Arc<dyn ProtectionDomain>, VerbsError>;
+    /// A new completion channel.
+    fn create_comp_channel(&self) -> Result<Arc<dyn CompletionChannel>, VerbsError>;
+    /// A new completion queue of at least `capacity` entries, optionally tied to `channel`.
+    fn create_cq(
+        &self,
+        capacity: u32,
+        channel: Option<&Arc<dyn CompletionChannel>>,
+    ) -> Result<Arc<dyn CompletionQueue>, VerbsError>;
+}
+
+/// A protection domain: memory regions and queue pairs that may work together.
+pub trait ProtectionDomain: Send + Sync {
+    /// Registers `len` bytes at `addr` with `access` rights.
+    ///
+    /// # Safety
+    /// The memory must stay allocated, and must not be moved, until the
+    /// returned region is dropped and no work request that names it is
+    /// outstanding: the device (or, for `soft`, another thread or process)
+    /// reads and writes it behind the compiler's back.
+    unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError>;
+
+    /// A new reliable-connected queue pair in state RESET.
+    fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError>;
+
+    /// A new shared receive queue holding up to `max_wr` receives of up to `max_sge` SGEs.
+    fn create_srq(
+        &self,
+        max_wr: u32,
+        max_sge: u32,
+    ) -> Result<Arc<dyn SharedReceiveQueue>, VerbsError>;
+}
+
+/// A registered memory region; deregistered on drop.
+pub trait MemoryRegion: Send + Sync {
+    /// Start address.
+    fn addr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// True when the region is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Key for local access (SGEs).
+    fn lkey(&self) -> u32;
+    /// Key the peer names the region by.
+    fn rkey(&self) -> u32;
+    /// Access rights.
+    fn access(&self) -> AccessFlags;
+}
+
+/// A completion queue.
+pub trait CompletionQueue: Send + Sync {
+    /// Entries it holds.
+    fn capacity(&self) -> u32;
+    /// Moves up to `out.len()` completions into `out`; returns how many.
+    fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError>;
+    /// Arms the CQ: the next completion (`solicited_only`: the next solicited or
+    /// error completion) raises one event on its channel.
+    fn req_notify(&self, solicited_only: bool) -> Result<(), VerbsError>;
+    /// An id unique among the CQs of its context (what [`CompletionChannel::get_event`] returns).
+    fn id(&self) -> u32;
+    /// Lets a provider recognise its own CQs.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// A completion channel: an fd that becomes readable when an armed CQ gets a completion.
+///
+/// Waker contract: register [`CompletionChannel::fd`] with your reactor for
+/// readability; when it fires, call [`CompletionChannel::get_event`] until it
+/// returns `None`, ack what you got, re-arm the CQs, then poll them empty.
+/// Re-arming before the final poll is what guarantees no completion is lost.
+pub trait CompletionChannel: Send + Sync {
+    /// The fd to wait on (non-blocking).
+    fn fd(&self) -> RawFd;
+    /// The id of a CQ with an event, or `None` when no event is pending (never blocks).
+    fn get_event(&self) -> Result<Option<u32>, VerbsError>;
+    /// Acknowledges `count` events of CQ `cq_id`.
+    fn ack_events(&self, cq_id: u32, count: u32);
+    /// Lets a provider recognise its own channels.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// A reliable-connected queue pair.
+pub trait QueuePair: Send + Sync {
+    /// The queue pair number.
+    fn qp_num(&self) -> u32;
+    /// Current state.
+    fn state(&self) -> QpState;
+    /// Sizes granted.
+    fn caps(&self) -> QpCaps;
+    /// What the peer needs to connect to this QP.
+    fn local_address(&self) -> QpAddress;
+    /// RESET → INIT.
+    fn to_init(&self) -> Result<(), VerbsError>;
+    /// INIT → RTR, pointing the QP at `remote`.
+    fn to_rtr(&self, remote: &QpAddress, options: &ConnectOptions) -> Result<(), VerbsError>;
+    /// RTR → RTS.
+    fn to_rts(&self) -> Result<(), VerbsError>;
+    /// Any state → ERROR: every outstanding request completes with WR_FLUSH_ERR.
+    fn to_error(&self) -> Result<(), VerbsError>;
+    /// Posts send requests, in order. On failure the failing request and all after it come back.
+    fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>>;
+    /// Posts receives, in order. On failure the failing request and all after it come back.
+    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
+
+    /// RESET → INIT → RTR → RTS in one call.
+    fn connect(&self, remote: &QpAddress, options: &ConnectOptions) -> Result<(), VerbsError> {
+        if self.state() == QpState::Reset {
+            self.to_init()?;
+        }
+        self.to_rtr(remote, options)?;
+        self.to_rts()
+    }
+}
+
+/// A shared receive queue.
+pub trait SharedReceiveQueue: Send + Sync {
+    /// Posts receives shared by every QP attached to this SRQ.
+    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
+    /// Lets a provider recognise its own SRQs.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// A heap buffer registered with a protection domain, owning both: the region
+/// is deregistered before the memory is freed, so no key outlives its bytes.
+///
+/// The device writes into the buffer behind the compiler's back: read it only
+/// after the completion of the request that wrote it.
+pub struct RegisteredBuffer {
+    // Field order matters: `region` is dropped (deregistered) before `data` is freed.
+    region: Arc<dyn MemoryRegion>,
+    data: Box<[u8]>,
+}
+
+impl RegisteredBuffer {
+    /// Allocates `len` zeroed bytes and registers them with `access`.
+    pub fn new(
+        pd: &Arc<dyn ProtectionDomain>,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<RegisteredBuffer, VerbsError> {
+        let mut data = vec![0u8; len].into_boxed_slice();
+        // SAFETY: the boxed slice never moves (a Box's heap block is fixed) and
+        // is freed only after `region` is dropped (field order above); the
+        // region is not handed out, so no key to it survives this struct.
+        let region = unsafe { pd.register(data.as_mut_ptr(), len, access)? };
+        Ok(RegisteredBuffer { region, data })
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.data
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.region.addr()
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.region.lkey()
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.region.rkey()
+    }
+
+    /// An SGE for `len` bytes at `offset` (not range-checked: the device checks, as on hardware).
+    pub fn sge(&self, offset: usize, len: usize) -> Sge {
+        Sge {
+            addr: self.region.addr() + offset as u64,
+            length: len as u32,
+            lkey: self.region.lkey(),
+        }
+    }
+}
+
+impl fmt::Debug for RegisteredBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegisteredBuffer")
+            .field("addr", &self.addr())
+            .field("len", &self.len())
+            .field("lkey", &self.lkey())
+            .field("rkey", &self.rkey())
+            .finish()
+    }
+}
+
+/// Waits until `fd` is readable or `timeout` passes; `Ok(true)` when readable.
+/// For blocking users of a [`CompletionChannel`] (tests, tools); async code
+/// registers the fd with its reactor instead.
+pub fn wait_readable(fd: RawFd, timeout: Duration) -> std::io::Result<bool> {
+    let mut pollfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let millis = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+    loop {
+        // SAFETY: one valid pollfd for the duration of the call.
+        let ready = unsafe { libc::poll(&mut pollfd, 1, millis) };
+        if ready >= 0 {
+            return Ok(ready > 0 && pollfd.revents & libc::POLLIN != 0);
+        }
+        let error = std::io::Error::last_os_error();
+        if error.kind() != std::io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
+
+/// Every provider compiled into this build, soft first.
+pub fn providers() -> Vec<Arc<dyn Provider>> {
+    vec![Arc::new(soft::SoftProvider)]
+}
+
+/// The provider named `name` (`soft`, `ibverbs`).
+pub fn provider(name: &str) -> Result<Arc<dyn Provider>, VerbsError> {
+    providers()
+        .into_iter()
+        .find(|p| p.name() == name)
+        .ok_or_else(|| VerbsError::ProviderUnavailable {
+            provider: if name == "ibverbs" {
+                "ibverbs"
+            } else {
+                "unknown"
+            },
+            reason: if name == "ibverbs" {
+                "this build has no ibverbs support: build with --features ibverbs".to_owned()
+            } else {
+                format!("no provider named {name:?} (known: soft, ibverbs)")
+            },
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qp_address_round_trips_and_rejects_garbage() {
+        let address = QpAddress {
+            qp_num: 7,
+            psn: 0xabcdef,
+            lid: 3,
+            gid: [9; 16],
+            mtu: 4096,
+            extra: b"soft".to_vec(),
+        };
+        assert_eq!(QpAddress::from_bytes(&address.to_bytes()).unwrap(), address);
+        assert!(QpAddress::from_bytes(&address.to_bytes()[..20]).is_err());
+        let mut longer = address.to_bytes();
+        longer.push(0);
+        assert!(QpAddress::from_bytes(&longer).is_err());
+    }
+
+    #[test]
+    fn access_flags_debug_and_contains() {
+        let flags = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+        assert!(flags.contains(AccessFlags::REMOTE_READ));
+        assert!(!flags.contains(AccessFlags::REMOTE_WRITE));
+        assert_eq!(format!("{flags:?}"), "LOCAL_WRITE | REMOTE_READ");
+    }
+}

@@ -1,0 +1,179 @@
+//! Moving bytes between address spaces without the network stack:
+//! `process_vm_readv` / `process_vm_writev` (also on our own pid, where they
+//! turn a bad address into `EFAULT` instead of a crash).
+
+use std::io;
+
+/// A range of a process's memory: (address, length).
+pub(crate) type Span = (u64, u32);
+
+fn to_iovecs(spans: &[Span]) -> Vec<libc::iovec> {
+    spans
+        .iter()
+        .filter(|(_, len)| *len > 0)
+        .map(|&(addr, len)| libc::iovec {
+            iov_base: addr as usize as *mut libc::c_void,
+            iov_len: len as usize,
+        })
+        .collect()
+}
+
+fn total(spans: &[Span]) -> usize {
+    spans.iter().map(|(_, len)| *len as usize).sum()
+}
+
+/// Drops the first `n` bytes of `iovecs`.
+fn advance(iovecs: &mut Vec<libc::iovec>, mut n: usize) {
+    let mut consumed = 0;
+    for iov in iovecs.iter_mut() {
+        if n == 0 {
+            break;
+        }
+        if n >= iov.iov_len {
+            n -= iov.iov_len;
+            consumed += 1;
+        } else {
+            iov.iov_base = (iov.iov_base as usize + n) as *mut libc::c_void;
+            iov.iov_len -= n;
+            n = 0;
+        }
+    }
+    iovecs.drain(..consumed);
+}
+
+/// Direction of a transfer relative to the calling process.
+#[derive(Clone, Copy)]
+enum Direction {
+    /// remote → local.
+    Read,
+    /// local → remote.
+    Write,
+}
+
+fn transfer(direction: Direction, pid: u32, local: &[Span], remote: &[Span]) -> io::Result<()> {
+    let len = total(local);
+    if len != total(remote) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "scatter/gather lengths differ",
+        ));
+    }
+    let mut local = to_iovecs(local);
+    let mut remote = to_iovecs(remote);
+    let mut done = 0;
+    while done < len {
+        let local_count = local.len().min(libc::UIO_MAXIOV as usize);
+        let remote_count = remote.len().min(libc::UIO_MAXIOV as usize);
+        // SAFETY: the iovec arrays are valid for the counts given; the kernel
+        // checks every address against the target process's mappings and fails
+        // with EFAULT instead of touching unmapped memory. Writing into our own
+        // address space is allowed by the registration contract
+        // (`ProtectionDomain::register` is unsafe for that reason).
+        let moved = unsafe {
+            match direction {
+                Direction::Read => libc::process_vm_readv(
+                    pid as libc::pid_t,
+                    local.as_ptr(),
+                    local_count as libc::c_ulong,
+                    remote.as_ptr(),
+                    remote_count as libc::c_ulong,
+                    0,
+                ),
+                Direction::Write => libc::process_vm_writev(
+                    pid as libc::pid_t,
+                    local.as_ptr(),
+                    local_count as libc::c_ulong,
+                    remote.as_ptr(),
+                    remote_count as libc::c_ulong,
+                    0,
+                ),
+            }
+        };
+        if moved < 0 {
+            let error = io::Error::last_os_error();
+            if error.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(error);
+        }
+        if moved == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "process_vm transfer made no progress",
+            ));
+        }
+        let moved = moved as usize;
+        done += moved;
+        advance(&mut local, moved);
+        advance(&mut remote, moved);
+    }
+    Ok(())
+}
+
+/// Copies `remote` (in process `pid`) into `local` (ours). Lengths must match.
+pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result<()> {
+    transfer(Direction::Read, pid, local, remote)
+}
+
+/// Copies `local` (ours) into `remote` (in process `pid`). Lengths must match.
+pub(crate) fn write_to(pid: u32, local: &[Span], remote: &[Span]) -> io::Result<()> {
+    transfer(Direction::Write, pid, local, remote)
+}
+
+/// Reads our own memory into a new buffer (inline sends).
+pub(crate) fn gather_own(spans: &[Span]) -> io::Result<Vec<u8>> {
+    let mut out = vec![0u8; total(spans)];
+    let dst = [(out.as_mut_ptr() as u64, out.len() as u32)];
+    read_from(std::process::id(), spans, &dst)?;
+    Ok(out)
+}
+
+/// Writes `bytes` into our own memory described by `spans` (up to its length).
+pub(crate) fn scatter_own(bytes: &[u8], spans: &[Span]) -> io::Result<()> {
+    let src = [(bytes.as_ptr() as u64, bytes.len() as u32)];
+    write_to(std::process::id(), &src, &truncate(spans, bytes.len()))
+}
+
+/// The first `len` bytes of `spans`.
+pub(crate) fn truncate(spans: &[Span], mut len: usize) -> Vec<Span> {
+    let mut out = Vec::with_capacity(spans.len());
+    for &(addr, span_len) in spans {
+        if len == 0 {
+            break;
+        }
+        let take = (span_len as usize).min(len);
+        out.push((addr, take as u32));
+        len -= take;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scatter_gather_between_uneven_lists() {
+        let src: Vec<u8> = (0..100u8).collect();
+        let mut a = [0u8; 30];
+        let mut b = [0u8; 70];
+        let local = [(a.as_mut_ptr() as u64, 30), (b.as_mut_ptr() as u64, 70)];
+        let remote = [(src.as_ptr() as u64, 10), (src.as_ptr() as u64 + 10, 90)];
+        read_from(std::process::id(), &remote, &local).unwrap();
+        assert_eq!(&a[..], &src[..30]);
+        assert_eq!(&b[..], &src[30..]);
+        assert_eq!(gather_own(&remote).unwrap(), src);
+    }
+
+    #[test]
+    fn bad_addresses_fail_instead_of_crashing() {
+        let mut dst = [0u8; 8];
+        let err = read_from(
+            std::process::id(),
+            &[(8, 8)],
+            &[(dst.as_mut_ptr() as u64, 8)],
+        )
+        .unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
+    }
+}

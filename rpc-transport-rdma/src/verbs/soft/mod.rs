@@ -1,0 +1,544 @@
+//! `soft`: a software RDMA device with reliable-connected semantics, for
+//! processes on one host and inside one process.
+//!
+//! How it works (see `docs/providers.md` for the comparison with the kernel):
+//!
+//! - **Keys and checks.** Each opened context keeps a table of its memory
+//!   regions. Local SGEs are checked against it when posted (LOC_PROT_ERR);
+//!   remote keys, ranges and access rights are checked by the *responder*
+//!   against its own table (REM_ACCESS_ERR at the initiator), as an HCA would.
+//! - **The wire.** Two connected QPs share a Unix stream socket that carries
+//!   small request/response descriptors, in order. Each QP has an engine
+//!   thread that executes the peer's requests (the responder role) and
+//!   retires its own (the initiator role).
+//! - **Payload.** Bytes move directly between the two address spaces with
+//!   `process_vm_readv`/`process_vm_writev` (also within one process), never
+//!   through a network stack. This needs the same user on both sides (no
+//!   Yama restrictions measured on these hosts); registering memory needs no
+//!   special allocation.
+//! - **Completion channel.** An eventfd that is written only when an armed CQ
+//!   gets a completion.
+//! - **Failures.** A peer that dies closes the socket: the initiator's
+//!   oldest request completes with RETRY_EXC_ERR and everything else flushes,
+//!   at once.
+
+mod memory;
+mod qp;
+mod wire;
+
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+
+use super::{
+    AccessFlags, CompletionChannel, CompletionQueue, Context, DeviceCaps, DeviceInfo, MemoryRegion,
+    PostError, ProtectionDomain, Provider, QpInit, QueuePair, RecvWr, SharedReceiveQueue,
+    VerbsError, WorkCompletion,
+};
+
+/// The one device the soft provider offers.
+pub const DEVICE_NAME: &str = "soft0";
+
+/// The soft provider.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SoftProvider;
+
+impl Provider for SoftProvider {
+    fn name(&self) -> &'static str {
+        "soft"
+    }
+
+    fn devices(&self) -> Result<Vec<DeviceInfo>, VerbsError> {
+        Ok(vec![DeviceInfo {
+            name: DEVICE_NAME.into(),
+            transport: "soft (shared host)".into(),
+        }])
+    }
+
+    fn open(&self, device: &str) -> Result<Arc<dyn Context>, VerbsError> {
+        if device != DEVICE_NAME {
+            return Err(VerbsError::NoSuchDevice(device.to_owned()));
+        }
+        Ok(Arc::new(SoftContext {
+            shared: ContextShared::new()?,
+        }))
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MrEntry {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) access: AccessFlags,
+    pub(crate) pd: u64,
+}
+
+impl MrEntry {
+    pub(crate) fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(1);
+
+/// State of one opened soft device.
+pub(crate) struct ContextShared {
+    pub(crate) id: u64,
+    pub(crate) pid: u32,
+    mrs: RwLock<HashMap<u32, MrEntry>>,
+    next_key: AtomicU32,
+    next_qp_num: AtomicU32,
+    next_cq_id: AtomicU32,
+    next_pd: AtomicU64,
+    qps: Mutex<HashMap<u32, Weak<qp::QpShared>>>,
+}
+
+impl ContextShared {
+    fn new() -> Result<Arc<ContextShared>, VerbsError> {
+        let shared = Arc::new(ContextShared {
+            id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
+            pid: std::process::id(),
+            mrs: RwLock::new(HashMap::new()),
+            next_key: AtomicU32::new(0x1000),
+            next_qp_num: AtomicU32::new(0x40),
+            next_cq_id: AtomicU32::new(1),
+            next_pd: AtomicU64::new(1),
+            qps: Mutex::new(HashMap::new()),
+        });
+        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(rendezvous_name(
+            shared.pid, shared.id,
+        ))?)?;
+        let weak = Arc::downgrade(&shared);
+        std::thread::Builder::new()
+            .name(format!("soft-rdma-listen-{}", shared.id))
+            .spawn(move || accept_loop(listener, weak))?;
+        Ok(shared)
+    }
+
+    /// The region `key` names, if registered.
+    pub(crate) fn region(&self, key: u32) -> Option<MrEntry> {
+        self.mrs
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            .copied()
+    }
+}
+
+impl Drop for ContextShared {
+    fn drop(&mut self) {
+        // Wake the accept loop so it sees the context is gone.
+        if let Ok(name) = SocketAddr::from_abstract_name(rendezvous_name(self.pid, self.id)) {
+            let _ = UnixStream::connect_addr(&name);
+        }
+    }
+}
+
+/// The abstract Unix socket a context accepts QP connections on.
+pub(crate) fn rendezvous_name(pid: u32, context: u64) -> Vec<u8> {
+    format!("rdma-rpc-soft.{pid}.{context}").into_bytes()
+}
+
+/// Handshake a dialing QP sends: target qpn, own qpn, own pid, own context.
+pub(crate) const HANDSHAKE_LEN: usize = 20;
+
+fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
+    for stream in listener.incoming() {
+        let Some(context) = context.upgrade() else {
+            return;
+        };
+        let Ok(mut stream) = stream else { continue };
+        let mut handshake = [0u8; HANDSHAKE_LEN];
+        if stream.read_exact(&mut handshake).is_err() {
+            continue;
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(handshake[at..at + 4].try_into().expect("4"));
+        let (target, peer_qp_num, peer_pid) = (u32_at(0), u32_at(4), u32_at(8));
+        let peer_context = u64::from_le_bytes(handshake[12..20].try_into().expect("8"));
+        let qp = lock(&context.qps).get(&target).and_then(Weak::upgrade);
+        match qp {
+            Some(qp) => qp.attach(
+                stream,
+                qp::Peer {
+                    pid: peer_pid,
+                    context: peer_context,
+                    qp_num: peer_qp_num,
+                },
+                false,
+            ),
+            None => {
+                let _ = stream.write_all(&[0]);
+            }
+        }
+    }
+}
+
+/// An opened soft device.
+pub struct SoftContext {
+    shared: Arc<ContextShared>,
+}
+
+impl Context for SoftContext {
+    fn device_name(&self) -> &str {
+        DEVICE_NAME
+    }
+
+    fn caps(&self) -> DeviceCaps {
+        DeviceCaps {
+            max_mr_size: u64::MAX,
+            max_sge: 32,
+            max_sge_rd: 32,
+            atomics: true,
+            write_with_imm: true,
+            srq: true,
+            max_cqe: 1 << 20,
+            max_qp_wr: 1 << 14,
+        }
+    }
+
+    fn alloc_pd(&self) -> Result<Arc<dyn ProtectionDomain>, VerbsError> {
+        let id = self.shared.next_pd.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(SoftPd {
+            context: self.shared.clone(),
+            id,
+        }))
+    }
+
+    fn create_comp_channel(&self) -> Result<Arc<dyn CompletionChannel>, VerbsError> {
+        Ok(Arc::new(SoftChannel {
+            inner: Arc::new(ChannelShared::new()?),
+        }))
+    }
+
+    fn create_cq(
+        &self,
+        capacity: u32,
+        channel: Option<&Arc<dyn CompletionChannel>>,
+    ) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
+        if capacity == 0 || capacity > self.caps().max_cqe {
+            return Err(VerbsError::InvalidArgument(
+                "CQ capacity must be 1..=max_cqe",
+            ));
+        }
+        let channel = match channel {
+            Some(channel) => Some(
+                channel
+                    .as_any()
+                    .downcast_ref::<SoftChannel>()
+                    .ok_or(VerbsError::InvalidArgument(
+                        "completion channel of another provider",
+                    ))?
+                    .inner
+                    .clone(),
+            ),
+            None => None,
+        };
+        let id = self.shared.next_cq_id.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(SoftCq {
+            inner: Arc::new(CqShared {
+                id,
+                capacity,
+                state: Mutex::default(),
+                channel,
+            }),
+        }))
+    }
+}
+
+struct SoftPd {
+    context: Arc<ContextShared>,
+    id: u64,
+}
+
+impl ProtectionDomain for SoftPd {
+    unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        if addr.is_null() && len > 0 {
+            return Err(VerbsError::InvalidArgument("null address"));
+        }
+        let remote = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+        if access.bits() & remote.bits() != 0 && !access.contains(AccessFlags::LOCAL_WRITE) {
+            // As in verbs: remote write or atomic access requires local write.
+            return Err(VerbsError::InvalidArgument(
+                "REMOTE_WRITE and REMOTE_ATOMIC require LOCAL_WRITE",
+            ));
+        }
+        let key = self.context.next_key.fetch_add(1, Ordering::Relaxed);
+        let entry = MrEntry {
+            addr: addr as u64,
+            len: len as u64,
+            access,
+            pd: self.id,
+        };
+        self.context
+            .mrs
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, entry);
+        Ok(Arc::new(SoftMr {
+            context: self.context.clone(),
+            key,
+            entry,
+        }))
+    }
+
+    fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        qp::create(self.context.clone(), self.id, init)
+    }
+
+    fn create_srq(
+        &self,
+        max_wr: u32,
+        max_sge: u32,
+    ) -> Result<Arc<dyn SharedReceiveQueue>, VerbsError> {
+        if max_wr == 0 || max_sge == 0 {
+            return Err(VerbsError::InvalidArgument(
+                "SRQ needs max_wr and max_sge above 0",
+            ));
+        }
+        Ok(Arc::new(SoftSrq {
+            inner: Arc::new(SrqShared {
+                max_wr,
+                max_sge,
+                queue: Mutex::default(),
+                pd: self.id,
+            }),
+        }))
+    }
+}
+
+struct SoftMr {
+    context: Arc<ContextShared>,
+    key: u32,
+    entry: MrEntry,
+}
+
+impl MemoryRegion for SoftMr {
+    fn addr(&self) -> u64 {
+        self.entry.addr
+    }
+    fn len(&self) -> usize {
+        self.entry.len as usize
+    }
+    fn lkey(&self) -> u32 {
+        self.key
+    }
+    fn rkey(&self) -> u32 {
+        self.key
+    }
+    fn access(&self) -> AccessFlags {
+        self.entry.access
+    }
+}
+
+impl Drop for SoftMr {
+    fn drop(&mut self) {
+        self.context
+            .mrs
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.key);
+    }
+}
+
+#[derive(Default)]
+struct CqState {
+    entries: VecDeque<WorkCompletion>,
+    /// Armed: `Some(solicited_only)`.
+    armed: Option<bool>,
+    overflowed: bool,
+}
+
+/// Completion queue internals, shared with the QPs that complete into it.
+pub(crate) struct CqShared {
+    id: u32,
+    capacity: u32,
+    state: Mutex<CqState>,
+    channel: Option<Arc<ChannelShared>>,
+}
+
+impl CqShared {
+    /// Adds a completion; raises the channel event if the CQ is armed for it.
+    pub(crate) fn push(&self, completion: WorkCompletion, solicited: bool) {
+        let mut state = lock(&self.state);
+        if state.entries.len() >= self.capacity as usize {
+            tracing::error!(cq = self.id, "completion queue overflow");
+            state.overflowed = true;
+            return;
+        }
+        state.entries.push_back(completion);
+        let is_error = completion.status != super::WcStatus::Success;
+        let fire = match state.armed {
+            Some(true) => solicited || is_error,
+            Some(false) => true,
+            None => false,
+        };
+        if fire {
+            state.armed = None;
+            if let Some(channel) = &self.channel {
+                channel.raise(self.id);
+            }
+        }
+    }
+}
+
+struct SoftCq {
+    inner: Arc<CqShared>,
+}
+
+impl CompletionQueue for SoftCq {
+    fn capacity(&self) -> u32 {
+        self.inner.capacity
+    }
+
+    fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
+        let mut state = lock(&self.inner.state);
+        if state.overflowed {
+            return Err(VerbsError::QueueFull(
+                "completion queue (it overflowed; completions were lost)",
+            ));
+        }
+        let n = out.len().min(state.entries.len());
+        for (slot, completion) in out.iter_mut().zip(state.entries.drain(..n)) {
+            *slot = completion;
+        }
+        Ok(n)
+    }
+
+    fn req_notify(&self, solicited_only: bool) -> Result<(), VerbsError> {
+        if self.inner.channel.is_none() {
+            return Err(VerbsError::InvalidArgument("CQ has no completion channel"));
+        }
+        lock(&self.inner.state).armed = Some(solicited_only);
+        Ok(())
+    }
+
+    fn id(&self) -> u32 {
+        self.inner.id
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Completion channel internals: an eventfd and the queue of CQ ids with events.
+pub(crate) struct ChannelShared {
+    eventfd: OwnedFd,
+    events: Mutex<VecDeque<u32>>,
+}
+
+impl ChannelShared {
+    fn new() -> Result<ChannelShared, VerbsError> {
+        // SAFETY: eventfd takes no pointers; a negative return is an error.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(ChannelShared {
+            eventfd,
+            events: Mutex::default(),
+        })
+    }
+
+    fn raise(&self, cq_id: u32) {
+        let mut events = lock(&self.events);
+        events.push_back(cq_id);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
+        let _ = unsafe { libc::write(self.eventfd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+}
+
+struct SoftChannel {
+    inner: Arc<ChannelShared>,
+}
+
+impl CompletionChannel for SoftChannel {
+    fn fd(&self) -> RawFd {
+        self.inner.eventfd.as_raw_fd()
+    }
+
+    fn get_event(&self) -> Result<Option<u32>, VerbsError> {
+        let mut events = lock(&self.inner.events);
+        let event = events.pop_front();
+        if events.is_empty() {
+            let mut counter: u64 = 0;
+            // SAFETY: reads 8 bytes into a live u64 from our own non-blocking
+            // eventfd; EAGAIN (nothing to reset) is fine.
+            let _ = unsafe {
+                libc::read(
+                    self.inner.eventfd.as_raw_fd(),
+                    (&mut counter as *mut u64).cast(),
+                    8,
+                )
+            };
+        }
+        Ok(event)
+    }
+
+    fn ack_events(&self, _cq_id: u32, _count: u32) {}
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Shared receive queue internals.
+pub(crate) struct SrqShared {
+    max_wr: u32,
+    max_sge: u32,
+    pub(crate) queue: Mutex<VecDeque<RecvWr>>,
+    pub(crate) pd: u64,
+}
+
+struct SoftSrq {
+    inner: Arc<SrqShared>,
+}
+
+impl SharedReceiveQueue for SoftSrq {
+    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
+        let mut queue = lock(&self.inner.queue);
+        let mut wrs = wrs.into_iter();
+        while let Some(wr) = wrs.next() {
+            let error = if wr.sg_list.len() > self.inner.max_sge as usize {
+                Some(VerbsError::InvalidArgument(
+                    "more SGEs than the SRQ's max_sge",
+                ))
+            } else if queue.len() >= self.inner.max_wr as usize {
+                Some(VerbsError::QueueFull("shared receive queue"))
+            } else {
+                None
+            };
+            if let Some(error) = error {
+                let mut rejected = vec![wr];
+                rejected.extend(wrs);
+                return Err(PostError { error, rejected });
+            }
+            queue.push_back(wr);
+        }
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,916 @@
+//! Soft reliable-connected queue pairs: state machine, initiator and responder.
+//!
+//! Ordering model: every send request gets a sequence number and is executed
+//! by the peer strictly in that order. After an RNR NAK for request N the
+//! responder drops everything after N until N comes again (go-back-N), and the
+//! initiator resends N and its successors when the RNR timer expires.
+
+use std::collections::VecDeque;
+use std::net::Shutdown;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use super::memory::{self, Span};
+use super::wire::{
+    self, Message, MessageReader, Outcome, ReadOutcome, Request, RequestOp, Response,
+};
+use super::{ContextShared, CqShared, HANDSHAKE_LEN, SrqShared, lock, rendezvous_name};
+use crate::verbs::{
+    AccessFlags, ConnectOptions, PostError, QpAddress, QpCaps, QpInit, QpState, QueuePair, RecvWr,
+    SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus, WorkCompletion,
+};
+
+/// Who is on the other end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Peer {
+    pub(crate) pid: u32,
+    pub(crate) context: u64,
+    pub(crate) qp_num: u32,
+}
+
+struct Outstanding {
+    wr: SendWr,
+    seq: u64,
+    request: Request,
+    /// A local error found at post time, reported when the request reaches the head.
+    local_error: Option<WcStatus>,
+}
+
+struct QpInner {
+    state: QpState,
+    options: ConnectOptions,
+    /// Set by `to_rtr` (expected peer) or by the accept loop (attached peer).
+    peer: Option<Peer>,
+    writer: Option<UnixStream>,
+    next_seq: u64,
+    outstanding: VecDeque<Outstanding>,
+    recv_queue: VecDeque<RecvWr>,
+    /// Responder: the sequence number of the next request to execute.
+    expected_seq: u64,
+    /// Responder: requests that arrived before this QP reached RTR.
+    early_requests: VecDeque<Request>,
+    rnr_retries_left: u8,
+    /// Initiator: when to resend after an RNR NAK.
+    rnr_resend_at: Option<Instant>,
+}
+
+pub(crate) struct QpShared {
+    qp_num: u32,
+    pd: u64,
+    context: Arc<ContextShared>,
+    caps: QpCaps,
+    sq_sig_all: bool,
+    send_cq: Arc<CqShared>,
+    recv_cq: Arc<CqShared>,
+    srq: Option<Arc<SrqShared>>,
+    inner: Mutex<QpInner>,
+    /// Bumped on every attach so a stale engine thread knows to stop.
+    generation: AtomicU64,
+}
+
+fn cq_of(cq: &Arc<dyn crate::verbs::CompletionQueue>) -> Result<Arc<CqShared>, VerbsError> {
+    cq.as_any()
+        .downcast_ref::<super::SoftCq>()
+        .map(|cq| cq.inner.clone())
+        .ok_or(VerbsError::InvalidArgument(
+            "completion queue of another provider",
+        ))
+}
+
+pub(crate) fn create(
+    context: Arc<ContextShared>,
+    pd: u64,
+    init: QpInit,
+) -> Result<Arc<dyn QueuePair>, VerbsError> {
+    let caps = init.caps;
+    if caps.max_send_wr == 0 || caps.max_send_wr > 1 << 14 || caps.max_recv_wr > 1 << 14 {
+        return Err(VerbsError::InvalidArgument("queue depth must be 1..=16384"));
+    }
+    if caps.max_send_sge > 32 || caps.max_recv_sge > 32 || caps.max_inline_data > 4096 {
+        return Err(VerbsError::InvalidArgument(
+            "at most 32 SGEs and 4096 inline bytes",
+        ));
+    }
+    let srq = match &init.srq {
+        Some(srq) => {
+            let srq = srq
+                .as_any()
+                .downcast_ref::<super::SoftSrq>()
+                .ok_or(VerbsError::InvalidArgument("SRQ of another provider"))?
+                .inner
+                .clone();
+            if srq.pd != pd {
+                return Err(VerbsError::InvalidArgument(
+                    "SRQ belongs to another protection domain",
+                ));
+            }
+            Some(srq)
+        }
+        None => None,
+    };
+    let qp_num = context.next_qp_num.fetch_add(1, AtomicOrdering::Relaxed);
+    let shared = Arc::new(QpShared {
+        qp_num,
+        pd,
+        caps,
+        sq_sig_all: init.sq_sig_all,
+        send_cq: cq_of(&init.send_cq)?,
+        recv_cq: cq_of(&init.recv_cq)?,
+        srq,
+        inner: Mutex::new(QpInner {
+            state: QpState::Reset,
+            options: ConnectOptions::default(),
+            peer: None,
+            writer: None,
+            next_seq: 0,
+            outstanding: VecDeque::new(),
+            recv_queue: VecDeque::new(),
+            expected_seq: 0,
+            early_requests: VecDeque::new(),
+            rnr_retries_left: 0,
+            rnr_resend_at: None,
+        }),
+        generation: AtomicU64::new(0),
+        context: context.clone(),
+    });
+    lock(&context.qps).insert(qp_num, Arc::downgrade(&shared));
+    Ok(Arc::new(SoftQp { shared }))
+}
+
+/// The handle users hold; dropping it destroys the QP.
+struct SoftQp {
+    shared: Arc<QpShared>,
+}
+
+impl Drop for SoftQp {
+    fn drop(&mut self) {
+        lock(&self.shared.context.qps).remove(&self.shared.qp_num);
+        let mut inner = self.shared.lock();
+        if let Some(writer) = inner.writer.take() {
+            let _ = writer.shutdown(Shutdown::Both);
+        }
+        inner.state = QpState::Error;
+    }
+}
+
+impl QpShared {
+    fn lock(&self) -> MutexGuard<'_, QpInner> {
+        lock(&self.inner)
+    }
+
+    fn completion(
+        &self,
+        wr_id: u64,
+        status: WcStatus,
+        opcode: WcOpcode,
+        byte_len: u32,
+        imm: Option<u32>,
+    ) -> WorkCompletion {
+        WorkCompletion {
+            wr_id,
+            status,
+            opcode,
+            byte_len,
+            imm_data: imm,
+            qp_num: self.qp_num,
+        }
+    }
+
+    /// Checks one local SGE against the context's regions.
+    fn check_local(&self, sge: &Sge, need_write: bool) -> Result<(), WcStatus> {
+        let region = self.context.region(sge.lkey).ok_or(WcStatus::LocProtErr)?;
+        if region.pd != self.pd || !region.contains(sge.addr, u64::from(sge.length)) {
+            return Err(WcStatus::LocProtErr);
+        }
+        if need_write && !region.access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(WcStatus::LocProtErr);
+        }
+        Ok(())
+    }
+
+    /// Checks a remote access against this (the responder's) context.
+    fn check_remote(
+        &self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<(), Outcome> {
+        let region = self.context.region(rkey).ok_or(Outcome::RemoteAccess)?;
+        if region.pd != self.pd || !region.contains(addr, len) || !region.access.contains(need) {
+            return Err(Outcome::RemoteAccess);
+        }
+        Ok(())
+    }
+
+    /// Hands a connected socket to this QP and starts its engine.
+    pub(crate) fn attach(self: &Arc<Self>, stream: UnixStream, peer: Peer, dialed: bool) {
+        let mut inner = self.lock();
+        let accepted = match inner.peer {
+            None => true,
+            Some(expected) => expected == peer,
+        };
+        if !accepted || inner.writer.is_some() || inner.state == QpState::Error {
+            let _ = stream.shutdown(Shutdown::Both);
+            return;
+        }
+        let Ok(writer) = stream.try_clone() else {
+            return;
+        };
+        inner.peer = Some(peer);
+        inner.writer = Some(writer);
+        let generation = self.generation.fetch_add(1, AtomicOrdering::SeqCst) + 1;
+        let qp = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("soft-rdma-qp-{}", self.qp_num))
+            .spawn(move || qp.engine(stream, generation));
+        if spawned.is_err() {
+            self.enter_error(&mut inner, None);
+            return;
+        }
+        tracing::trace!(qp = self.qp_num, ?peer, dialed, "soft QP attached");
+        self.send_unsent(&mut inner);
+    }
+
+    /// Sends every outstanding request up to the first local error (after
+    /// attach, or when the RNR timer expires).
+    fn send_unsent(&self, inner: &mut QpInner) {
+        if inner.rnr_resend_at.is_some() || !matches!(inner.state, QpState::Rts) {
+            return;
+        }
+        let requests: Vec<Message> = inner
+            .outstanding
+            .iter()
+            .take_while(|o| o.local_error.is_none())
+            .map(|o| Message::Request(o.request.clone()))
+            .collect();
+        for message in requests {
+            if !self.write(inner, &message) {
+                return;
+            }
+        }
+    }
+
+    /// Writes a message to the peer; on failure the QP goes to ERROR.
+    fn write(&self, inner: &mut QpInner, message: &Message) -> bool {
+        let Some(writer) = inner.writer.as_mut() else {
+            return false;
+        };
+        if wire::write_message(writer, message).is_ok() {
+            return true;
+        }
+        self.enter_error(inner, Some(WcStatus::RetryExcErr));
+        false
+    }
+
+    /// Moves the QP to ERROR: the oldest outstanding send completes with
+    /// `first` (when given), every other outstanding send and every posted
+    /// receive with WR_FLUSH_ERR, and the peer sees the connection close.
+    fn enter_error(&self, inner: &mut QpInner, first: Option<WcStatus>) {
+        if inner.state == QpState::Error {
+            return;
+        }
+        inner.state = QpState::Error;
+        inner.rnr_resend_at = None;
+        for (i, outstanding) in inner.outstanding.drain(..).enumerate() {
+            let status = match (i, first) {
+                (0, Some(status)) => status,
+                _ => outstanding
+                    .local_error
+                    .filter(|_| i == 0)
+                    .unwrap_or(WcStatus::WrFlushErr),
+            };
+            let opcode = outstanding.wr.op.completion_opcode();
+            self.send_cq.push(
+                self.completion(outstanding.wr.wr_id, status, opcode, 0, None),
+                false,
+            );
+        }
+        for wr in inner.recv_queue.drain(..) {
+            self.recv_cq.push(
+                self.completion(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0, None),
+                false,
+            );
+        }
+        inner.early_requests.clear();
+        if let Some(writer) = inner.writer.take() {
+            let _ = writer.shutdown(Shutdown::Both);
+        }
+        tracing::debug!(qp = self.qp_num, ?first, "soft QP entered ERROR");
+    }
+
+    /// The engine thread: executes the peer's requests and retires ours.
+    fn engine(self: Arc<Self>, mut stream: UnixStream, generation: u64) {
+        let mut reader = MessageReader::new();
+        loop {
+            let timeout = self
+                .lock()
+                .rnr_resend_at
+                .map(|at| at.saturating_duration_since(Instant::now()));
+            let _ = stream
+                .set_read_timeout(timeout.map(|t| t.max(std::time::Duration::from_micros(1))));
+            let outcome = reader.read(&mut stream);
+            if self.generation.load(AtomicOrdering::SeqCst) != generation {
+                return;
+            }
+            let mut inner = self.lock();
+            match outcome {
+                Ok(ReadOutcome::Message(Message::Request(request))) => {
+                    self.on_request(&mut inner, request)
+                }
+                Ok(ReadOutcome::Message(Message::Response(response))) => {
+                    self.on_response(&mut inner, response)
+                }
+                Ok(ReadOutcome::TimedOut) => {
+                    if inner.rnr_resend_at.is_some_and(|at| Instant::now() >= at) {
+                        inner.rnr_resend_at = None;
+                        self.send_unsent(&mut inner);
+                    }
+                }
+                Ok(ReadOutcome::Closed) | Err(_) => {
+                    // The peer is gone (or broke the protocol): requests in
+                    // flight can never be acknowledged.
+                    let first = (!inner.outstanding.is_empty()).then_some(WcStatus::RetryExcErr);
+                    self.enter_error(&mut inner, first);
+                    return;
+                }
+            }
+            if inner.state == QpState::Error {
+                return;
+            }
+        }
+    }
+
+    // ------------------------------------------------------------ responder
+
+    fn on_request(&self, inner: &mut QpInner, request: Request) {
+        match inner.state {
+            QpState::Rtr | QpState::Rts => {}
+            QpState::Reset | QpState::Init => {
+                inner.early_requests.push_back(request);
+                return;
+            }
+            QpState::Error => return,
+        }
+        if request.seq != inner.expected_seq {
+            // After an RNR NAK: drop until the NAKed request comes again.
+            return;
+        }
+        let seq = request.seq;
+        let outcome = self.execute(inner, request);
+        match outcome {
+            Outcome::RnrNak => {}
+            Outcome::Ack | Outcome::AtomicAck(_) => inner.expected_seq += 1,
+            Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation => {}
+        }
+        self.write(inner, &Message::Response(Response { seq, outcome }));
+        if matches!(
+            outcome,
+            Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation
+        ) {
+            // As on rxe: the responder's QP goes to ERROR too.
+            self.enter_error(inner, None);
+        }
+    }
+
+    fn take_receive(&self, inner: &mut QpInner) -> Option<RecvWr> {
+        match &self.srq {
+            Some(srq) => lock(&srq.queue).pop_front(),
+            None => inner.recv_queue.pop_front(),
+        }
+    }
+
+    fn peer_pid(inner: &QpInner) -> u32 {
+        inner.peer.map_or(0, |peer| peer.pid)
+    }
+
+    /// Copies the request's data (inline or from the initiator's memory) into `dst` (ours).
+    fn pull_into(inner: &QpInner, request: &Request, dst: &[Span]) -> std::io::Result<()> {
+        match &request.inline {
+            Some(bytes) => memory::scatter_own(bytes, dst),
+            None => memory::read_from(Self::peer_pid(inner), &request.spans, dst),
+        }
+    }
+
+    fn execute(&self, inner: &mut QpInner, request: Request) -> Outcome {
+        let len = request.len();
+        match request.op {
+            RequestOp::Send { imm } => {
+                let Some(recv) = self.take_receive(inner) else {
+                    return Outcome::RnrNak;
+                };
+                let capacity: usize = recv.sg_list.iter().map(|s| s.length as usize).sum();
+                let local_ok = recv
+                    .sg_list
+                    .iter()
+                    .all(|sge| self.check_local(sge, true).is_ok());
+                if !local_ok {
+                    self.recv_cq.push(
+                        self.completion(recv.wr_id, WcStatus::LocProtErr, WcOpcode::Recv, 0, None),
+                        false,
+                    );
+                    return Outcome::RemoteOperation;
+                }
+                if capacity < len {
+                    self.recv_cq.push(
+                        self.completion(recv.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, 0, None),
+                        false,
+                    );
+                    return Outcome::RemoteInvalid;
+                }
+                let spans: Vec<Span> = recv.sg_list.iter().map(|s| (s.addr, s.length)).collect();
+                if Self::pull_into(inner, &request, &memory::truncate(&spans, len)).is_err() {
+                    self.recv_cq.push(
+                        self.completion(recv.wr_id, WcStatus::LocProtErr, WcOpcode::Recv, 0, None),
+                        false,
+                    );
+                    return Outcome::RemoteOperation;
+                }
+                let completion = self.completion(
+                    recv.wr_id,
+                    WcStatus::Success,
+                    WcOpcode::Recv,
+                    len as u32,
+                    imm,
+                );
+                self.recv_cq.push(completion, request.solicited);
+                Outcome::Ack
+            }
+            RequestOp::Write {
+                remote_addr,
+                rkey,
+                imm,
+            } => {
+                if let Err(outcome) =
+                    self.check_remote(rkey, remote_addr, len as u64, AccessFlags::REMOTE_WRITE)
+                {
+                    return outcome;
+                }
+                let recv = match imm {
+                    Some(_) => match self.take_receive(inner) {
+                        Some(recv) => Some(recv),
+                        None => return Outcome::RnrNak,
+                    },
+                    None => None,
+                };
+                if len > 0
+                    && Self::pull_into(inner, &request, &[(remote_addr, len as u32)]).is_err()
+                {
+                    return Outcome::RemoteOperation;
+                }
+                if let Some(recv) = recv {
+                    let completion = self.completion(
+                        recv.wr_id,
+                        WcStatus::Success,
+                        WcOpcode::RecvRdmaWithImm,
+                        len as u32,
+                        imm,
+                    );
+                    self.recv_cq.push(completion, request.solicited);
+                }
+                Outcome::Ack
+            }
+            RequestOp::Read { remote_addr, rkey } => {
+                if let Err(outcome) =
+                    self.check_remote(rkey, remote_addr, len as u64, AccessFlags::REMOTE_READ)
+                {
+                    return outcome;
+                }
+                let source = [(remote_addr, len as u32)];
+                if len > 0
+                    && memory::write_to(Self::peer_pid(inner), &source, &request.spans).is_err()
+                {
+                    return Outcome::RemoteOperation;
+                }
+                Outcome::Ack
+            }
+            RequestOp::CompareSwap {
+                remote_addr, rkey, ..
+            }
+            | RequestOp::FetchAdd {
+                remote_addr, rkey, ..
+            } => {
+                if remote_addr % 8 != 0 || len != 8 {
+                    return Outcome::RemoteInvalid;
+                }
+                if let Err(outcome) =
+                    self.check_remote(rkey, remote_addr, 8, AccessFlags::REMOTE_ATOMIC)
+                {
+                    return outcome;
+                }
+                // SAFETY: the range is 8 bytes, 8-byte aligned, and inside a
+                // region registered with REMOTE_ATOMIC in this process; the
+                // registration contract keeps it allocated. All soft atomics on
+                // a QP's memory go through AtomicU64, as an HCA's do through its
+                // atomic unit.
+                let target = unsafe {
+                    std::sync::atomic::AtomicU64::from_ptr(remote_addr as usize as *mut u64)
+                };
+                let old = match request.op {
+                    RequestOp::CompareSwap { compare, swap, .. } => {
+                        match target.compare_exchange(
+                            compare,
+                            swap,
+                            AtomicOrdering::SeqCst,
+                            AtomicOrdering::SeqCst,
+                        ) {
+                            Ok(old) | Err(old) => old,
+                        }
+                    }
+                    RequestOp::FetchAdd { add, .. } => {
+                        target.fetch_add(add, AtomicOrdering::SeqCst)
+                    }
+                    _ => unreachable!("matched atomics above"),
+                };
+                Outcome::AtomicAck(old)
+            }
+        }
+    }
+
+    // ------------------------------------------------------------ initiator
+
+    fn on_response(&self, inner: &mut QpInner, response: Response) {
+        if inner.state == QpState::Error {
+            return;
+        }
+        let Some(head) = inner.outstanding.front() else {
+            return;
+        };
+        if head.seq != response.seq {
+            tracing::warn!(
+                qp = self.qp_num,
+                expected = head.seq,
+                got = response.seq,
+                "soft QP: unexpected response"
+            );
+            return;
+        }
+        match response.outcome {
+            Outcome::Ack | Outcome::AtomicAck(_) => {
+                let done = inner.outstanding.pop_front().expect("head exists");
+                inner.rnr_retries_left = inner.options.rnr_retry;
+                let mut status = WcStatus::Success;
+                if let Outcome::AtomicAck(old) = response.outcome {
+                    let spans: Vec<Span> =
+                        done.wr.sg_list.iter().map(|s| (s.addr, s.length)).collect();
+                    if memory::scatter_own(&old.to_le_bytes(), &spans).is_err() {
+                        status = WcStatus::LocProtErr;
+                    }
+                }
+                if status != WcStatus::Success || done.wr.signaled || self.sq_sig_all {
+                    let opcode = done.wr.op.completion_opcode();
+                    let len = done.request.len() as u32;
+                    self.send_cq.push(
+                        self.completion(done.wr.wr_id, status, opcode, len, None),
+                        false,
+                    );
+                }
+                if status != WcStatus::Success {
+                    self.enter_error(inner, None);
+                    return;
+                }
+                self.retire_local_errors(inner);
+            }
+            Outcome::RnrNak => {
+                if inner.options.rnr_retry == 7 || inner.rnr_retries_left > 0 {
+                    if inner.options.rnr_retry != 7 {
+                        inner.rnr_retries_left -= 1;
+                    }
+                    inner.rnr_resend_at = Some(Instant::now() + inner.options.rnr_timer);
+                } else {
+                    self.enter_error(inner, Some(WcStatus::RnrRetryExcErr));
+                }
+            }
+            Outcome::RemoteAccess => self.enter_error(inner, Some(WcStatus::RemAccessErr)),
+            Outcome::RemoteInvalid => self.enter_error(inner, Some(WcStatus::RemInvReqErr)),
+            Outcome::RemoteOperation => self.enter_error(inner, Some(WcStatus::RemOpErr)),
+        }
+    }
+
+    /// A request that failed local checks completes (with its error) once it
+    /// is the oldest, and takes the QP to ERROR.
+    fn retire_local_errors(&self, inner: &mut QpInner) {
+        if let Some(status) = inner.outstanding.front().and_then(|head| head.local_error) {
+            self.enter_error(inner, Some(status));
+        }
+    }
+
+    fn build_request(
+        &self,
+        wr: &SendWr,
+        seq: u64,
+    ) -> Result<(Request, Option<WcStatus>), VerbsError> {
+        let caps = self.caps;
+        if wr.sg_list.len() > caps.max_send_sge as usize {
+            return Err(VerbsError::InvalidArgument(
+                "more SGEs than the QP's max_send_sge",
+            ));
+        }
+        let total: u64 = wr.sg_list.iter().map(|s| u64::from(s.length)).sum();
+        if total > u64::from(u32::MAX) {
+            return Err(VerbsError::InvalidArgument(
+                "a work request moves at most 4 GiB",
+            ));
+        }
+        let is_atomic = matches!(
+            wr.op,
+            SendOp::AtomicCmpAndSwp { .. } | SendOp::AtomicFetchAndAdd { .. }
+        );
+        if is_atomic && total != 8 {
+            return Err(VerbsError::InvalidArgument("atomics take one 8-byte SGE"));
+        }
+        if wr.inline && (wr.op.writes_locally() || total > u64::from(caps.max_inline_data)) {
+            return Err(VerbsError::InvalidArgument(
+                "inline data too long (max_inline_data) or not a send/write",
+            ));
+        }
+        let op = match wr.op {
+            SendOp::Send => RequestOp::Send { imm: None },
+            SendOp::SendWithImm(imm) => RequestOp::Send { imm: Some(imm) },
+            SendOp::RdmaWrite { remote_addr, rkey } => RequestOp::Write {
+                remote_addr,
+                rkey,
+                imm: None,
+            },
+            SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            } => RequestOp::Write {
+                remote_addr,
+                rkey,
+                imm: Some(imm),
+            },
+            SendOp::RdmaRead { remote_addr, rkey } => RequestOp::Read { remote_addr, rkey },
+            SendOp::AtomicCmpAndSwp {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => RequestOp::CompareSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            },
+            SendOp::AtomicFetchAndAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => RequestOp::FetchAdd {
+                remote_addr,
+                rkey,
+                add,
+            },
+        };
+        let spans: Vec<Span> = wr.sg_list.iter().map(|s| (s.addr, s.length)).collect();
+        let mut local_error = None;
+        let mut inline = None;
+        if wr.inline {
+            match memory::gather_own(&spans) {
+                Ok(bytes) => inline = Some(bytes),
+                Err(_) => local_error = Some(WcStatus::LocProtErr),
+            }
+        } else if let Some(status) = wr
+            .sg_list
+            .iter()
+            .find_map(|sge| self.check_local(sge, wr.op.writes_locally()).err())
+        {
+            local_error = Some(status);
+        }
+        let request = Request {
+            seq,
+            op,
+            solicited: wr.solicited,
+            spans: if inline.is_some() { vec![] } else { spans },
+            inline,
+        };
+        Ok((request, local_error))
+    }
+}
+
+impl QueuePair for SoftQp {
+    fn qp_num(&self) -> u32 {
+        self.shared.qp_num
+    }
+
+    fn state(&self) -> QpState {
+        self.shared.lock().state
+    }
+
+    fn caps(&self) -> QpCaps {
+        self.shared.caps
+    }
+
+    fn local_address(&self) -> QpAddress {
+        let mut extra = Vec::with_capacity(12);
+        extra.extend_from_slice(&self.shared.context.pid.to_le_bytes());
+        extra.extend_from_slice(&self.shared.context.id.to_le_bytes());
+        QpAddress {
+            qp_num: self.shared.qp_num,
+            psn: 0,
+            lid: 0,
+            gid: [0; 16],
+            mtu: 4096,
+            extra,
+        }
+    }
+
+    fn to_init(&self) -> Result<(), VerbsError> {
+        let mut inner = self.shared.lock();
+        if inner.state != QpState::Reset {
+            return Err(VerbsError::InvalidState {
+                qp_num: self.shared.qp_num,
+                state: inner.state,
+                what: "to_init needs RESET",
+            });
+        }
+        inner.state = QpState::Init;
+        Ok(())
+    }
+
+    fn to_rtr(&self, remote: &QpAddress, options: &ConnectOptions) -> Result<(), VerbsError> {
+        if remote.extra.len() != 12 {
+            return Err(VerbsError::InvalidArgument(
+                "not a soft-provider queue pair address",
+            ));
+        }
+        if options.rnr_retry > 7 || options.retry_count > 7 {
+            return Err(VerbsError::InvalidArgument(
+                "rnr_retry and retry_count are 0..=7",
+            ));
+        }
+        let peer = Peer {
+            pid: u32::from_le_bytes(remote.extra[..4].try_into().expect("4")),
+            context: u64::from_le_bytes(remote.extra[4..12].try_into().expect("8")),
+            qp_num: remote.qp_num,
+        };
+        let me = (
+            self.shared.context.pid,
+            self.shared.context.id,
+            self.shared.qp_num,
+        );
+        let dial = me > (peer.pid, peer.context, peer.qp_num);
+        {
+            let mut inner = self.shared.lock();
+            if inner.state != QpState::Init {
+                return Err(VerbsError::InvalidState {
+                    qp_num: self.shared.qp_num,
+                    state: inner.state,
+                    what: "to_rtr needs INIT",
+                });
+            }
+            if inner.peer.is_some_and(|attached| attached != peer) {
+                return Err(VerbsError::InvalidArgument(
+                    "another peer already connected to this QP",
+                ));
+            }
+            inner.peer = Some(peer);
+            inner.options = *options;
+            inner.rnr_retries_left = options.rnr_retry;
+            inner.state = QpState::Rtr;
+            let early: Vec<Request> = inner.early_requests.drain(..).collect();
+            for request in early {
+                self.shared.on_request(&mut inner, request);
+            }
+        }
+        if dial {
+            let name = SocketAddr::from_abstract_name(rendezvous_name(peer.pid, peer.context))?;
+            let mut stream = UnixStream::connect_addr(&name).map_err(|error| {
+                VerbsError::Io(std::io::Error::new(
+                    error.kind(),
+                    format!("cannot reach soft QP {} of process {}: {error} (soft peers must be on this host)", peer.qp_num, peer.pid),
+                ))
+            })?;
+            let mut handshake = Vec::with_capacity(HANDSHAKE_LEN);
+            handshake.extend_from_slice(&peer.qp_num.to_le_bytes());
+            handshake.extend_from_slice(&self.shared.qp_num.to_le_bytes());
+            handshake.extend_from_slice(&me.0.to_le_bytes());
+            handshake.extend_from_slice(&me.1.to_le_bytes());
+            std::io::Write::write_all(&mut stream, &handshake)?;
+            self.shared.attach(stream, peer, true);
+        }
+        Ok(())
+    }
+
+    fn to_rts(&self) -> Result<(), VerbsError> {
+        let mut inner = self.shared.lock();
+        if inner.state != QpState::Rtr {
+            return Err(VerbsError::InvalidState {
+                qp_num: self.shared.qp_num,
+                state: inner.state,
+                what: "to_rts needs RTR",
+            });
+        }
+        inner.state = QpState::Rts;
+        Ok(())
+    }
+
+    fn to_error(&self) -> Result<(), VerbsError> {
+        let mut inner = self.shared.lock();
+        self.shared.enter_error(&mut inner, None);
+        Ok(())
+    }
+
+    fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>> {
+        let shared = &self.shared;
+        let mut inner = shared.lock();
+        let mut wrs = wrs.into_iter();
+        while let Some(wr) = wrs.next() {
+            let reject = |error, wr, rest: std::vec::IntoIter<SendWr>| {
+                let mut rejected = vec![wr];
+                rejected.extend(rest);
+                Err(PostError { error, rejected })
+            };
+            match inner.state {
+                QpState::Rts => {}
+                QpState::Error => {
+                    // Posting to a QP in ERROR is allowed; the request is flushed.
+                    let opcode = wr.op.completion_opcode();
+                    shared.send_cq.push(
+                        shared.completion(wr.wr_id, WcStatus::WrFlushErr, opcode, 0, None),
+                        false,
+                    );
+                    continue;
+                }
+                state => {
+                    let error = VerbsError::InvalidState {
+                        qp_num: shared.qp_num,
+                        state,
+                        what: "post_send needs RTS",
+                    };
+                    return reject(error, wr, wrs);
+                }
+            }
+            if inner.outstanding.len() >= shared.caps.max_send_wr as usize {
+                return reject(VerbsError::QueueFull("send queue"), wr, wrs);
+            }
+            let seq = inner.next_seq;
+            let (request, local_error) = match shared.build_request(&wr, seq) {
+                Ok(built) => built,
+                Err(error) => return reject(error, wr, wrs),
+            };
+            inner.next_seq += 1;
+            let sendable = local_error.is_none()
+                && inner.rnr_resend_at.is_none()
+                && inner.outstanding.iter().all(|o| o.local_error.is_none());
+            let message = Message::Request(request.clone());
+            inner.outstanding.push_back(Outstanding {
+                wr,
+                seq,
+                request,
+                local_error,
+            });
+            if sendable {
+                shared.write(&mut inner, &message);
+            } else {
+                shared.retire_local_errors(&mut inner);
+            }
+        }
+        Ok(())
+    }
+
+    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
+        let shared = &self.shared;
+        let mut inner = shared.lock();
+        let mut wrs = wrs.into_iter();
+        while let Some(wr) = wrs.next() {
+            let error = if shared.srq.is_some() {
+                Some(VerbsError::InvalidArgument(
+                    "this QP takes its receives from an SRQ",
+                ))
+            } else if inner.state == QpState::Reset {
+                Some(VerbsError::InvalidState {
+                    qp_num: shared.qp_num,
+                    state: inner.state,
+                    what: "post_recv needs INIT or later",
+                })
+            } else if wr.sg_list.len() > shared.caps.max_recv_sge as usize {
+                Some(VerbsError::InvalidArgument(
+                    "more SGEs than the QP's max_recv_sge",
+                ))
+            } else if inner.recv_queue.len() >= shared.caps.max_recv_wr as usize {
+                Some(VerbsError::QueueFull("receive queue"))
+            } else {
+                None
+            };
+            if let Some(error) = error {
+                let mut rejected = vec![wr];
+                rejected.extend(wrs);
+                return Err(PostError { error, rejected });
+            }
+            if inner.state == QpState::Error {
+                shared.recv_cq.push(
+                    shared.completion(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0, None),
+                    false,
+                );
+                continue;
+            }
+            inner.recv_queue.push_back(wr);
+        }
+        Ok(())
+    }
+}

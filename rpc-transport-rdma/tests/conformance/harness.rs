@@ -1,0 +1,247 @@
+//! What the conformance tests stand on: the provider under test, registered
+//! buffers, connected QP pairs, and completion polling.
+//!
+//! The provider comes from `RDMA_PROVIDER` (default `soft`) and the device
+//! from `RDMA_DEVICE` (default: the provider's first), so the same binary runs
+//! against real rdma-core inside the kernel-RDMA VM.
+
+#![allow(unreachable_pub, dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rpc_transport_rdma::verbs::{
+    self, AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, Context, DeviceCaps,
+    ProtectionDomain, QpCaps, QpInit, QueuePair, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge,
+    SharedReceiveQueue, WorkCompletion,
+};
+
+/// How long a test waits for a completion before failing (generous: rxe under TCG is slow).
+pub const COMPLETION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The provider and device under test.
+pub struct Device {
+    pub context: Arc<dyn Context>,
+    pub caps: DeviceCaps,
+}
+
+pub fn device() -> Device {
+    let provider_name = std::env::var("RDMA_PROVIDER").unwrap_or_else(|_| "soft".into());
+    let provider = verbs::provider(&provider_name).expect("provider");
+    let device_name = match std::env::var("RDMA_DEVICE") {
+        Ok(name) => name,
+        Err(_) => provider
+            .devices()
+            .expect("devices")
+            .first()
+            .expect("a device")
+            .name
+            .clone(),
+    };
+    let context = provider.open(&device_name).expect("open device");
+    let caps = context.caps();
+    Device { context, caps }
+}
+
+/// Says a test is skipped because the device lacks something, visibly.
+pub fn skip(test: &str, why: &str) {
+    eprintln!("skipped: {test}: {why}");
+}
+
+/// A registered buffer with test helpers.
+pub struct Buffer {
+    inner: RegisteredBuffer,
+}
+
+impl Buffer {
+    pub fn new(pd: &Arc<dyn ProtectionDomain>, len: usize, access: AccessFlags) -> Buffer {
+        Buffer {
+            inner: RegisteredBuffer::new(pd, len, access).expect("register"),
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        self.inner.as_slice()
+    }
+
+    pub fn fill(&mut self, seed: u8) {
+        for (i, byte) in self.inner.as_mut_slice().iter_mut().enumerate() {
+            *byte = seed.wrapping_add((i * 7 % 251) as u8);
+        }
+    }
+
+    pub fn write(&mut self, offset: usize, bytes: &[u8]) {
+        self.inner.as_mut_slice()[offset..offset + bytes.len()].copy_from_slice(bytes);
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.inner.addr()
+    }
+
+    pub fn rkey(&self) -> u32 {
+        self.inner.rkey()
+    }
+
+    pub fn lkey(&self) -> u32 {
+        self.inner.lkey()
+    }
+
+    pub fn sge(&self, offset: usize, len: usize) -> Sge {
+        self.inner.sge(offset, len)
+    }
+
+    pub fn u64_at(&self, offset: usize) -> u64 {
+        u64::from_le_bytes(self.bytes()[offset..offset + 8].try_into().unwrap())
+    }
+}
+
+/// One side of a connection: a QP with its CQs (sharing one completion channel).
+pub struct Side {
+    pub pd: Arc<dyn ProtectionDomain>,
+    pub qp: Arc<dyn QueuePair>,
+    pub send_cq: Arc<dyn CompletionQueue>,
+    pub recv_cq: Arc<dyn CompletionQueue>,
+    pub channel: Arc<dyn CompletionChannel>,
+}
+
+pub struct SideOptions {
+    pub caps: QpCaps,
+    pub sq_sig_all: bool,
+    pub srq: Option<Arc<dyn SharedReceiveQueue>>,
+    pub cq_capacity: u32,
+}
+
+impl Default for SideOptions {
+    fn default() -> Self {
+        SideOptions {
+            caps: QpCaps::default(),
+            sq_sig_all: false,
+            srq: None,
+            cq_capacity: 1024,
+        }
+    }
+}
+
+impl Side {
+    pub fn new(device: &Device, pd: &Arc<dyn ProtectionDomain>, options: SideOptions) -> Side {
+        let channel = device.context.create_comp_channel().expect("channel");
+        let send_cq = device
+            .context
+            .create_cq(options.cq_capacity, Some(&channel))
+            .expect("send cq");
+        let recv_cq = device
+            .context
+            .create_cq(options.cq_capacity, Some(&channel))
+            .expect("recv cq");
+        let qp = pd
+            .create_qp(QpInit {
+                send_cq: send_cq.clone(),
+                recv_cq: recv_cq.clone(),
+                srq: options.srq,
+                caps: options.caps,
+                sq_sig_all: options.sq_sig_all,
+            })
+            .expect("create qp");
+        Side {
+            pd: pd.clone(),
+            qp,
+            send_cq,
+            recv_cq,
+            channel,
+        }
+    }
+
+    pub fn post_send(&self, wr: SendWr) {
+        self.qp.post_send(vec![wr]).expect("post_send");
+    }
+
+    pub fn post_recv(&self, wr_id: u64, sg_list: Vec<Sge>) {
+        self.qp
+            .post_recv(vec![RecvWr { wr_id, sg_list }])
+            .expect("post_recv");
+    }
+}
+
+/// Two connected QPs in one process, each with its own PD.
+pub struct Pair {
+    pub a: Side,
+    pub b: Side,
+}
+
+pub fn connect(a: &Side, b: &Side, options: ConnectOptions) {
+    let (address_a, address_b) = (a.qp.local_address(), b.qp.local_address());
+    a.qp.to_init().expect("a init");
+    b.qp.to_init().expect("b init");
+    a.qp.to_rtr(&address_b, &options).expect("a rtr");
+    b.qp.to_rtr(&address_a, &options).expect("b rtr");
+    a.qp.to_rts().expect("a rts");
+    b.qp.to_rts().expect("b rts");
+}
+
+impl Pair {
+    pub fn new(device: &Device) -> Pair {
+        Pair::with(
+            device,
+            SideOptions::default(),
+            SideOptions::default(),
+            ConnectOptions::default(),
+        )
+    }
+
+    pub fn with(device: &Device, a: SideOptions, b: SideOptions, options: ConnectOptions) -> Pair {
+        let pd_a = device.context.alloc_pd().expect("pd");
+        let pd_b = device.context.alloc_pd().expect("pd");
+        let a = Side::new(device, &pd_a, a);
+        let b = Side::new(device, &pd_b, b);
+        connect(&a, &b, options);
+        Pair { a, b }
+    }
+}
+
+/// Polls `cq` until `n` completions arrived, failing after [`COMPLETION_TIMEOUT`].
+pub fn wait(cq: &Arc<dyn CompletionQueue>, n: usize) -> Vec<WorkCompletion> {
+    let deadline = Instant::now() + COMPLETION_TIMEOUT;
+    let mut got = Vec::with_capacity(n);
+    let mut batch = [WorkCompletion {
+        wr_id: 0,
+        status: verbs::WcStatus::GeneralErr,
+        opcode: verbs::WcOpcode::Send,
+        byte_len: 0,
+        imm_data: None,
+        qp_num: 0,
+    }; 32];
+    while got.len() < n {
+        let want = (n - got.len()).min(batch.len());
+        let polled = cq.poll(&mut batch[..want]).expect("poll");
+        got.extend_from_slice(&batch[..polled]);
+        if polled == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "timed out with {} of {n} completions: {got:?}",
+                got.len()
+            );
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    got
+}
+
+/// Asserts that `cq` stays empty for `for_how_long`.
+pub fn assert_quiet(cq: &Arc<dyn CompletionQueue>, for_how_long: Duration) {
+    std::thread::sleep(for_how_long);
+    let mut batch = [WorkCompletion {
+        wr_id: 0,
+        status: verbs::WcStatus::GeneralErr,
+        opcode: verbs::WcOpcode::Send,
+        byte_len: 0,
+        imm_data: None,
+        qp_num: 0,
+    }; 4];
+    let polled = cq.poll(&mut batch).expect("poll");
+    assert_eq!(polled, 0, "unexpected completions: {:?}", &batch[..polled]);
+}
+
+/// A signaled send work request.
+pub fn wr(wr_id: u64, op: SendOp, sg_list: Vec<Sge>) -> SendWr {
+    SendWr::new(wr_id, op, sg_list)
+}
