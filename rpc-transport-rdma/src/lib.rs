@@ -5,4 +5,5 @@
 //! semantics for processes on one host. The RPC transport over it
 //! (`rdma://`) builds on these traits.
 
+pub mod setup;
 pub mod verbs;
