@@ -1,0 +1,4 @@
+//! Shared pieces of the benchmark binaries.
+
+pub mod floors;
+pub mod stats;
