@@ -252,6 +252,7 @@ impl Context for SoftContext {
                 capacity,
                 state: Mutex::default(),
                 channel,
+                sources: Mutex::default(),
             }),
         }))
     }
@@ -371,9 +372,27 @@ pub(crate) struct CqShared {
     capacity: u32,
     state: Mutex<CqState>,
     channel: Option<Arc<ChannelShared>>,
+    /// QPs that complete into this CQ: an empty poll progresses them.
+    sources: Mutex<Vec<Weak<qp::QpShared>>>,
 }
 
 impl CqShared {
+    pub(crate) fn add_source(&self, qp: &Arc<qp::QpShared>) {
+        let mut sources = lock(&self.sources);
+        sources.retain(|source| source.strong_count() > 0);
+        sources.push(Arc::downgrade(qp));
+    }
+
+    fn progress_sources(&self) {
+        let sources: Vec<Arc<qp::QpShared>> = lock(&self.sources)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for qp in sources {
+            qp.progress();
+        }
+    }
+
     /// Adds a completion; raises the channel event if the CQ is armed for it.
     pub(crate) fn push(&self, completion: WorkCompletion, solicited: bool) {
         let mut state = lock(&self.state);
@@ -408,6 +427,11 @@ impl CompletionQueue for SoftCq {
     }
 
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
+        if lock(&self.inner.state).entries.is_empty() {
+            // Nothing ready: do the work ourselves instead of waiting for the
+            // engine threads to wake (no lock held: progress completes into CQs).
+            self.inner.progress_sources();
+        }
         let mut state = lock(&self.inner.state);
         if state.overflowed {
             return Err(VerbsError::QueueFull(

@@ -67,6 +67,9 @@ pub(crate) struct QpShared {
     recv_cq: Arc<CqShared>,
     srq: Option<Arc<SrqShared>>,
     inner: Mutex<QpInner>,
+    /// The read side of the wire. Whoever holds it progresses the QP: the
+    /// engine thread when it wakes, or a caller busy-polling a CQ of this QP.
+    reader: Mutex<Option<(UnixStream, MessageReader)>>,
     /// Bumped on every attach so a stale engine thread knows to stop.
     generation: AtomicU64,
 }
@@ -133,10 +136,15 @@ pub(crate) fn create(
             rnr_retries_left: 0,
             rnr_resend_at: None,
         }),
+        reader: Mutex::new(None),
         generation: AtomicU64::new(0),
         context: context.clone(),
     });
     lock(&context.qps).insert(qp_num, Arc::downgrade(&shared));
+    shared.send_cq.add_source(&shared);
+    if !Arc::ptr_eq(&shared.send_cq, &shared.recv_cq) {
+        shared.recv_cq.add_source(&shared);
+    }
     Ok(Arc::new(SoftQp { shared }))
 }
 
@@ -217,16 +225,17 @@ impl QpShared {
             let _ = stream.shutdown(Shutdown::Both);
             return;
         }
-        let Ok(writer) = stream.try_clone() else {
+        let (Ok(writer), Ok(waiter)) = (stream.try_clone(), stream.try_clone()) else {
             return;
         };
         inner.peer = Some(peer);
         inner.writer = Some(writer);
+        *lock(&self.reader) = Some((stream, MessageReader::new()));
         let generation = self.generation.fetch_add(1, AtomicOrdering::SeqCst) + 1;
         let qp = self.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("soft-rdma-qp-{}", self.qp_num))
-            .spawn(move || qp.engine(stream, generation));
+            .spawn(move || qp.engine(waiter, generation));
         if spawned.is_err() {
             self.enter_error(&mut inner, None);
             return;
@@ -302,46 +311,67 @@ impl QpShared {
         tracing::debug!(qp = self.qp_num, ?first, "soft QP entered ERROR");
     }
 
-    /// The engine thread: executes the peer's requests and retires ours.
-    fn engine(self: Arc<Self>, mut stream: UnixStream, generation: u64) {
-        let mut reader = MessageReader::new();
+    /// The engine thread: sleeps until the wire is readable (or an RNR timer
+    /// is due), then progresses the QP.
+    fn engine(self: Arc<Self>, waiter: UnixStream, generation: u64) {
         loop {
             let timeout = self
                 .lock()
                 .rnr_resend_at
-                .map(|at| at.saturating_duration_since(Instant::now()));
-            let _ = stream
-                .set_read_timeout(timeout.map(|t| t.max(std::time::Duration::from_micros(1))));
-            let outcome = reader.read(&mut stream);
-            if self.generation.load(AtomicOrdering::SeqCst) != generation {
-                return;
-            }
-            let mut inner = self.lock();
-            match outcome {
-                Ok(ReadOutcome::Message(Message::Request(request))) => {
-                    self.on_request(&mut inner, request)
-                }
-                Ok(ReadOutcome::Message(Message::Response(response))) => {
-                    self.on_response(&mut inner, response)
-                }
-                Ok(ReadOutcome::TimedOut) => {
-                    if inner.rnr_resend_at.is_some_and(|at| Instant::now() >= at) {
-                        inner.rnr_resend_at = None;
-                        self.send_unsent(&mut inner);
-                    }
-                }
-                Ok(ReadOutcome::Closed) | Err(_) => {
-                    // The peer is gone (or broke the protocol): requests in
-                    // flight can never be acknowledged.
-                    let first = (!inner.outstanding.is_empty()).then_some(WcStatus::RetryExcErr);
-                    self.enter_error(&mut inner, first);
-                    return;
-                }
-            }
-            if inner.state == QpState::Error {
+                .map_or(std::time::Duration::from_millis(100), |at| {
+                    at.saturating_duration_since(Instant::now())
+                });
+            let _ = waiter.set_read_timeout(Some(timeout.max(std::time::Duration::from_micros(1))));
+            wire::wait_for_data(&waiter);
+            if self.generation.load(AtomicOrdering::SeqCst) != generation || !self.progress() {
                 return;
             }
         }
+    }
+
+    /// Executes every request and response waiting on the wire, without
+    /// blocking, and fires a due RNR resend. Returns false once the QP is in
+    /// ERROR. Called by the engine thread and by CQ polls (so a busy-polling
+    /// caller needs no thread hop).
+    pub(crate) fn progress(&self) -> bool {
+        let mut guard = match self.reader.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::WouldBlock) => return self.lock().state != QpState::Error,
+            Err(std::sync::TryLockError::Poisoned(poison)) => poison.into_inner(),
+        };
+        if let Some((stream, reader)) = guard.as_mut() {
+            loop {
+                let outcome = reader.read(&mut wire::NonBlocking(stream));
+                let mut inner = self.lock();
+                match outcome {
+                    Ok(ReadOutcome::Message(Message::Request(request))) => {
+                        self.on_request(&mut inner, request)
+                    }
+                    Ok(ReadOutcome::Message(Message::Response(response))) => {
+                        self.on_response(&mut inner, response)
+                    }
+                    Ok(ReadOutcome::TimedOut) => break,
+                    Ok(ReadOutcome::Closed) | Err(_) => {
+                        // The peer is gone (or broke the protocol): requests in
+                        // flight can never be acknowledged.
+                        let first =
+                            (!inner.outstanding.is_empty()).then_some(WcStatus::RetryExcErr);
+                        self.enter_error(&mut inner, first);
+                        return false;
+                    }
+                }
+                if inner.state == QpState::Error {
+                    return false;
+                }
+            }
+        }
+        drop(guard);
+        let mut inner = self.lock();
+        if inner.rnr_resend_at.is_some_and(|at| Instant::now() >= at) {
+            inner.rnr_resend_at = None;
+            self.send_unsent(&mut inner);
+        }
+        inner.state != QpState::Error
     }
 
     // ------------------------------------------------------------ responder

@@ -346,6 +346,49 @@ impl MessageReader {
     }
 }
 
+/// Reads from a socket without blocking, whatever the socket's mode
+/// (`recv` with `MSG_DONTWAIT`), so a blocking writer can share it.
+pub(crate) struct NonBlocking<'a>(pub(crate) &'a std::os::unix::net::UnixStream);
+
+impl Read for NonBlocking<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `out` is valid for `out.len()` bytes; the fd is owned by the
+        // borrowed stream, alive for the call.
+        let n = unsafe {
+            libc::recv(
+                self.0.as_raw_fd(),
+                out.as_mut_ptr().cast(),
+                out.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+}
+
+/// Blocks until the socket has data or is closed (or the socket's read
+/// time-out passes), consuming nothing (`recv` with `MSG_PEEK`). A blocking
+/// receive, unlike `poll`, lets the kernel's synchronous wake-up place this
+/// thread next to the writer.
+pub(crate) fn wait_for_data(stream: &std::os::unix::net::UnixStream) {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: one writable byte; the fd is owned by the borrowed stream.
+    let _ = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK,
+        )
+    };
+}
+
 /// Writes one message whole.
 pub(crate) fn write_message(stream: &mut impl Write, message: &Message) -> io::Result<()> {
     stream.write_all(&message.encode())
