@@ -24,7 +24,7 @@ mod tcp_only {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
-    use crate::suite::{TcpBed, probe, start_with};
+    use crate::suite::{TcpBed, assert_echoes, probe, start_with};
 
     const CHILD_ENV: &str = "RPC_CORE_TEST_CHILD_SERVER";
 
@@ -56,19 +56,9 @@ mod tcp_only {
         // Random bytes.
         expect_closed(&addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", false).await;
 
-        assert_eq!(
-            healthy
-                .unary(probe("Echo", "ok"))
-                .await
-                .unwrap()
-                .into_inner(),
-            Bytes::from_static(b"ok")
-        );
+        assert_echoes(&healthy, "ok").await;
         let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
-        assert_eq!(
-            fresh.unary(probe("Echo", "ok")).await.unwrap().into_inner(),
-            Bytes::from_static(b"ok")
-        );
+        assert_echoes(&fresh, "ok").await;
     }
 
     /// Not a test by itself: the server half of
@@ -119,14 +109,7 @@ mod tcp_only {
             }
         };
         let channel = Channel::connect(endpoint.as_str()).await.unwrap();
-        assert_eq!(
-            channel
-                .unary(probe("Echo", "hi"))
-                .await
-                .unwrap()
-                .into_inner(),
-            Bytes::from_static(b"hi")
-        );
+        assert_echoes(&channel, "hi").await;
         let pending: Vec<_> = (0..16)
             .map(|_| {
                 let channel = channel.clone();

@@ -727,17 +727,7 @@ fn completion_channel_wakes_once_per_arm_and_loses_nothing() {
     };
     let mut seen = 0u64;
     let mut events = 0u64;
-    let mut batch = vec![
-        rpc_transport_rdma::verbs::WorkCompletion {
-            wr_id: 0,
-            status: WcStatus::GeneralErr,
-            opcode: WcOpcode::Send,
-            byte_len: 0,
-            imm_data: None,
-            qp_num: 0
-        };
-        64
-    ];
+    let mut batch = vec![BLANK; 64];
     pair.b.recv_cq.req_notify(false).unwrap();
     while seen < rounds {
         // Poll after arming: what arrived before the arm is found here.

@@ -196,6 +196,12 @@ pub fn probe(method: &str, payload: impl Into<Bytes>) -> Request<Bytes> {
     request
 }
 
+/// Asserts that an Echo call over `channel` returns `text`.
+pub async fn assert_echoes(channel: &Channel, text: &'static str) {
+    let response = channel.unary(probe("Echo", text)).await.expect("echo call");
+    assert_eq!(response.into_inner(), Bytes::from_static(text.as_bytes()));
+}
+
 /// Waits for the next event, failing the test after `limit`.
 pub async fn next_event(events: &mut mpsc::UnboundedReceiver<Event>, limit: Duration) -> Event {
     tokio::time::timeout(limit, events.recv())
@@ -338,14 +344,7 @@ pub async fn dropping_a_call_cancels_the_server_handler(bed: &dyn Bed) {
         Event::HangDropped
     );
     // The connection is still fine.
-    assert_eq!(
-        channel
-            .unary(probe("Echo", "ok"))
-            .await
-            .unwrap()
-            .into_inner(),
-        Bytes::from_static(b"ok")
-    );
+    assert_echoes(&channel, "ok").await;
 }
 
 pub async fn unknown_service_and_method_are_unimplemented(bed: &dyn Bed) {
@@ -399,14 +398,7 @@ pub async fn handler_panic_is_internal_for_that_call_only(bed: &dyn Bed) {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::Internal);
-    assert_eq!(
-        channel
-            .unary(probe("Echo", "still here"))
-            .await
-            .unwrap()
-            .into_inner(),
-        Bytes::from_static(b"still here")
-    );
+    assert_echoes(&channel, "still here").await;
 }
 
 pub async fn payload_16_mib_round_trips(bed: &dyn Bed) {
@@ -429,14 +421,7 @@ pub async fn oversized_request_fails_locally_with_resource_exhausted(bed: &dyn B
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-    assert_eq!(
-        channel
-            .unary(probe("Echo", "small"))
-            .await
-            .unwrap()
-            .into_inner(),
-        Bytes::from_static(b"small")
-    );
+    assert_echoes(&channel, "small").await;
 }
 
 pub async fn per_connection_call_limit_refuses_excess_calls(bed: &dyn Bed) {
@@ -670,14 +655,7 @@ pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
             Bytes::from(what.to_owned())
         );
         let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
-        assert_eq!(
-            fresh
-                .unary(probe("Echo", "fresh"))
-                .await
-                .unwrap()
-                .into_inner(),
-            Bytes::from_static(b"fresh")
-        );
+        assert_echoes(&fresh, "fresh").await;
     }
 
     // A real frame over the server's limit.
@@ -690,14 +668,7 @@ pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
     )
     .encode();
     let _ = send_raw_and_expect_close(&server.endpoint, big).await;
-    assert_eq!(
-        healthy
-            .unary(probe("Echo", "after"))
-            .await
-            .unwrap()
-            .into_inner(),
-        Bytes::from_static(b"after")
-    );
+    assert_echoes(&healthy, "after").await;
 }
 
 pub async fn silent_server_is_detected_by_keepalive(bed: &dyn Bed) {

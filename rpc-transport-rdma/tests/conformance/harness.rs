@@ -198,18 +198,21 @@ impl Pair {
     }
 }
 
+/// A placeholder completion to poll into.
+pub const BLANK: WorkCompletion = WorkCompletion {
+    wr_id: 0,
+    status: verbs::WcStatus::GeneralErr,
+    opcode: verbs::WcOpcode::Send,
+    byte_len: 0,
+    imm_data: None,
+    qp_num: 0,
+};
+
 /// Polls `cq` until `n` completions arrived, failing after [`COMPLETION_TIMEOUT`].
 pub fn wait(cq: &Arc<dyn CompletionQueue>, n: usize) -> Vec<WorkCompletion> {
     let deadline = Instant::now() + COMPLETION_TIMEOUT;
     let mut got = Vec::with_capacity(n);
-    let mut batch = [WorkCompletion {
-        wr_id: 0,
-        status: verbs::WcStatus::GeneralErr,
-        opcode: verbs::WcOpcode::Send,
-        byte_len: 0,
-        imm_data: None,
-        qp_num: 0,
-    }; 32];
+    let mut batch = [BLANK; 32];
     while got.len() < n {
         let want = (n - got.len()).min(batch.len());
         let polled = cq.poll(&mut batch[..want]).expect("poll");
@@ -229,14 +232,7 @@ pub fn wait(cq: &Arc<dyn CompletionQueue>, n: usize) -> Vec<WorkCompletion> {
 /// Asserts that `cq` stays empty for `for_how_long`.
 pub fn assert_quiet(cq: &Arc<dyn CompletionQueue>, for_how_long: Duration) {
     std::thread::sleep(for_how_long);
-    let mut batch = [WorkCompletion {
-        wr_id: 0,
-        status: verbs::WcStatus::GeneralErr,
-        opcode: verbs::WcOpcode::Send,
-        byte_len: 0,
-        imm_data: None,
-        qp_num: 0,
-    }; 4];
+    let mut batch = [BLANK; 4];
     let polled = cq.poll(&mut batch).expect("poll");
     assert_eq!(polled, 0, "unexpected completions: {:?}", &batch[..polled]);
 }
