@@ -19,12 +19,14 @@ mod tcp_only {
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
 
-    use bytes::Bytes;
-    use rpc_core::{Channel, Code};
+    use rpc_core::Channel;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
-    use crate::suite::{TcpBed, assert_echoes, probe, start_with};
+    use crate::suite::{
+        TcpBed, assert_all_unavailable_within_a_second, assert_echoes, spawn_hanging_calls,
+        start_with,
+    };
 
     const CHILD_ENV: &str = "RPC_CORE_TEST_CHILD_SERVER";
 
@@ -110,27 +112,10 @@ mod tcp_only {
         };
         let channel = Channel::connect(endpoint.as_str()).await.unwrap();
         assert_echoes(&channel, "hi").await;
-        let pending: Vec<_> = (0..16)
-            .map(|_| {
-                let channel = channel.clone();
-                tokio::spawn(async move { channel.unary(probe("Hang", Bytes::new())).await })
-            })
-            .collect();
+        let pending = spawn_hanging_calls(&channel, 16);
         tokio::time::sleep(Duration::from_millis(200)).await;
         let killed = Instant::now();
         child.0.kill().unwrap();
-        for call in pending {
-            let status = tokio::time::timeout(Duration::from_secs(1), call)
-                .await
-                .expect("no hang")
-                .unwrap()
-                .unwrap_err();
-            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-        }
-        assert!(
-            killed.elapsed() < Duration::from_secs(1),
-            "took {:?}",
-            killed.elapsed()
-        );
+        assert_all_unavailable_within_a_second(pending, killed).await;
     }
 }

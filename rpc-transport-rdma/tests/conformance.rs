@@ -553,12 +553,7 @@ fn rnr_waits_then_succeeds_when_a_receive_appears() {
         rnr_timer: Duration::from_millis(1),
         ..Default::default()
     };
-    let pair = Pair::with(
-        &device,
-        SideOptions::default(),
-        SideOptions::default(),
-        options,
-    );
+    let pair = Pair::connected_with(&device, options);
     let mut src = Buffer::new(&pair.a.pd, 64, LW);
     src.fill(1);
     let dst = Buffer::new(&pair.b.pd, 64, LW);
@@ -591,12 +586,7 @@ fn rnr_retries_run_out() {
         rnr_timer: Duration::from_millis(1),
         ..Default::default()
     };
-    let pair = Pair::with(
-        &device,
-        SideOptions::default(),
-        SideOptions::default(),
-        options,
-    );
+    let pair = Pair::connected_with(&device, options);
     let src = Buffer::new(&pair.a.pd, 64, LW);
     pair.a.post_send(wr(1, SendOp::Send, vec![src.sge(0, 64)]));
     pair.a.post_send(wr(2, SendOp::Send, vec![src.sge(0, 64)]));

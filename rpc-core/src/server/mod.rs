@@ -41,7 +41,7 @@ use crate::request::{Request, Response};
 use crate::status::{BoxError, Status};
 use crate::transport::{self, Endpoint, Listener, TransportConfig};
 
-pub use routes::{NamedService, Routes};
+pub use routes::{NamedService, RoutableService, Routes};
 
 /// Default per-connection limit on concurrent calls.
 pub const DEFAULT_MAX_CONCURRENT_CALLS_PER_CONNECTION: usize = 4096;
@@ -98,17 +98,7 @@ impl<L> Server<L> {
     }
 
     /// Adds the first service.
-    pub fn add_service<S>(self, service: S) -> Router<L>
-    where
-        S: Service<Request<Bytes>, Response = Response<Bytes>>
-            + NamedService
-            + Clone
-            + Send
-            + Sync
-            + 'static,
-        S::Error: Into<BoxError>,
-        S::Future: Send + 'static,
-    {
+    pub fn add_service<S: RoutableService>(self, service: S) -> Router<L> {
         let mut routes = Routes::default();
         routes.add_service(service);
         Router {
@@ -133,17 +123,7 @@ where
     <L::Service as Service<Request<Bytes>>>::Future: Send + 'static,
 {
     /// Adds another service.
-    pub fn add_service<S>(mut self, service: S) -> Self
-    where
-        S: Service<Request<Bytes>, Response = Response<Bytes>>
-            + NamedService
-            + Clone
-            + Send
-            + Sync
-            + 'static,
-        S::Error: Into<BoxError>,
-        S::Future: Send + 'static,
-    {
+    pub fn add_service<S: RoutableService>(mut self, service: S) -> Self {
         self.routes.add_service(service);
         self
     }

@@ -19,6 +19,37 @@ pub trait NamedService {
     const NAME: &'static str;
 }
 
+/// What [`crate::Server::add_service`] accepts: a named tower service of
+/// encoded requests (generated `FooServer`s are). Implemented for every type
+/// that fits; never implement it by hand.
+pub trait RoutableService:
+    Service<
+        Request<Bytes>,
+        Response = Response<Bytes>,
+        Error: Into<BoxError>,
+        Future: Send + 'static,
+    > + NamedService
+    + Clone
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<S> RoutableService for S where
+    S: Service<
+            Request<Bytes>,
+            Response = Response<Bytes>,
+            Error: Into<BoxError>,
+            Future: Send + 'static,
+        > + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 type RouteService = BoxCloneSyncService<Request<Bytes>, Response<Bytes>, Status>;
 
 /// The routing table: service name → service. It is itself the innermost
@@ -36,17 +67,7 @@ impl std::fmt::Debug for Routes {
 
 impl Routes {
     /// Adds `service`, replacing one with the same name.
-    pub fn add_service<S>(&mut self, service: S)
-    where
-        S: Service<Request<Bytes>, Response = Response<Bytes>>
-            + NamedService
-            + Clone
-            + Send
-            + Sync
-            + 'static,
-        S::Error: Into<BoxError>,
-        S::Future: Send + 'static,
-    {
+    pub fn add_service<S: RoutableService>(&mut self, service: S) {
         let service =
             tower::ServiceExt::map_err(service, |error: S::Error| Status::from_error(error.into()));
         Arc::make_mut(&mut self.services).insert(S::NAME, BoxCloneSyncService::new(service));

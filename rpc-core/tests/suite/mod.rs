@@ -202,6 +202,39 @@ pub async fn assert_echoes(channel: &Channel, text: &'static str) {
     assert_eq!(response.into_inner(), Bytes::from_static(text.as_bytes()));
 }
 
+/// Starts `n` calls to the `Hang` handler, each on its own task.
+pub fn spawn_hanging_calls(
+    channel: &Channel,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<Result<Response<Bytes>, Status>>> {
+    (0..n)
+        .map(|_| {
+            let channel = channel.clone();
+            tokio::spawn(async move { channel.unary(probe("Hang", Bytes::new())).await })
+        })
+        .collect()
+}
+
+/// Asserts that every call ends with `Unavailable` within one second of `since`.
+pub async fn assert_all_unavailable_within_a_second(
+    calls: Vec<tokio::task::JoinHandle<Result<Response<Bytes>, Status>>>,
+    since: Instant,
+) {
+    for call in calls {
+        let status = tokio::time::timeout(Duration::from_secs(1), call)
+            .await
+            .expect("no hang")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    assert!(
+        since.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        since.elapsed()
+    );
+}
+
 /// Waits for the next event, failing the test after `limit`.
 pub async fn next_event(events: &mut mpsc::UnboundedReceiver<Event>, limit: Duration) -> Event {
     tokio::time::timeout(limit, events.recv())
@@ -427,12 +460,7 @@ pub async fn oversized_request_fails_locally_with_resource_exhausted(bed: &dyn B
 pub async fn per_connection_call_limit_refuses_excess_calls(bed: &dyn Bed) {
     let mut server = start_with(bed, |s| s.max_concurrent_calls_per_connection(2)).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
-    let hangs: Vec<_> = (0..2)
-        .map(|_| {
-            let channel = channel.clone();
-            tokio::spawn(async move { channel.unary(probe("Hang", Bytes::new())).await })
-        })
-        .collect();
+    let hangs = spawn_hanging_calls(&channel, 2);
     for _ in 0..2 {
         assert_eq!(
             next_event(&mut server.events, Duration::from_secs(5)).await,
@@ -530,24 +558,11 @@ pub async fn server_gone_fails_pending_calls_with_unavailable_and_reconnects(bed
         .connect()
         .await
         .unwrap();
-    let pending: Vec<_> = (0..8)
-        .map(|_| {
-            let channel = channel.clone();
-            tokio::spawn(async move { channel.unary(probe("Hang", Bytes::new())).await })
-        })
-        .collect();
+    let pending = spawn_hanging_calls(&channel, 8);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let killed = Instant::now();
     kill_tx.send(()).unwrap();
-    for call in pending {
-        let status = tokio::time::timeout(Duration::from_secs(1), call)
-            .await
-            .expect("no hang")
-            .unwrap()
-            .unwrap_err();
-        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-    }
-    assert!(killed.elapsed() < Duration::from_secs(1));
+    assert_all_unavailable_within_a_second(pending, killed).await;
     server_thread.join().unwrap();
 
     // Nothing there: calls fail fast with Unavailable.

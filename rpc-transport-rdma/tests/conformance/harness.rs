@@ -188,6 +188,16 @@ impl Pair {
         )
     }
 
+    /// Default sides, connected with `options`.
+    pub fn connected_with(device: &Device, options: ConnectOptions) -> Pair {
+        Pair::with(
+            device,
+            SideOptions::default(),
+            SideOptions::default(),
+            options,
+        )
+    }
+
     pub fn with(device: &Device, a: SideOptions, b: SideOptions, options: ConnectOptions) -> Pair {
         let pd_a = device.context.alloc_pd().expect("pd");
         let pd_b = device.context.alloc_pd().expect("pd");
