@@ -490,6 +490,19 @@ pub struct PostError<W> {
     pub rejected: Vec<W>,
 }
 
+impl<W> PostError<W> {
+    /// The error for `failed` and every request after it, handed back in order.
+    pub fn handing_back(
+        error: VerbsError,
+        failed: W,
+        rest: impl IntoIterator<Item = W>,
+    ) -> PostError<W> {
+        let mut rejected = vec![failed];
+        rejected.extend(rest);
+        PostError { error, rejected }
+    }
+}
+
 impl<W: fmt::Debug> fmt::Display for PostError<W> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -553,9 +553,7 @@ impl SharedReceiveQueue for SoftSrq {
                 None
             };
             if let Some(error) = error {
-                let mut rejected = vec![wr];
-                rejected.extend(wrs);
-                return Err(PostError { error, rejected });
+                return Err(PostError::handing_back(error, wr, wrs));
             }
             queue.push_back(wr);
         }

@@ -851,9 +851,7 @@ impl QueuePair for SoftQp {
         let mut wrs = wrs.into_iter();
         while let Some(wr) = wrs.next() {
             let reject = |error, wr, rest: std::vec::IntoIter<SendWr>| {
-                let mut rejected = vec![wr];
-                rejected.extend(rest);
-                Err(PostError { error, rejected })
+                Err(PostError::handing_back(error, wr, rest))
             };
             match inner.state {
                 QpState::Rts => {}
@@ -928,9 +926,7 @@ impl QueuePair for SoftQp {
                 None
             };
             if let Some(error) = error {
-                let mut rejected = vec![wr];
-                rejected.extend(wrs);
-                return Err(PostError { error, rejected });
+                return Err(PostError::handing_back(error, wr, wrs));
             }
             if inner.state == QpState::Error {
                 shared.recv_cq.push(
