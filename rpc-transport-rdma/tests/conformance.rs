@@ -37,7 +37,7 @@ fn remote_rw() -> AccessFlags {
 
 #[test]
 fn send_recv_with_sge_lists_on_both_sides() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let mut src = Buffer::new(&pair.a.pd, 4096, LW);
     src.fill(3);
@@ -79,7 +79,7 @@ fn send_recv_with_sge_lists_on_both_sides() {
 
 #[test]
 fn send_with_imm_delivers_the_immediate() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let mut src = Buffer::new(&pair.a.pd, 64, LW);
     src.fill(9);
@@ -101,7 +101,7 @@ fn send_with_imm_delivers_the_immediate() {
 
 #[test]
 fn rdma_write_lands_byte_for_byte() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let mut src = Buffer::new(&pair.a.pd, 64 << 10, LW);
     src.fill(5);
@@ -128,7 +128,7 @@ fn rdma_write_lands_byte_for_byte() {
 
 #[test]
 fn rdma_write_with_imm_consumes_a_receive_without_payload() {
-    let device = device();
+    let Some(device) = device() else { return };
     if !device.caps.write_with_imm {
         return skip(
             "rdma_write_with_imm_consumes_a_receive_without_payload",
@@ -170,7 +170,7 @@ fn rdma_write_with_imm_consumes_a_receive_without_payload() {
 
 #[test]
 fn rdma_read_fills_local_sges() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let mut remote = Buffer::new(&pair.b.pd, 1 << 20, remote_rw());
     remote.fill(21);
@@ -202,7 +202,7 @@ fn rdma_read_fills_local_sges() {
 
 #[test]
 fn atomics_return_the_old_value() {
-    let device = device();
+    let Some(device) = device() else { return };
     if !device.caps.atomics {
         return skip("atomics_return_the_old_value", "device has no atomics");
     }
@@ -259,7 +259,7 @@ fn atomics_return_the_old_value() {
 
 #[test]
 fn inline_sends_copy_at_post_time_and_ignore_the_lkey() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let mut src = Buffer::new(&pair.a.pd, 64, LW);
     src.write(0, b"inline payload!!");
@@ -302,7 +302,7 @@ fn inline_sends_copy_at_post_time_and_ignore_the_lkey() {
 
 #[test]
 fn unsignaled_requests_complete_only_when_signaled() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let src = Buffer::new(&pair.a.pd, 4096, LW);
     let dst = Buffer::new(&pair.b.pd, 4096, remote_rw());
@@ -361,7 +361,7 @@ fn unsignaled_requests_complete_only_when_signaled() {
 
 #[test]
 fn cq_returns_completions_in_order_in_batches() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let src = Buffer::new(&pair.a.pd, 64, LW);
     let dst = Buffer::new(&pair.b.pd, 64 * 100, LW);
@@ -408,7 +408,7 @@ fn expect_qp_error_then_flush(side: &Side, buf: &Buffer) {
 
 #[test]
 fn bad_lkey_and_sge_outside_the_region_are_loc_prot_err() {
-    let device = device();
+    let Some(device) = device() else { return };
     for case in ["bad lkey", "outside region", "read into read-only region"] {
         let pair = Pair::new(&device);
         let src = Buffer::new(&pair.a.pd, 64, LW);
@@ -444,7 +444,7 @@ fn bad_lkey_and_sge_outside_the_region_are_loc_prot_err() {
 
 #[test]
 fn receive_buffer_too_small_is_loc_len_err_and_rem_inv_req_err() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let src = Buffer::new(&pair.a.pd, 256, LW);
     let dst = Buffer::new(&pair.b.pd, 256, LW);
@@ -457,7 +457,7 @@ fn receive_buffer_too_small_is_loc_len_err_and_rem_inv_req_err() {
 
 #[test]
 fn remote_key_range_and_rights_are_checked_rem_access_err() {
-    let device = device();
+    let Some(device) = device() else { return };
     for case in [
         "unknown rkey",
         "range outside region",
@@ -518,7 +518,7 @@ fn remote_key_range_and_rights_are_checked_rem_access_err() {
 
 #[test]
 fn misaligned_atomic_is_rejected() {
-    let device = device();
+    let Some(device) = device() else { return };
     if !device.caps.atomics {
         return skip("misaligned_atomic_is_rejected", "device has no atomics");
     }
@@ -547,7 +547,7 @@ fn misaligned_atomic_is_rejected() {
 
 #[test]
 fn rnr_waits_then_succeeds_when_a_receive_appears() {
-    let device = device();
+    let Some(device) = device() else { return };
     let options = ConnectOptions {
         rnr_retry: 7,
         rnr_timer: Duration::from_millis(1),
@@ -580,7 +580,7 @@ fn rnr_waits_then_succeeds_when_a_receive_appears() {
 
 #[test]
 fn rnr_retries_run_out() {
-    let device = device();
+    let Some(device) = device() else { return };
     let options = ConnectOptions {
         rnr_retry: 2,
         rnr_timer: Duration::from_millis(1),
@@ -600,7 +600,7 @@ fn rnr_retries_run_out() {
 
 #[test]
 fn error_state_flushes_everything_outstanding_and_posted() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let buf = Buffer::new(&pair.b.pd, 256, LW);
     for i in 0..3 {
@@ -630,7 +630,7 @@ fn error_state_flushes_everything_outstanding_and_posted() {
 
 #[test]
 fn posting_in_the_wrong_state_hands_the_requests_back() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pd = device.context.alloc_pd().unwrap();
     let side = Side::new(&device, &pd, SideOptions::default());
     let buf = Buffer::new(&pd, 64, LW);
@@ -665,7 +665,7 @@ fn posting_in_the_wrong_state_hands_the_requests_back() {
 
 #[test]
 fn completion_channel_wakes_once_per_arm_and_loses_nothing() {
-    let device = device();
+    let Some(device) = device() else { return };
     let deep = SideOptions {
         caps: QpCaps {
             max_recv_wr: 4096,
@@ -749,7 +749,7 @@ fn completion_channel_wakes_once_per_arm_and_loses_nothing() {
 
 #[test]
 fn solicited_only_arming_skips_unsolicited_completions() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pair = Pair::new(&device);
     let src = Buffer::new(&pair.a.pd, 64, LW);
     let dst = Buffer::new(&pair.b.pd, 64, LW);
@@ -782,7 +782,7 @@ fn solicited_only_arming_skips_unsolicited_completions() {
 
 #[test]
 fn srq_feeds_several_queue_pairs() {
-    let device = device();
+    let Some(device) = device() else { return };
     if !device.caps.srq {
         return skip("srq_feeds_several_queue_pairs", "device has no SRQ");
     }
@@ -901,7 +901,7 @@ fn child_process() {
         return;
     };
     let mut oob = UnixStream::connect(path).unwrap();
-    let device = device();
+    let Some(device) = device() else { return };
     let pd = device.context.alloc_pd().unwrap();
     let side = Side::new(&device, &pd, SideOptions::default());
     let mut region = Buffer::new(&pd, CHILD_BUFFER, remote_rw());
@@ -992,7 +992,7 @@ fn spawn_child(side: &Side) -> Child {
 
 #[test]
 fn two_processes_write_read_and_send() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pd = device.context.alloc_pd().unwrap();
     let side = Side::new(&device, &pd, SideOptions::default());
     let mut child = spawn_child(&side);
@@ -1059,7 +1059,7 @@ fn two_processes_write_read_and_send() {
 
 #[test]
 fn peer_killed_mid_transfer_errors_everything_within_a_second() {
-    let device = device();
+    let Some(device) = device() else { return };
     let pd = device.context.alloc_pd().unwrap();
     let side = Side::new(
         &device,

@@ -23,6 +23,8 @@
 
 #![allow(unsafe_code)]
 
+#[cfg(feature = "ibverbs")]
+pub mod ibverbs;
 pub mod soft;
 
 use std::fmt;
@@ -799,7 +801,11 @@ pub fn wait_readable(fd: RawFd, timeout: Duration) -> std::io::Result<bool> {
 
 /// Every provider compiled into this build, soft first.
 pub fn providers() -> Vec<Arc<dyn Provider>> {
-    vec![Arc::new(soft::SoftProvider)]
+    #[allow(unused_mut)]
+    let mut providers: Vec<Arc<dyn Provider>> = vec![Arc::new(soft::SoftProvider)];
+    #[cfg(feature = "ibverbs")]
+    providers.push(Arc::new(ibverbs::IbverbsProvider));
+    providers
 }
 
 /// The provider named `name` (`soft`, `ibverbs`).
