@@ -5,5 +5,6 @@
 //! semantics for processes on one host. The RPC transport over it
 //! (`rdma://`) builds on these traits.
 
+pub mod protocol;
 pub mod setup;
 pub mod verbs;

@@ -30,6 +30,7 @@ pub mod soft;
 use std::fmt;
 use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 /// Memory access rights of a [`MemoryRegion`] (values as in `ibv_access_flags`).
@@ -694,6 +695,41 @@ pub trait SharedReceiveQueue: Send + Sync {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
+/// Bytes registered through [`RegisteredBuffer`]s and [`ExposedBuffer`]
+/// windows that are alive in this process (a leak check for pools).
+static REGISTERED_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Registrations made through [`RegisteredBuffer`]s and [`ExposedBuffer`] windows since start.
+static REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes currently registered through [`RegisteredBuffer`]s and
+/// [`ExposedBuffer`] windows in this process.
+pub fn registered_bytes() -> u64 {
+    REGISTERED_BYTES.load(AtomicOrdering::Relaxed)
+}
+
+/// Registrations ([`RegisteredBuffer::new`], [`RegisteredBuffer::expose`])
+/// made in this process so far: what a pool that "registers once" keeps flat.
+pub fn registrations() -> u64 {
+    REGISTRATIONS.load(AtomicOrdering::Relaxed)
+}
+
+/// Counts one live registration of `len` bytes; uncounts on drop.
+struct RegistrationTally(usize);
+
+impl RegistrationTally {
+    fn new(len: usize) -> RegistrationTally {
+        REGISTERED_BYTES.fetch_add(len as u64, AtomicOrdering::Relaxed);
+        REGISTRATIONS.fetch_add(1, AtomicOrdering::Relaxed);
+        RegistrationTally(len)
+    }
+}
+
+impl Drop for RegistrationTally {
+    fn drop(&mut self) {
+        REGISTERED_BYTES.fetch_sub(self.0 as u64, AtomicOrdering::Relaxed);
+    }
+}
+
 /// A heap buffer registered with a protection domain, owning both: the region
 /// is deregistered before the memory is freed, so no key outlives its bytes.
 ///
@@ -702,7 +738,9 @@ pub trait SharedReceiveQueue: Send + Sync {
 pub struct RegisteredBuffer {
     // Field order matters: `region` is dropped (deregistered) before `data` is freed.
     region: Arc<dyn MemoryRegion>,
+    pd: Arc<dyn ProtectionDomain>,
     data: Box<[u8]>,
+    _tally: RegistrationTally,
 }
 
 impl RegisteredBuffer {
@@ -717,7 +755,41 @@ impl RegisteredBuffer {
         // is freed only after `region` is dropped (field order above); the
         // region is not handed out, so no key to it survives this struct.
         let region = unsafe { pd.register(data.as_mut_ptr(), len, access)? };
-        Ok(RegisteredBuffer { region, data })
+        Ok(RegisteredBuffer {
+            region,
+            pd: pd.clone(),
+            data,
+            _tally: RegistrationTally::new(len),
+        })
+    }
+
+    /// Lets the peer reach exactly the first `len` bytes with `access` (e.g.
+    /// `REMOTE_READ` for a rendezvous announcement), through a second region
+    /// of its own key. The buffer is read-only while exposed;
+    /// [`ExposedBuffer::revoke`] deregisters the window and hands it back.
+    pub fn expose(self, len: usize, access: AccessFlags) -> Result<ExposedBuffer, ExposeError> {
+        if len > self.data.len() {
+            return Err(ExposeError {
+                error: VerbsError::InvalidArgument("exposed length exceeds the buffer"),
+                buffer: self,
+            });
+        }
+        let addr = self.data.as_ptr() as *mut u8;
+        // SAFETY: the range lies inside `data`, which stays allocated and
+        // unmoved while the window exists: `ExposedBuffer` owns this buffer and
+        // drops the window first (field order); the buffer is never written
+        // through `&mut` while exposed (ExposedBuffer only gives `&[u8]`).
+        match unsafe { self.pd.register(addr, len, access) } {
+            Ok(window) => Ok(ExposedBuffer {
+                window,
+                _tally: RegistrationTally::new(len),
+                buffer: self,
+            }),
+            Err(error) => Err(ExposeError {
+                error,
+                buffer: self,
+            }),
+        }
     }
 
     /// The bytes.
@@ -774,6 +846,74 @@ impl fmt::Debug for RegisteredBuffer {
             .field("rkey", &self.rkey())
             .finish()
     }
+}
+
+/// A [`RegisteredBuffer`] whose first bytes the peer may reach through a
+/// window region of their own key ([`RegisteredBuffer::expose`]). Dropping it
+/// revokes the window and frees the buffer.
+pub struct ExposedBuffer {
+    // Field order matters: the window is deregistered before the buffer goes.
+    window: Arc<dyn MemoryRegion>,
+    _tally: RegistrationTally,
+    buffer: RegisteredBuffer,
+}
+
+impl ExposedBuffer {
+    /// Start address of the window.
+    pub fn addr(&self) -> u64 {
+        self.window.addr()
+    }
+
+    /// Length of the window.
+    pub fn len(&self) -> usize {
+        self.window.len()
+    }
+
+    /// True when the window is empty.
+    pub fn is_empty(&self) -> bool {
+        self.window.is_empty()
+    }
+
+    /// The key the peer names the window by.
+    pub fn rkey(&self) -> u32 {
+        self.window.rkey()
+    }
+
+    /// The exposed bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.buffer.as_slice()[..self.window.len()]
+    }
+
+    /// Deregisters the window (the peer's key stops working) and hands the buffer back.
+    pub fn revoke(self) -> RegisteredBuffer {
+        let ExposedBuffer {
+            window,
+            _tally,
+            buffer,
+        } = self;
+        drop(window);
+        drop(_tally);
+        buffer
+    }
+}
+
+impl fmt::Debug for ExposedBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExposedBuffer")
+            .field("addr", &self.addr())
+            .field("len", &self.len())
+            .field("rkey", &self.rkey())
+            .finish()
+    }
+}
+
+/// [`RegisteredBuffer::expose`] failed; the buffer comes back.
+#[derive(Debug)]
+pub struct ExposeError {
+    /// Why.
+    pub error: VerbsError,
+    /// The buffer, unchanged.
+    pub buffer: RegisteredBuffer,
 }
 
 /// Waits until `fd` is readable or `timeout` passes; `Ok(true)` when readable.

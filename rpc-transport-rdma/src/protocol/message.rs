@@ -1,0 +1,301 @@
+//! The messages of the RDMA protocol, as they sit in a receive slot.
+//!
+//! Every message is one SEND into one pre-posted receive slot of the peer and
+//! starts with a 16-byte header:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 1 | protocol version ([`PROTOCOL_VERSION`]) |
+//! | 1 | 1 | kind: 1 DATA, 2 ANNOUNCE, 3 DONE, 4 CREDIT, 5 CLOSE |
+//! | 2 | 2 | reserved, zero |
+//! | 4 | 4 | credits granted to the receiver of this message (u32 LE) |
+//! | 8 | 8 | token (ANNOUNCE, DONE), else zero (u64 LE) |
+//!
+//! Then, by kind: DATA carries one whole rpc-core frame; ANNOUNCE carries
+//! `addr: u64 | len: u64 | rkey: u32 | reserved: u32` (the frame waits in the
+//! sender's memory for an RDMA READ); DONE, CREDIT and CLOSE carry nothing.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// Version byte of every message.
+pub const PROTOCOL_VERSION: u8 = 1;
+/// Bytes of the common header.
+pub const HEADER_LEN: usize = 16;
+/// Bytes of an ANNOUNCE body.
+pub const ANNOUNCE_BODY_LEN: usize = 24;
+
+/// A rendezvous announcement: the frame is `len` bytes at `addr`, readable
+/// with `rkey`, until the receiver says DONE for `token`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Announce {
+    /// Names this transfer in DONE.
+    pub token: u64,
+    /// Address in the sender.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Key of the window that covers exactly `addr..addr + len`.
+    pub rkey: u32,
+}
+
+/// What a message says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Body {
+    /// A whole frame, copied into the slot.
+    Data(Bytes),
+    /// A frame to pull with RDMA READ.
+    Announce(Announce),
+    /// The receiver pulled the announced frame: the sender may free it.
+    Done {
+        /// The announcement's token.
+        token: u64,
+    },
+    /// Only credits.
+    Credit,
+    /// The sender sends nothing more.
+    Close,
+}
+
+/// One message: a credit grant plus a body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// Receives the sender has re-posted since its last grant.
+    pub credits: u32,
+    /// What it carries.
+    pub body: Body,
+}
+
+/// A received message that breaks the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MessageError {
+    /// Shorter than its header or its kind's body.
+    #[error("message of {len} bytes is truncated")]
+    Truncated {
+        /// Bytes received.
+        len: usize,
+    },
+    /// A version this build does not speak.
+    #[error("unsupported RDMA protocol version {0}")]
+    Version(u8),
+    /// An unknown kind byte.
+    #[error("unknown RDMA message kind {0}")]
+    Kind(u8),
+    /// Reserved bits set, or bytes after a fixed-size body.
+    #[error("malformed RDMA message: {0}")]
+    Malformed(&'static str),
+}
+
+const KIND_DATA: u8 = 1;
+const KIND_ANNOUNCE: u8 = 2;
+const KIND_DONE: u8 = 3;
+const KIND_CREDIT: u8 = 4;
+const KIND_CLOSE: u8 = 5;
+
+impl Message {
+    /// The header, and the body bytes that follow it (a DATA frame is not
+    /// copied here: the caller gathers header and frame into its send slot).
+    pub fn encode_header(&self) -> ([u8; HEADER_LEN], Option<[u8; ANNOUNCE_BODY_LEN]>) {
+        let (kind, token) = match &self.body {
+            Body::Data(_) => (KIND_DATA, 0),
+            Body::Announce(announce) => (KIND_ANNOUNCE, announce.token),
+            Body::Done { token } => (KIND_DONE, *token),
+            Body::Credit => (KIND_CREDIT, 0),
+            Body::Close => (KIND_CLOSE, 0),
+        };
+        let mut header = [0u8; HEADER_LEN];
+        header[0] = PROTOCOL_VERSION;
+        header[1] = kind;
+        header[4..8].copy_from_slice(&self.credits.to_le_bytes());
+        header[8..16].copy_from_slice(&token.to_le_bytes());
+        let announce = match &self.body {
+            Body::Announce(announce) => {
+                let mut body = [0u8; ANNOUNCE_BODY_LEN];
+                body[0..8].copy_from_slice(&announce.addr.to_le_bytes());
+                body[8..16].copy_from_slice(&announce.len.to_le_bytes());
+                body[16..20].copy_from_slice(&announce.rkey.to_le_bytes());
+                Some(body)
+            }
+            _ => None,
+        };
+        (header, announce)
+    }
+
+    /// Bytes this message occupies in a slot.
+    pub fn encoded_len(&self) -> usize {
+        HEADER_LEN
+            + match &self.body {
+                Body::Data(frame) => frame.len(),
+                Body::Announce(_) => ANNOUNCE_BODY_LEN,
+                _ => 0,
+            }
+    }
+
+    /// The whole message as one buffer (tests, and the slow path).
+    pub fn encode(&self) -> Bytes {
+        let (header, announce) = self.encode_header();
+        let mut out = BytesMut::with_capacity(self.encoded_len());
+        out.put_slice(&header);
+        if let Some(body) = announce {
+            out.put_slice(&body);
+        }
+        if let Body::Data(frame) = &self.body {
+            out.put_slice(frame);
+        }
+        out.freeze()
+    }
+
+    /// Parses a received message; a DATA frame is a slice of `bytes`.
+    pub fn decode(bytes: Bytes) -> Result<Message, MessageError> {
+        if bytes.len() < HEADER_LEN {
+            return Err(MessageError::Truncated { len: bytes.len() });
+        }
+        if bytes[0] != PROTOCOL_VERSION {
+            return Err(MessageError::Version(bytes[0]));
+        }
+        if bytes[2] != 0 || bytes[3] != 0 {
+            return Err(MessageError::Malformed("reserved header bytes are not zero"));
+        }
+        let credits = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
+        let token = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
+        let rest = bytes.len() - HEADER_LEN;
+        let fixed = |body: Body| {
+            if rest != 0 {
+                Err(MessageError::Malformed("bytes after a fixed-size message"))
+            } else if token != 0 && !matches!(body, Body::Done { .. }) {
+                Err(MessageError::Malformed("token set on a message without one"))
+            } else {
+                Ok(body)
+            }
+        };
+        let body = match bytes[1] {
+            KIND_DATA => {
+                if token != 0 {
+                    return Err(MessageError::Malformed("token set on DATA"));
+                }
+                Body::Data(bytes.slice(HEADER_LEN..))
+            }
+            KIND_ANNOUNCE => {
+                if rest != ANNOUNCE_BODY_LEN {
+                    return Err(MessageError::Truncated { len: bytes.len() });
+                }
+                let body = &bytes[HEADER_LEN..];
+                if body[20..24] != [0; 4] {
+                    return Err(MessageError::Malformed("reserved announce bytes are not zero"));
+                }
+                Body::Announce(Announce {
+                    token,
+                    addr: u64::from_le_bytes(body[0..8].try_into().expect("8 bytes")),
+                    len: u64::from_le_bytes(body[8..16].try_into().expect("8 bytes")),
+                    rkey: u32::from_le_bytes(body[16..20].try_into().expect("4 bytes")),
+                })
+            }
+            KIND_DONE => fixed(Body::Done { token })?,
+            KIND_CREDIT => fixed(Body::Credit)?,
+            KIND_CLOSE => fixed(Body::Close)?,
+            other => return Err(MessageError::Kind(other)),
+        };
+        Ok(Message { credits, body })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Message> {
+        vec![
+            Message {
+                credits: 3,
+                body: Body::Data(Bytes::from_static(b"frame bytes")),
+            },
+            Message {
+                credits: 0,
+                body: Body::Data(Bytes::new()),
+            },
+            Message {
+                credits: 7,
+                body: Body::Announce(Announce {
+                    token: 9,
+                    addr: 0x7f00_0000_1000,
+                    len: 1 << 20,
+                    rkey: 0xdead,
+                }),
+            },
+            Message {
+                credits: 1,
+                body: Body::Done { token: 9 },
+            },
+            Message {
+                credits: 64,
+                body: Body::Credit,
+            },
+            Message {
+                credits: 0,
+                body: Body::Close,
+            },
+        ]
+    }
+
+    #[test]
+    fn every_kind_round_trips() {
+        for message in all() {
+            let bytes = message.encode();
+            assert_eq!(bytes.len(), message.encoded_len());
+            assert_eq!(Message::decode(bytes).unwrap(), message);
+        }
+    }
+
+    #[test]
+    fn documented_header_layout() {
+        let bytes = Message {
+            credits: 0x0102_0304,
+            body: Body::Done { token: 0x1122 },
+        }
+        .encode();
+        assert_eq!(
+            &bytes[..],
+            &[1, 3, 0, 0, 4, 3, 2, 1, 0x22, 0x11, 0, 0, 0, 0, 0, 0]
+        );
+    }
+
+    #[test]
+    fn bad_messages_are_typed_errors() {
+        let done = Message {
+            credits: 0,
+            body: Body::Done { token: 1 },
+        }
+        .encode();
+        for cut in 0..HEADER_LEN {
+            assert_eq!(
+                Message::decode(done.slice(..cut)),
+                Err(MessageError::Truncated { len: cut })
+            );
+        }
+        let mut bad = done.to_vec();
+        bad[0] = 2;
+        assert_eq!(
+            Message::decode(bad.clone().into()),
+            Err(MessageError::Version(2))
+        );
+        bad[0] = 1;
+        bad[1] = 77;
+        assert_eq!(Message::decode(bad.into()), Err(MessageError::Kind(77)));
+        let mut trailing = done.to_vec();
+        trailing.push(0);
+        assert!(matches!(
+            Message::decode(trailing.into()),
+            Err(MessageError::Malformed(_))
+        ));
+        let announce = all()[2].encode();
+        assert!(matches!(
+            Message::decode(announce.slice(..announce.len() - 1)),
+            Err(MessageError::Truncated { .. })
+        ));
+        let mut credit_with_token = all()[4].encode().to_vec();
+        credit_with_token[8] = 1;
+        assert!(matches!(
+            Message::decode(credit_with_token.into()),
+            Err(MessageError::Malformed(_))
+        ));
+    }
+}

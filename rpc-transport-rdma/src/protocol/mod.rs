@@ -1,0 +1,677 @@
+//! The RDMA protocol of one connection, as a sans-IO state machine.
+//!
+//! [`Protocol`] decides everything and does nothing: it never touches a queue
+//! pair, a buffer or a clock. The driver ([`crate::driver`]) feeds it what
+//! happened through `handle_*` and asks it what to do next through `poll_*`,
+//! in the style of quinn-proto:
+//!
+//! | input | meaning |
+//! |---|---|
+//! | [`Protocol::send_eager`] / [`Protocol::send_rendezvous`] / [`Protocol::close`] | the application sends a frame, or ends its side |
+//! | [`Protocol::handle_received`] | a SEND landed in a receive slot (already re-posted) |
+//! | [`Protocol::handle_send_complete`] | a send slot is free again |
+//! | [`Protocol::handle_read_complete`] | an RDMA READ chunk arrived |
+//! | [`Protocol::handle_timeout`] | time passed [`Protocol::poll_timeout`] |
+//!
+//! | output | the driver then |
+//! |---|---|
+//! | [`Protocol::poll_transmit`] | copies the message into a send slot and posts a SEND |
+//! | [`Protocol::poll_event`] | allocates a READ destination, or frees an exposed frame |
+//! | [`Protocol::poll_read`] | posts an RDMA READ chunk |
+//! | [`Protocol::poll_inbound`] | hands a frame (or the end) to the application |
+//!
+//! **Credits.** A SEND needs a posted receive at the peer. Each side starts
+//! with as many credits as the peer has receive slots, spends one per
+//! message, and gets them back in the `credits` field of the peer's messages
+//! once the peer has re-posted the slots. The last credit is kept for an
+//! explicit CREDIT message, which is sent when a quarter of our slots wait to
+//! be granted or when the peer may be down to its reserve. So no message ever
+//! meets an empty receive queue: no RNR, whatever the load.
+//!
+//! **Eager and rendezvous.** A frame up to the eager threshold travels inside
+//! the message. A larger one stays in the sender's registered memory behind a
+//! window that covers exactly the frame (REMOTE_READ only); the message
+//! announces `{token, addr, len, rkey}`. The receiver checks the length
+//! against its limit before allocating anything, pulls the frame in chunks
+//! with at most `max_outstanding_reads` READs in flight, then answers DONE so
+//! the sender revokes the window. A window the receiver never finishes is
+//! revoked after `rendezvous_timeout`.
+//!
+//! **Order.** Frames reach the application in the order they were sent: an
+//! eager frame that arrives behind a rendezvous frame waits for its pull.
+
+pub mod message;
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+pub use message::{Announce, Body, HEADER_LEN, Message, MessageError, PROTOCOL_VERSION};
+
+/// What one side of a connection offers, exchanged in the set-up hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Receive slots posted before the peer may send (its initial credits).
+    pub recv_slots: u32,
+    /// Bytes per receive slot, header included.
+    pub slot_len: u32,
+    /// Frames up to this many bytes travel eagerly (≤ `slot_len - HEADER_LEN`).
+    pub eager_threshold: u32,
+    /// Largest frame this side accepts.
+    pub max_frame_len: u64,
+}
+
+/// Bytes of an encoded [`Geometry`].
+pub const GEOMETRY_LEN: usize = 20;
+/// Fewest receive slots a side may offer. One credit stays in reserve for
+/// CREDIT messages; with only two slots, two idle sides would answer each
+/// other's CREDIT messages forever (each sees the other at its reserve).
+pub const MIN_RECV_SLOTS: u32 = 3;
+const _: () = assert!(MIN_RECV_SLOTS >= 3, "reserve credit plus no idle credit ping-pong");
+
+impl Geometry {
+    /// Fixed-size little-endian form for the hello.
+    pub fn encode(&self) -> [u8; GEOMETRY_LEN] {
+        let mut out = [0u8; GEOMETRY_LEN];
+        out[0..4].copy_from_slice(&self.recv_slots.to_le_bytes());
+        out[4..8].copy_from_slice(&self.slot_len.to_le_bytes());
+        out[8..12].copy_from_slice(&self.eager_threshold.to_le_bytes());
+        out[12..20].copy_from_slice(&self.max_frame_len.to_le_bytes());
+        out
+    }
+
+    /// Parses and validates the peer's geometry.
+    pub fn decode(bytes: &[u8]) -> Result<Geometry, ProtocolError> {
+        let bytes: &[u8; GEOMETRY_LEN] = bytes
+            .try_into()
+            .map_err(|_| ProtocolError::Geometry("wrong length"))?;
+        let geometry = Geometry {
+            recv_slots: u32::from_le_bytes(bytes[0..4].try_into().expect("4")),
+            slot_len: u32::from_le_bytes(bytes[4..8].try_into().expect("4")),
+            eager_threshold: u32::from_le_bytes(bytes[8..12].try_into().expect("4")),
+            max_frame_len: u64::from_le_bytes(bytes[12..20].try_into().expect("8")),
+        };
+        geometry.validate()?;
+        Ok(geometry)
+    }
+
+    /// Checks the invariants the protocol relies on.
+    pub fn validate(&self) -> Result<(), ProtocolError> {
+        if self.recv_slots < MIN_RECV_SLOTS {
+            return Err(ProtocolError::Geometry("fewer than 3 receive slots"));
+        }
+        if (self.slot_len as usize) < HEADER_LEN + message::ANNOUNCE_BODY_LEN {
+            return Err(ProtocolError::Geometry(
+                "receive slots too small for an announcement",
+            ));
+        }
+        if self.eager_threshold as usize > self.slot_len as usize - HEADER_LEN {
+            return Err(ProtocolError::Geometry(
+                "eager threshold larger than a slot's payload",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Local knobs of the protocol (not negotiated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Send slots: messages in flight before a send completion is needed.
+    pub send_slots: u32,
+    /// RDMA READ chunks in flight (bounded by the QP's `max_rd_atomic`).
+    pub max_outstanding_reads: u32,
+    /// Bytes per READ chunk.
+    pub read_chunk_len: u64,
+    /// Rendezvous frames being pulled at once (each holds a destination buffer).
+    pub max_active_pulls: u32,
+    /// Our announced frames awaiting DONE before we stop taking large frames.
+    pub max_exposed: u32,
+    /// Frames queued for sending before the application waits.
+    pub max_queued: usize,
+    /// An announced frame not DONE by then is revoked.
+    pub rendezvous_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            send_slots: 128,
+            max_outstanding_reads: 16,
+            read_chunk_len: 1 << 20,
+            max_active_pulls: 4,
+            max_exposed: 16,
+            max_queued: 256,
+            rendezvous_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The peer broke the protocol; the connection must end.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    /// A message could not be parsed.
+    #[error(transparent)]
+    Message(#[from] MessageError),
+    /// An announced frame exceeds our limit (checked before allocating).
+    #[error("announced frame of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge {
+        /// Announced length.
+        len: u64,
+        /// Our limit.
+        max: u64,
+    },
+    /// An announcement of nothing.
+    #[error("announced frame of 0 bytes")]
+    EmptyAnnounce,
+    /// A token already in use by another announcement.
+    #[error("announcement reuses token {0}")]
+    DuplicateToken(u64),
+    /// A DONE for a token this side never announced.
+    #[error("DONE for unknown token {0}")]
+    UnknownToken(u64),
+    /// The peer sent without a credit.
+    #[error("peer sent {received} messages with {granted} credits granted")]
+    CreditOverrun {
+        /// Messages received.
+        received: u64,
+        /// Credits granted so far (initial slots included).
+        granted: u64,
+    },
+    /// The peer granted more credits than it has receive slots.
+    #[error("peer granted {credits} credits, more than its {slots} receive slots")]
+    CreditOverflow {
+        /// Credits we would hold.
+        credits: u64,
+        /// The peer's slots.
+        slots: u32,
+    },
+    /// A frame after the peer's CLOSE.
+    #[error("frame after CLOSE")]
+    AfterClose,
+    /// The peer's geometry is unusable.
+    #[error("bad geometry: {0}")]
+    Geometry(&'static str),
+}
+
+/// How a frame travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Inside a message.
+    Eager,
+    /// Announced, then pulled by the peer.
+    Rendezvous,
+}
+
+/// Something the driver must do with memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// Take a registered destination of `len` bytes for `token`; its READs follow.
+    Allocate {
+        /// The peer's announcement.
+        token: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// Our frame `token` is no longer reachable by the peer: revoke its window
+    /// and free it (`expired`: no DONE came in time).
+    Release {
+        /// Our announcement.
+        token: u64,
+        /// Revoked by the timeout rather than by DONE.
+        expired: bool,
+    },
+}
+
+/// One RDMA READ to post: `len` bytes from the peer's `remote_addr` into the
+/// destination of `token` at `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadRequest {
+    /// Which pull.
+    pub token: u64,
+    /// Offset in the destination (and in the announced frame).
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Source address in the peer.
+    pub remote_addr: u64,
+    /// The peer's window key.
+    pub rkey: u32,
+}
+
+/// What the application receives next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inbound {
+    /// An eager frame.
+    Frame(Bytes),
+    /// The pulled frame of `token` is complete in its destination.
+    Pulled {
+        /// The announcement's token.
+        token: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// The peer sends no more frames.
+    Closed,
+}
+
+enum Pending {
+    Frame(Bytes),
+    Pull(u64),
+    Closed,
+}
+
+struct Pull {
+    announce: Announce,
+    allocated: bool,
+    next_offset: u64,
+    received: u64,
+}
+
+/// One connection's protocol state.
+pub struct Protocol {
+    local: Geometry,
+    peer: Geometry,
+    limits: Limits,
+    // Credits.
+    send_credits: u32,
+    owed: u32,
+    /// Of `owed`, the slots that held something other than a CREDIT message.
+    owed_for_data: u32,
+    granted_total: u64,
+    received_total: u64,
+    hold_credits: bool,
+    credit_threshold: u32,
+    free_send_slots: u32,
+    // Outgoing.
+    control: VecDeque<Body>,
+    queue: VecDeque<Body>,
+    close_queued: bool,
+    close_sent: bool,
+    next_token: u64,
+    exposed: HashMap<u64, Instant>,
+    // Incoming.
+    pulls: HashMap<u64, Pull>,
+    pull_order: VecDeque<u64>,
+    active_pulls: u32,
+    reads_outstanding: u32,
+    pending: VecDeque<Pending>,
+    close_received: bool,
+    events: VecDeque<Event>,
+}
+
+impl Protocol {
+    /// A connection between `local` and `peer` (both validated).
+    pub fn new(local: Geometry, peer: Geometry, limits: Limits) -> Protocol {
+        Protocol {
+            local,
+            peer,
+            limits,
+            send_credits: peer.recv_slots,
+            owed: 0,
+            owed_for_data: 0,
+            granted_total: u64::from(local.recv_slots),
+            received_total: 0,
+            hold_credits: false,
+            credit_threshold: (local.recv_slots / 4).max(1),
+            free_send_slots: limits.send_slots.max(1),
+            control: VecDeque::new(),
+            queue: VecDeque::new(),
+            close_queued: false,
+            close_sent: false,
+            next_token: 1,
+            exposed: HashMap::new(),
+            pulls: HashMap::new(),
+            pull_order: VecDeque::new(),
+            active_pulls: 0,
+            reads_outstanding: 0,
+            pending: VecDeque::new(),
+            close_received: false,
+            events: VecDeque::new(),
+        }
+    }
+
+    /// How a frame of `len` bytes travels.
+    pub fn route(&self, len: usize) -> Route {
+        let fits_peer = len <= self.peer.slot_len as usize - HEADER_LEN;
+        if len <= self.local.eager_threshold as usize && fits_peer {
+            Route::Eager
+        } else {
+            Route::Rendezvous
+        }
+    }
+
+    /// The largest frame the peer accepts.
+    pub fn peer_max_frame_len(&self) -> u64 {
+        self.peer.max_frame_len
+    }
+
+    /// Whether another frame of `route` may be queued now (else the
+    /// application waits: this is the sink's back-pressure).
+    pub fn can_send(&self, route: Route) -> bool {
+        !self.close_queued
+            && self.queue.len() < self.limits.max_queued
+            && (route == Route::Eager || (self.exposed.len() as u32) < self.limits.max_exposed)
+    }
+
+    /// Queues an eager frame.
+    pub fn send_eager(&mut self, frame: Bytes) {
+        debug_assert_eq!(self.route(frame.len()), Route::Eager);
+        self.queue.push_back(Body::Data(frame));
+    }
+
+    /// Queues the announcement of a frame of `len` bytes that the driver put
+    /// behind a window at `addr` with `rkey`; returns its token.
+    pub fn send_rendezvous(&mut self, addr: u64, len: u64, rkey: u32, now: Instant) -> u64 {
+        let token = self.next_token;
+        self.next_token += 1;
+        self.exposed
+            .insert(token, now + self.limits.rendezvous_timeout);
+        self.queue.push_back(Body::Announce(Announce {
+            token,
+            addr,
+            len,
+            rkey,
+        }));
+        token
+    }
+
+    /// Ends our side: CLOSE goes out after every queued frame.
+    pub fn close(&mut self) {
+        if !self.close_queued {
+            self.close_queued = true;
+            self.queue.push_back(Body::Close);
+        }
+    }
+
+    /// Holds back credit grants while the application is not reading (so the
+    /// peer stops sending), or releases them.
+    pub fn set_hold_credits(&mut self, hold: bool) {
+        self.hold_credits = hold;
+    }
+
+    /// A message arrived in a receive slot that the driver has already re-posted.
+    pub fn handle_received(&mut self, bytes: Bytes) -> Result<(), ProtocolError> {
+        self.received_total += 1;
+        if self.received_total > self.granted_total {
+            return Err(ProtocolError::CreditOverrun {
+                received: self.received_total,
+                granted: self.granted_total,
+            });
+        }
+        self.owed += 1;
+        let message = Message::decode(bytes)?;
+        let credits = u64::from(self.send_credits) + u64::from(message.credits);
+        if credits > u64::from(self.peer.recv_slots) {
+            return Err(ProtocolError::CreditOverflow {
+                credits,
+                slots: self.peer.recv_slots,
+            });
+        }
+        self.send_credits = credits as u32;
+        if message.body != Body::Credit {
+            self.owed_for_data += 1;
+        }
+        match message.body {
+            Body::Data(frame) => {
+                if self.close_received {
+                    return Err(ProtocolError::AfterClose);
+                }
+                self.pending.push_back(Pending::Frame(frame));
+            }
+            Body::Announce(announce) => {
+                if self.close_received {
+                    return Err(ProtocolError::AfterClose);
+                }
+                if announce.len > self.local.max_frame_len {
+                    return Err(ProtocolError::TooLarge {
+                        len: announce.len,
+                        max: self.local.max_frame_len,
+                    });
+                }
+                if announce.len == 0 {
+                    return Err(ProtocolError::EmptyAnnounce);
+                }
+                if self.pulls.contains_key(&announce.token) {
+                    return Err(ProtocolError::DuplicateToken(announce.token));
+                }
+                self.pulls.insert(
+                    announce.token,
+                    Pull {
+                        announce,
+                        allocated: false,
+                        next_offset: 0,
+                        received: 0,
+                    },
+                );
+                self.pull_order.push_back(announce.token);
+                self.pending.push_back(Pending::Pull(announce.token));
+            }
+            Body::Done { token } => {
+                if self.exposed.remove(&token).is_some() {
+                    self.events.push_back(Event::Release {
+                        token,
+                        expired: false,
+                    });
+                } else if token == 0 || token >= self.next_token {
+                    return Err(ProtocolError::UnknownToken(token));
+                }
+                // Else: revoked by the timeout already; nothing to free.
+            }
+            Body::Credit => {}
+            Body::Close => {
+                if self.close_received {
+                    return Err(ProtocolError::AfterClose);
+                }
+                self.close_received = true;
+                self.pending.push_back(Pending::Closed);
+            }
+        }
+        Ok(())
+    }
+
+    /// A SEND completed: its slot is free.
+    pub fn handle_send_complete(&mut self) {
+        self.free_send_slots += 1;
+    }
+
+    /// A READ chunk of `token` completed with `len` bytes.
+    pub fn handle_read_complete(&mut self, token: u64, len: u64) {
+        self.reads_outstanding = self.reads_outstanding.saturating_sub(1);
+        let Some(pull) = self.pulls.get_mut(&token) else {
+            return;
+        };
+        pull.received += len;
+        if pull.received >= pull.announce.len {
+            self.active_pulls -= 1;
+            self.pull_order.retain(|t| *t != token);
+            self.control.push_back(Body::Done { token });
+            // The entry stays until `poll_inbound` hands the frame up.
+            pull.next_offset = u64::MAX;
+        }
+    }
+
+    /// Revokes announcements whose time is up.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let expired: Vec<u64> = self
+            .exposed
+            .iter()
+            .filter(|(_, deadline)| **deadline <= now)
+            .map(|(token, _)| *token)
+            .collect();
+        for token in expired {
+            self.exposed.remove(&token);
+            self.events.push_back(Event::Release {
+                token,
+                expired: true,
+            });
+        }
+    }
+
+    /// When [`Protocol::handle_timeout`] wants to run next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.exposed.values().min().copied()
+    }
+
+    /// The next message to send, if credits and a send slot allow.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<Message> {
+        if self.free_send_slots == 0 || self.send_credits == 0 {
+            return None;
+        }
+        // Everything but CREDIT keeps one credit in reserve.
+        let body = if self.send_credits >= 2 {
+            self.control.pop_front().or_else(|| self.queue.pop_front())
+        } else {
+            None
+        };
+        let body = match body {
+            Some(body) => body,
+            None if self.needs_credit_message() => Body::Credit,
+            None => return None,
+        };
+        if matches!(body, Body::Close) {
+            self.close_sent = true;
+        }
+        let credits = if self.hold_credits { 0 } else { self.owed };
+        self.owed -= credits;
+        if credits > 0 {
+            self.owed_for_data = 0;
+        }
+        self.granted_total += u64::from(credits);
+        self.send_credits -= 1;
+        self.free_send_slots -= 1;
+        Some(Message { credits, body })
+    }
+
+    fn needs_credit_message(&self) -> bool {
+        if self.hold_credits || self.owed == 0 {
+            return false;
+        }
+        // What the peer can still send as far as it knows (an upper bound:
+        // messages in flight make it lower). At its reserve it is blocked.
+        // CREDIT messages alone never trigger a batch grant, or two idle sides
+        // would answer each other forever.
+        let peer_credits = self.granted_total - self.received_total;
+        self.owed_for_data >= self.credit_threshold || peer_credits <= 1
+    }
+
+    /// The next memory action.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        if let Some(event) = self.events.pop_front() {
+            return Some(event);
+        }
+        if self.active_pulls < self.limits.max_active_pulls {
+            let token = self
+                .pull_order
+                .iter()
+                .find(|token| !self.pulls[*token].allocated)
+                .copied()?;
+            let pull = self.pulls.get_mut(&token).expect("ordered pulls exist");
+            pull.allocated = true;
+            self.active_pulls += 1;
+            return Some(Event::Allocate {
+                token,
+                len: pull.announce.len,
+            });
+        }
+        None
+    }
+
+    /// The next READ chunk to post.
+    #[must_use]
+    pub fn poll_read(&mut self) -> Option<ReadRequest> {
+        if self.reads_outstanding >= self.limits.max_outstanding_reads {
+            return None;
+        }
+        for token in &self.pull_order {
+            let pull = self.pulls.get_mut(token).expect("ordered pulls exist");
+            if !pull.allocated || pull.next_offset >= pull.announce.len {
+                continue;
+            }
+            let offset = pull.next_offset;
+            let len = (pull.announce.len - offset).min(self.limits.read_chunk_len);
+            pull.next_offset += len;
+            self.reads_outstanding += 1;
+            return Some(ReadRequest {
+                token: *token,
+                offset,
+                len,
+                remote_addr: pull.announce.addr + offset,
+                rkey: pull.announce.rkey,
+            });
+        }
+        None
+    }
+
+    /// The next thing for the application, in send order.
+    #[must_use]
+    pub fn poll_inbound(&mut self) -> Option<Inbound> {
+        match self.pending.front()? {
+            Pending::Frame(_) => match self.pending.pop_front() {
+                Some(Pending::Frame(frame)) => Some(Inbound::Frame(frame)),
+                _ => unreachable!("front was a frame"),
+            },
+            Pending::Pull(token) => {
+                let token = *token;
+                let pull = &self.pulls[&token];
+                if pull.received < pull.announce.len {
+                    return None;
+                }
+                let len = pull.announce.len;
+                self.pulls.remove(&token);
+                self.pending.pop_front();
+                Some(Inbound::Pulled { token, len })
+            }
+            Pending::Closed => {
+                self.pending.pop_front();
+                Some(Inbound::Closed)
+            }
+        }
+    }
+
+    /// The peer sent CLOSE.
+    pub fn peer_closed(&self) -> bool {
+        self.close_received
+    }
+
+    /// We sent CLOSE.
+    pub fn close_sent(&self) -> bool {
+        self.close_sent
+    }
+
+    /// Every send slot is free (all posted SENDs completed).
+    pub fn sends_idle(&self) -> bool {
+        self.free_send_slots == self.limits.send_slots.max(1)
+    }
+
+    /// Frames of ours the peer may still read.
+    pub fn exposed(&self) -> usize {
+        self.exposed.len()
+    }
+
+    /// Frames of the peer being (or waiting to be) pulled.
+    pub fn pulls(&self) -> usize {
+        self.pulls.len()
+    }
+
+    /// Credits we hold for sending.
+    pub fn send_credits(&self) -> u32 {
+        self.send_credits
+    }
+
+    /// Both sides closed, nothing is in flight, nothing is exposed or being pulled.
+    pub fn is_finished(&self) -> bool {
+        self.close_sent
+            && self.close_received
+            && self.sends_idle()
+            && self.control.is_empty()
+            && self.exposed.is_empty()
+            && self.pulls.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests;
