@@ -1,10 +1,50 @@
 //! rpc-transport-rdma: RDMA for rdma-rpc.
 //!
-//! Today this crate holds [`verbs`], the RDMA vocabulary of the project behind
-//! provider traits, with the `soft` provider: a software RDMA device with RC
-//! semantics for processes on one host. The RPC transport over it
-//! (`rdma://`) builds on these traits.
+//! - [`verbs`]: the RDMA vocabulary behind provider traits, with the `soft`
+//!   provider (a software RDMA device with RC semantics between processes of
+//!   one host) and, with feature `ibverbs`, real rdma-core.
+//! - [`protocol`]: the RPC-over-RDMA protocol of one connection as a sans-IO
+//!   state machine (credits, eager vs rendezvous, READ scheduling, close).
+//! - [`transport`]: `rdma://host:port` for rpc-core — a tokio driver per
+//!   connection around the protocol, with pre-posted pools and a completion
+//!   reactor.
+//!
+//! Enable it with one line at start-up; then any rpc-core client or server
+//! takes `rdma://` endpoints:
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! rpc_transport_rdma::register()?;
+//! let channel = rpc_core::Channel::connect("rdma://127.0.0.1:50051").await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The provider is `RDMA_PROVIDER` (`soft` | `ibverbs`), else ibverbs when it
+//! is compiled in and has a device, else soft; see [`RdmaConfig`] for the rest.
 
+pub mod config;
+pub mod device;
+mod driver;
+pub mod pool;
 pub mod protocol;
 pub mod setup;
+pub mod transport;
 pub mod verbs;
+
+use std::sync::Arc;
+
+pub use config::{ConfigError, PollMode, RdmaConfig};
+pub use transport::RdmaTransport;
+
+/// Registers the RDMA transport for `rdma://` endpoints, configured from the
+/// environment ([`RdmaConfig::from_env`]). Call it once at start-up.
+pub fn register() -> Result<(), ConfigError> {
+    register_with(RdmaConfig::from_env()?)
+}
+
+/// Registers the RDMA transport for `rdma://` endpoints with `config`.
+pub fn register_with(config: RdmaConfig) -> Result<(), ConfigError> {
+    let transport = RdmaTransport::new(config)?;
+    rpc_core::transport::register("rdma", Arc::new(transport));
+    Ok(())
+}

@@ -136,6 +136,23 @@ pub async fn establish<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    establish_checked(stream, qp, provider, options, payload, |_| Ok(())).await
+}
+
+/// [`establish`], with `check` run on the peer's hello before the QP is
+/// connected: the place to refuse a peer whose payload does not fit (both
+/// sides see both hellos, so both can say why).
+pub async fn establish_checked<S>(
+    stream: &mut S,
+    qp: &Arc<dyn QueuePair>,
+    provider: &str,
+    options: &ConnectOptions,
+    payload: &[u8],
+    check: impl FnOnce(&Hello) -> Result<(), SetupError>,
+) -> Result<Hello, SetupError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     if qp.state() == QpState::Reset {
         qp.to_init()?;
     }
@@ -153,6 +170,7 @@ where
             peer: peer.provider,
         });
     }
+    check(&peer)?;
     qp.to_rtr(&peer.address, options)?;
     qp.to_rts()?;
     stream.write_all(&[READY]).await?;

@@ -153,7 +153,9 @@ impl Message {
             return Err(MessageError::Version(bytes[0]));
         }
         if bytes[2] != 0 || bytes[3] != 0 {
-            return Err(MessageError::Malformed("reserved header bytes are not zero"));
+            return Err(MessageError::Malformed(
+                "reserved header bytes are not zero",
+            ));
         }
         let credits = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
         let token = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
@@ -162,7 +164,9 @@ impl Message {
             if rest != 0 {
                 Err(MessageError::Malformed("bytes after a fixed-size message"))
             } else if token != 0 && !matches!(body, Body::Done { .. }) {
-                Err(MessageError::Malformed("token set on a message without one"))
+                Err(MessageError::Malformed(
+                    "token set on a message without one",
+                ))
             } else {
                 Ok(body)
             }
@@ -180,7 +184,9 @@ impl Message {
                 }
                 let body = &bytes[HEADER_LEN..];
                 if body[20..24] != [0; 4] {
-                    return Err(MessageError::Malformed("reserved announce bytes are not zero"));
+                    return Err(MessageError::Malformed(
+                        "reserved announce bytes are not zero",
+                    ));
                 }
                 Body::Announce(Announce {
                     token,

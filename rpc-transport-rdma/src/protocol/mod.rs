@@ -68,7 +68,10 @@ pub const GEOMETRY_LEN: usize = 20;
 /// CREDIT messages; with only two slots, two idle sides would answer each
 /// other's CREDIT messages forever (each sees the other at its reserve).
 pub const MIN_RECV_SLOTS: u32 = 3;
-const _: () = assert!(MIN_RECV_SLOTS >= 3, "reserve credit plus no idle credit ping-pong");
+const _: () = assert!(
+    MIN_RECV_SLOTS >= 3,
+    "reserve credit plus no idle credit ping-pong"
+);
 
 impl Geometry {
     /// Fixed-size little-endian form for the hello.

@@ -122,7 +122,10 @@ impl Pair {
                 bytes.len(),
                 to.geometry.slot_len
             );
-            assert!(to.posted_receives > 0, "RNR: a message met no posted receive");
+            assert!(
+                to.posted_receives > 0,
+                "RNR: a message met no posted receive"
+            );
             to.posted_receives -= 1;
             from.messages_sent += 1;
             if message.body == Body::Credit {
@@ -168,7 +171,11 @@ impl Pair {
         while let Some(event) = side.protocol.poll_event() {
             match event {
                 Event::Allocate { token, len } => {
-                    assert!(side.destinations.insert(token, vec![0; len as usize]).is_none());
+                    assert!(
+                        side.destinations
+                            .insert(token, vec![0; len as usize])
+                            .is_none()
+                    );
                 }
                 Event::Release { token, expired } => {
                     assert!(side.exposed.remove(&token).is_some(), "released twice");
@@ -314,7 +321,10 @@ fn reads_are_chunked_and_bounded() {
     }
     pair.step().unwrap();
     pair.step().unwrap();
-    assert!(pair.b.destinations.len() <= 2, "at most two destinations at once");
+    assert!(
+        pair.b.destinations.len() <= 2,
+        "at most two destinations at once"
+    );
     pair.run().unwrap();
     assert_eq!(pair.b.delivered, frames);
     assert_eq!(pair.b.max_reads_seen, 3);
@@ -453,10 +463,7 @@ fn geometry_round_trips_and_bad_geometry_is_refused() {
     let g = geometry(64, 8192);
     assert_eq!(Geometry::decode(&g.encode()).unwrap(), g);
     assert!(Geometry::decode(&g.encode()[..19]).is_err());
-    let two_slots = Geometry {
-        recv_slots: 2,
-        ..g
-    };
+    let two_slots = Geometry { recv_slots: 2, ..g };
     assert!(Geometry::decode(&two_slots.encode()).is_err());
     let tiny_slots = Geometry { slot_len: 20, ..g };
     assert!(Geometry::decode(&tiny_slots.encode()).is_err());

@@ -25,7 +25,10 @@
 
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
+pub mod reactor;
 pub mod soft;
+
+pub use reactor::AsyncCompletionChannel;
 
 use std::fmt;
 use std::os::fd::RawFd;
@@ -309,6 +312,18 @@ pub struct WorkCompletion {
     pub imm_data: Option<u32>,
     /// The local QP the request belonged to.
     pub qp_num: u32,
+}
+
+impl WorkCompletion {
+    /// A placeholder to poll into (`GeneralErr`, all zero).
+    pub const BLANK: WorkCompletion = WorkCompletion {
+        wr_id: 0,
+        status: WcStatus::GeneralErr,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm_data: None,
+        qp_num: 0,
+    };
 }
 
 /// Queue pair states.

@@ -219,14 +219,7 @@ impl Pair {
 }
 
 /// A placeholder completion to poll into.
-pub const BLANK: WorkCompletion = WorkCompletion {
-    wr_id: 0,
-    status: verbs::WcStatus::GeneralErr,
-    opcode: verbs::WcOpcode::Send,
-    byte_len: 0,
-    imm_data: None,
-    qp_num: 0,
-};
+pub const BLANK: WorkCompletion = WorkCompletion::BLANK;
 
 /// Polls `cq` until `n` completions arrived, failing after [`COMPLETION_TIMEOUT`].
 pub fn wait(cq: &Arc<dyn CompletionQueue>, n: usize) -> Vec<WorkCompletion> {

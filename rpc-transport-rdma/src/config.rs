@@ -1,0 +1,201 @@
+//! Settings of the RDMA transport, with defaults and environment overrides.
+
+use std::time::Duration;
+
+use crate::pool::LargePoolConfig;
+use crate::protocol::{HEADER_LEN, Limits, MIN_RECV_SLOTS};
+use crate::verbs::ConnectOptions;
+
+/// How a connection's driver waits for completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollMode {
+    /// Arm the CQ and sleep on its channel whenever there is nothing to do.
+    /// Cheapest on CPU; every message then pays a thread wake-up.
+    Event,
+    /// Keep polling the CQ (yielding to other tasks between polls) for `spin`
+    /// after the last activity, then arm and sleep. The default: a round trip
+    /// that completes within the spin costs no wake-up.
+    Adaptive {
+        /// How long to keep polling after the last completion or send.
+        spin: Duration,
+    },
+    /// Never sleep: poll the CQ between every other task's turn. Lowest
+    /// latency; keeps a core busy for as long as the connection lives.
+    BusyPoll,
+}
+
+/// Default spin of [`PollMode::Adaptive`].
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
+
+impl PollMode {
+    /// Parses `event`, `busy` or `spin=<µs>` (the form of `RDMA_POLL`).
+    pub fn parse(text: &str) -> Option<PollMode> {
+        match text {
+            "event" => Some(PollMode::Event),
+            "busy" | "busy-poll" => Some(PollMode::BusyPoll),
+            "adaptive" => Some(PollMode::Adaptive { spin: DEFAULT_SPIN }),
+            _ => text
+                .strip_prefix("spin=")
+                .and_then(|micros| micros.parse().ok())
+                .map(|micros| PollMode::Adaptive {
+                    spin: Duration::from_micros(micros),
+                }),
+        }
+    }
+}
+
+/// Test-only fault injection (eRPC's `fault_inject`): makes this side break
+/// the protocol on purpose so tests can prove the peer copes.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Announce rendezvous frames with a wrong rkey.
+    ForgeRkey,
+    /// Announce rendezvous frames at an address outside the exposed window.
+    ForgeRange,
+    /// Announce rendezvous frames as longer than they are, by this many bytes.
+    ForgeLength(u64),
+}
+
+/// Everything the RDMA transport can be told.
+#[derive(Debug, Clone)]
+pub struct RdmaConfig {
+    /// `soft` or `ibverbs`; `None`: `RDMA_PROVIDER`, else ibverbs when it is
+    /// compiled in and has a device, else soft.
+    pub provider: Option<String>,
+    /// Device name; `None`: `RDMA_DEVICE`, else the provider's first device.
+    pub device: Option<String>,
+    /// Receive slots per connection, all posted before the peer may send.
+    pub recv_slots: u32,
+    /// Frames up to this many bytes are sent eagerly (copied into a slot);
+    /// larger ones by rendezvous (pulled with RDMA READ). Slots are this plus
+    /// the message header.
+    pub eager_threshold: u32,
+    /// Protocol knobs: send slots, READ chunking and depth, queue bounds,
+    /// rendezvous revocation timeout.
+    pub limits: Limits,
+    /// Received frames waiting for the application before credits are held back.
+    pub inbound_backlog: usize,
+    /// How drivers wait.
+    pub poll_mode: PollMode,
+    /// The rendezvous buffer pool of each device.
+    pub large_pool: LargePoolConfig,
+    /// QP reliability settings.
+    pub connect: ConnectOptions,
+    /// Test-only: break the protocol on purpose.
+    #[doc(hidden)]
+    pub fault: Option<Fault>,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            provider: None,
+            device: None,
+            recv_slots: 128,
+            eager_threshold: 8 << 10,
+            limits: Limits::default(),
+            inbound_backlog: 1024,
+            poll_mode: PollMode::Adaptive { spin: DEFAULT_SPIN },
+            large_pool: LargePoolConfig::default(),
+            connect: ConnectOptions::default(),
+            fault: None,
+        }
+    }
+}
+
+/// A setting that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid RDMA transport setting: {0}")]
+pub struct ConfigError(pub String);
+
+impl RdmaConfig {
+    /// The defaults with `RDMA_PROVIDER`, `RDMA_DEVICE`, `RDMA_POLL`
+    /// (`event` | `busy` | `spin=<µs>`) and `RDMA_EAGER_THRESHOLD` applied.
+    /// (`RDMA_GID_INDEX` is read by the ibverbs provider itself.)
+    pub fn from_env() -> Result<RdmaConfig, ConfigError> {
+        let mut config = RdmaConfig::default();
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        config.provider = var("RDMA_PROVIDER");
+        config.device = var("RDMA_DEVICE");
+        if let Some(poll) = var("RDMA_POLL") {
+            config.poll_mode = PollMode::parse(&poll).ok_or_else(|| {
+                ConfigError(format!(
+                    "RDMA_POLL={poll:?}: expected event, busy or spin=<microseconds>"
+                ))
+            })?;
+        }
+        if let Some(threshold) = var("RDMA_EAGER_THRESHOLD") {
+            config.eager_threshold = threshold.parse().map_err(|_| {
+                ConfigError(format!(
+                    "RDMA_EAGER_THRESHOLD={threshold:?}: expected bytes"
+                ))
+            })?;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Bytes per receive (and send) slot.
+    pub fn slot_len(&self) -> usize {
+        HEADER_LEN + self.eager_threshold as usize
+    }
+
+    /// Checks the settings against each other.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let fail = |what: &str| Err(ConfigError(what.to_owned()));
+        if self.recv_slots < MIN_RECV_SLOTS {
+            return fail("recv_slots must be at least 3 (one credit stays in reserve)");
+        }
+        if self.eager_threshold < 64 || self.eager_threshold > 1 << 20 {
+            return fail("eager_threshold must be between 64 bytes and 1 MiB");
+        }
+        if self.limits.send_slots == 0 || self.limits.max_outstanding_reads == 0 {
+            return fail("send_slots and max_outstanding_reads must be above 0");
+        }
+        if self.limits.read_chunk_len == 0 || self.limits.read_chunk_len > 1 << 30 {
+            return fail("read_chunk_len must be between 1 byte and 1 GiB");
+        }
+        if self.limits.max_active_pulls == 0 || self.limits.max_exposed == 0 {
+            return fail("max_active_pulls and max_exposed must be above 0");
+        }
+        if self.inbound_backlog == 0 {
+            return fail("inbound_backlog must be above 0");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poll_modes_parse() {
+        assert_eq!(PollMode::parse("event"), Some(PollMode::Event));
+        assert_eq!(PollMode::parse("busy"), Some(PollMode::BusyPoll));
+        assert_eq!(
+            PollMode::parse("spin=25"),
+            Some(PollMode::Adaptive {
+                spin: Duration::from_micros(25)
+            })
+        );
+        assert_eq!(PollMode::parse("spin=x"), None);
+        assert_eq!(PollMode::parse("fast"), None);
+    }
+
+    #[test]
+    fn defaults_are_valid_and_bad_settings_are_refused() {
+        RdmaConfig::default().validate().unwrap();
+        let two_slots = RdmaConfig {
+            recv_slots: 2,
+            ..RdmaConfig::default()
+        };
+        assert!(two_slots.validate().unwrap_err().0.contains("at least 3"));
+        let tiny = RdmaConfig {
+            eager_threshold: 10,
+            ..RdmaConfig::default()
+        };
+        assert!(tiny.validate().is_err());
+    }
+}

@@ -1,0 +1,88 @@
+//! Opened devices, shared by every connection of the process that uses them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
+
+use crate::config::RdmaConfig;
+use crate::pool::{LargePool, LargePoolConfig};
+use crate::verbs::{self, Context, ProtectionDomain, VerbsError};
+
+/// One opened device: its context, one protection domain, and the rendezvous pool.
+pub struct Device {
+    /// `soft` or `ibverbs`.
+    pub provider: &'static str,
+    /// The device's name.
+    pub name: String,
+    /// The opened device.
+    pub context: Arc<dyn Context>,
+    /// Every connection's memory and QPs live here.
+    pub pd: Arc<dyn ProtectionDomain>,
+    /// Rendezvous buffers.
+    pub large: Arc<LargePool>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("provider", &self.provider)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+type DeviceKey = (&'static str, String, LargePoolConfig);
+
+static DEVICES: LazyLock<Mutex<HashMap<DeviceKey, Arc<Device>>>> = LazyLock::new(Default::default);
+
+/// The provider and device `config` selects: its own fields, else
+/// `RDMA_PROVIDER`/`RDMA_DEVICE`, else ibverbs when compiled in with a
+/// device present, else soft.
+pub fn select(config: &RdmaConfig) -> Result<(Arc<dyn verbs::Provider>, String), VerbsError> {
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    let provider = match config.provider.clone().or_else(|| env("RDMA_PROVIDER")) {
+        Some(name) => verbs::provider(&name)?,
+        None => verbs::providers()
+            .into_iter()
+            .rev() // ibverbs (when compiled in) before soft
+            .find(|p| p.devices().is_ok_and(|devices| !devices.is_empty()))
+            .ok_or(VerbsError::ProviderUnavailable {
+                provider: "soft",
+                reason: "no provider has a device".into(),
+            })?,
+    };
+    let device = match config.device.clone().or_else(|| env("RDMA_DEVICE")) {
+        Some(device) => device,
+        None => provider
+            .devices()?
+            .into_iter()
+            .next()
+            .map(|d| d.name)
+            .ok_or_else(|| VerbsError::ProviderUnavailable {
+                provider: provider.name(),
+                reason: "no RDMA device found (set RDMA_DEVICE, or RDMA_PROVIDER=soft)".into(),
+            })?,
+    };
+    Ok((provider, device))
+}
+
+/// Opens (once per process) the device `config` selects.
+pub fn open(config: &RdmaConfig) -> Result<Arc<Device>, VerbsError> {
+    let (provider, name) = select(config)?;
+    let key = (provider.name(), name.clone(), config.large_pool);
+    let mut devices = DEVICES.lock().unwrap_or_else(|poison| poison.into_inner());
+    if let Some(device) = devices.get(&key) {
+        return Ok(device.clone());
+    }
+    let context = provider.open(&name)?;
+    let pd = context.alloc_pd()?;
+    let large = LargePool::new(pd.clone(), config.large_pool)?;
+    let device = Arc::new(Device {
+        provider: provider.name(),
+        name,
+        context,
+        pd,
+        large,
+    });
+    devices.insert(key, device.clone());
+    Ok(device)
+}

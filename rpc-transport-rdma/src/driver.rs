@@ -1,0 +1,690 @@
+//! The tokio driver of one RDMA connection: a task that owns the queue pair,
+//! the completion queue and the pools, feeds completions into the sans-IO
+//! [`Protocol`] and carries out what it asks for.
+//!
+//! The application talks to the task through two channels (frames out, frames
+//! in). The task's loop:
+//!
+//! 1. take outgoing frames while the protocol accepts them (eager ones go to
+//!    the protocol; a rendezvous frame is first copied into a pooled buffer and
+//!    exposed behind a REMOTE_READ window of exactly its length);
+//! 2. poll the CQ in batches: receives are copied out and their slots
+//!    re-posted at once, send slots freed, READ chunks accounted;
+//! 3. carry out the protocol's events, READs and transmits (posted in batches);
+//! 4. hand frames up in order, holding credits back while the application lags;
+//! 5. when there was nothing to do: keep polling for the spin time of the
+//!    [`PollMode`], then arm the CQ, poll once more (a completion may have
+//!    slipped in before the arming), and sleep on the completion channel, the
+//!    outgoing channel, the set-up socket and the rendezvous timer.
+//!
+//! The set-up socket stays open as the liveness signal: EOF means the peer is
+//! gone. Before closing on an error, a side writes the reason there (a `u32 LE`
+//! length and UTF-8 text), so the peer's calls fail with that reason.
+
+use std::collections::HashMap;
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
+use std::time::Instant;
+
+use bytes::Bytes;
+use rpc_core::frame::FrameError;
+use rpc_core::transport::TransportError;
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, mpsc};
+
+use crate::config::{Fault, PollMode, RdmaConfig};
+use crate::device::Device;
+use crate::pool::{LargePool, PooledBuffer, SlotPool};
+use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, ProtocolError, Route};
+use crate::verbs::{
+    AccessFlags, AsyncCompletionChannel, CompletionQueue, ExposedBuffer, QueuePair, RecvWr, SendOp,
+    SendWr, WcOpcode, WcStatus, WorkCompletion,
+};
+
+const TAG_SHIFT: u32 = 62;
+const TAG_RECV: u64 = 0;
+const TAG_SEND: u64 = 1;
+const TAG_READ: u64 = 2;
+/// Completions taken from the CQ per poll.
+const CQ_BATCH: usize = 32;
+/// Longest close reason accepted from the peer.
+const MAX_REASON_LEN: usize = 4096;
+
+fn wr_id(tag: u64, index: u64) -> u64 {
+    (tag << TAG_SHIFT) | index
+}
+
+/// A frame of ours the peer may read, with the pool it returns to.
+struct Exposed {
+    window: ExposedBuffer,
+    pool: Arc<LargePool>,
+}
+
+/// What the application's stream half shares with the driver.
+#[derive(Debug, Default)]
+pub(crate) struct InboundShared {
+    /// Frames handed up and not yet taken.
+    pub(crate) backlog: AtomicUsize,
+    /// Woken when the backlog drops below the limit.
+    pub(crate) drained: Notify,
+}
+
+/// A connection's verbs objects, built before set-up.
+pub(crate) struct Endpoint {
+    pub(crate) qp: Arc<dyn QueuePair>,
+    pub(crate) cq: Arc<dyn CompletionQueue>,
+    pub(crate) channel: AsyncCompletionChannel,
+    pub(crate) recv: SlotPool,
+    pub(crate) send: SlotPool,
+}
+
+/// The running connection.
+pub(crate) struct Driver {
+    // Drop order matters: the QP goes first so that nothing is posted against
+    // memory that is about to be freed.
+    qp: Arc<dyn QueuePair>,
+    cq: Arc<dyn CompletionQueue>,
+    channel: AsyncCompletionChannel,
+    recv: SlotPool,
+    send: SlotPool,
+    free_send_slots: Vec<u32>,
+    exposed: HashMap<u64, Exposed>,
+    destinations: HashMap<u64, PooledBuffer>,
+    reads: HashMap<u64, (u64, u64)>,
+    next_read_id: u64,
+    device: Arc<Device>,
+    protocol: Protocol,
+    outgoing: mpsc::Receiver<Bytes>,
+    outgoing_open: bool,
+    stashed: Option<Bytes>,
+    inbound: Option<mpsc::UnboundedSender<Result<Bytes, TransportError>>>,
+    inbound_shared: Arc<InboundShared>,
+    inbound_limit: usize,
+    socket: TcpStream,
+    peer_reason: Vec<u8>,
+    socket_eof: bool,
+    /// The peer closed cleanly and then dropped the set-up socket.
+    peer_left: bool,
+    poll_mode: PollMode,
+    fault: Option<Fault>,
+    max_inline: usize,
+    completions: Vec<WorkCompletion>,
+    reposts: Vec<RecvWr>,
+    sends: Vec<SendWr>,
+}
+
+/// How the driver ended.
+enum End {
+    /// Both sides closed, or the application left and nothing is in flight.
+    Clean,
+    /// Something broke; the reason goes to the application and the peer.
+    Failed(String),
+}
+
+impl Driver {
+    /// Builds the driver of an established connection.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        endpoint: Endpoint,
+        device: Arc<Device>,
+        protocol: Protocol,
+        config: &RdmaConfig,
+        socket: TcpStream,
+        outgoing: mpsc::Receiver<Bytes>,
+        inbound: mpsc::UnboundedSender<Result<Bytes, TransportError>>,
+        inbound_shared: Arc<InboundShared>,
+    ) -> Driver {
+        let Endpoint {
+            qp,
+            cq,
+            channel,
+            recv,
+            send,
+        } = endpoint;
+        let max_inline = qp.caps().max_inline_data as usize;
+        Driver {
+            free_send_slots: (0..send.count() as u32).rev().collect(),
+            qp,
+            cq,
+            channel,
+            recv,
+            send,
+            exposed: HashMap::new(),
+            destinations: HashMap::new(),
+            reads: HashMap::new(),
+            next_read_id: 0,
+            device,
+            protocol,
+            outgoing,
+            outgoing_open: true,
+            stashed: None,
+            inbound: Some(inbound),
+            inbound_shared,
+            inbound_limit: config.inbound_backlog,
+            socket,
+            peer_reason: Vec::new(),
+            socket_eof: false,
+            peer_left: false,
+            poll_mode: config.poll_mode,
+            fault: config.fault,
+            max_inline,
+            completions: vec![WorkCompletion::BLANK; CQ_BATCH],
+            reposts: Vec::new(),
+            sends: Vec::new(),
+        }
+    }
+
+    /// Runs the connection to its end.
+    pub(crate) async fn run(mut self) {
+        let end = self.run_until_end().await;
+        match end {
+            End::Clean => {
+                tracing::debug!(qp = self.qp.qp_num(), "rdma connection closed");
+            }
+            End::Failed(reason) => {
+                tracing::debug!(qp = self.qp.qp_num(), %reason, "rdma connection failed");
+                let _ = self.qp.to_error();
+                self.tell_peer(&reason);
+                if let Some(inbound) = self.inbound.take() {
+                    let _ = inbound.send(Err(TransportError::Other(reason.into())));
+                }
+            }
+        }
+        // Dropping the driver destroys the QP first, then frees the memory.
+    }
+
+    async fn run_until_end(&mut self) -> End {
+        let mut idle_since: Option<Instant> = None;
+        loop {
+            let progressed = match self.turn() {
+                Ok(progressed) => progressed,
+                Err(reason) => return End::Failed(reason),
+            };
+            if let Some(end) = self.ended() {
+                return end;
+            }
+            if progressed {
+                idle_since = None;
+                tokio::task::yield_now().await;
+                continue;
+            }
+            let spin_left = match self.poll_mode {
+                PollMode::Event => false,
+                PollMode::BusyPoll => true,
+                PollMode::Adaptive { spin } => {
+                    idle_since.get_or_insert_with(Instant::now).elapsed() < spin
+                }
+            };
+            if spin_left {
+                tokio::task::yield_now().await;
+                continue;
+            }
+            // Arm, then poll once more: a completion that arrived after the
+            // last poll but before the arming raises no event.
+            if let Err(error) = self.cq.req_notify(false) {
+                return End::Failed(format!("arming the completion queue: {error}"));
+            }
+            match self.turn() {
+                Ok(true) => {
+                    idle_since = None;
+                    continue;
+                }
+                Ok(false) => {}
+                Err(reason) => return End::Failed(reason),
+            }
+            if let Some(end) = self.ended() {
+                return end;
+            }
+            if let Err(reason) = self.sleep().await {
+                return End::Failed(reason);
+            }
+            idle_since = None;
+        }
+    }
+
+    /// Waits for a completion event, an outgoing frame, the socket, room in
+    /// the inbound backlog, or the rendezvous timer.
+    async fn sleep(&mut self) -> Result<(), String> {
+        let timer = self.protocol.poll_timeout();
+        let sleep = timer.map(|at| tokio::time::sleep_until(at.into()));
+        let mut sleep = sleep.map(Box::pin);
+        let drained = self.inbound_shared.clone();
+        let mut drained = std::pin::pin!(drained.drained.notified());
+        poll_fn(|cx| {
+            let mut ready = false;
+            match self.channel.poll_events(cx) {
+                Poll::Ready(Ok(_)) => ready = true,
+                Poll::Ready(Err(error)) => {
+                    return Poll::Ready(Err(format!("completion channel: {error}")));
+                }
+                Poll::Pending => {}
+            }
+            if self.outgoing_open && self.stashed.is_none() {
+                if let Poll::Ready(frame) = self.outgoing.poll_recv(cx) {
+                    match frame {
+                        Some(frame) => self.stashed = Some(frame),
+                        None => self.outgoing_open = false,
+                    }
+                    ready = true;
+                }
+            }
+            if !self.socket_eof && self.socket.poll_read_ready(cx).is_ready() {
+                ready = true;
+            }
+            if drained.as_mut().poll(cx).is_ready() {
+                ready = true;
+            }
+            if let Some(sleep) = sleep.as_mut() {
+                if sleep.as_mut().poll(cx).is_ready() {
+                    ready = true;
+                }
+            }
+            if ready {
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending
+            }
+        })
+        .await
+    }
+
+    /// When the connection is over.
+    fn ended(&self) -> Option<End> {
+        let nothing_in_flight = self.protocol.close_sent()
+            && self.protocol.sends_idle()
+            && self.protocol.exposed() == 0
+            && self.reads.is_empty();
+        if self.protocol.is_finished() || self.peer_left {
+            return Some(End::Clean);
+        }
+        // The application dropped both halves: nobody waits for anything more.
+        let application_gone = !self.outgoing_open
+            && self
+                .inbound
+                .as_ref()
+                .is_none_or(mpsc::UnboundedSender::is_closed);
+        if application_gone && nothing_in_flight {
+            return Some(End::Clean);
+        }
+        None
+    }
+
+    /// One round of work; true when anything happened.
+    fn turn(&mut self) -> Result<bool, String> {
+        let mut progressed = false;
+        progressed |= self.take_outgoing()?;
+        progressed |= self.poll_completions()?;
+        progressed |= self.carry_out()?;
+        progressed |= self.deliver();
+        if let Some(at) = self.protocol.poll_timeout() {
+            if at <= Instant::now() {
+                self.protocol.handle_timeout(Instant::now());
+                progressed |= self.carry_out()?;
+            }
+        }
+        if !self.socket_eof {
+            progressed |= self.read_socket()?;
+        }
+        Ok(progressed)
+    }
+
+    fn take_outgoing(&mut self) -> Result<bool, String> {
+        let mut progressed = false;
+        loop {
+            let frame = match self.stashed.take() {
+                Some(frame) => frame,
+                None if self.outgoing_open => match self.outgoing.try_recv() {
+                    Ok(frame) => frame,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        self.outgoing_open = false;
+                        self.protocol.close();
+                        progressed = true;
+                        break;
+                    }
+                },
+                None => break,
+            };
+            let route = self.protocol.route(frame.len());
+            if !self.protocol.can_send(route) {
+                self.stashed = Some(frame);
+                break;
+            }
+            progressed = true;
+            match route {
+                Route::Eager => self.protocol.send_eager(frame),
+                Route::Rendezvous => self.expose(frame)?,
+            }
+        }
+        if !self.outgoing_open && self.stashed.is_none() {
+            self.protocol.close();
+        }
+        Ok(progressed)
+    }
+
+    /// Copies a large frame into a pooled buffer and exposes exactly its bytes.
+    fn expose(&mut self, frame: Bytes) -> Result<(), String> {
+        let mut buffer = self
+            .device
+            .large
+            .take(frame.len())
+            .map_err(|error| format!("rendezvous buffer of {} bytes: {error}", frame.len()))?;
+        buffer.buffer_mut().as_mut_slice()[..frame.len()].copy_from_slice(&frame);
+        let (registered, pool) = buffer.into_parts();
+        let window = match registered.expose(frame.len(), AccessFlags::REMOTE_READ) {
+            Ok(window) => window,
+            Err(failed) => {
+                drop(PooledBuffer::restore(failed.buffer, pool));
+                return Err(format!("exposing a rendezvous frame: {}", failed.error));
+            }
+        };
+        let (mut addr, mut len, mut rkey) = (window.addr(), window.len() as u64, window.rkey());
+        match self.fault {
+            Some(Fault::ForgeRkey) => rkey ^= 0x5a5a_0000,
+            Some(Fault::ForgeRange) => addr += 1 << 30,
+            Some(Fault::ForgeLength(extra)) => len += extra,
+            None => {}
+        }
+        let token = self
+            .protocol
+            .send_rendezvous(addr, len, rkey, Instant::now());
+        self.exposed.insert(token, Exposed { window, pool });
+        Ok(())
+    }
+
+    fn poll_completions(&mut self) -> Result<bool, String> {
+        let mut progressed = false;
+        loop {
+            let count = self
+                .cq
+                .poll(&mut self.completions)
+                .map_err(|error| format!("polling the completion queue: {error}"))?;
+            for index in 0..count {
+                let completion = self.completions[index];
+                self.on_completion(completion)?;
+            }
+            if !self.reposts.is_empty() {
+                let reposts = std::mem::take(&mut self.reposts);
+                self.qp
+                    .post_recv(reposts)
+                    .map_err(|error| format!("re-posting receives: {}", error.error))?;
+            }
+            progressed |= count > 0;
+            if count < CQ_BATCH {
+                return Ok(progressed);
+            }
+        }
+    }
+
+    fn on_completion(&mut self, completion: WorkCompletion) -> Result<(), String> {
+        let tag = completion.wr_id >> TAG_SHIFT;
+        let index = completion.wr_id & ((1 << TAG_SHIFT) - 1);
+        if completion.status != WcStatus::Success {
+            if completion.status == WcStatus::WrFlushErr && self.protocol.peer_closed() {
+                // The peer closed cleanly and destroyed its QP, which took
+                // ours to ERROR: the end of the connection, not a failure.
+                self.peer_left = true;
+                return Ok(());
+            }
+            return Err(describe_failure(&completion, tag));
+        }
+        match tag {
+            TAG_RECV => {
+                let slot = index as usize;
+                let len = completion.byte_len as usize;
+                let message = Bytes::copy_from_slice(self.recv.slot(slot, len));
+                self.reposts.push(RecvWr {
+                    wr_id: wr_id(TAG_RECV, index),
+                    sg_list: vec![self.recv.sge(slot, self.recv.slot_len())],
+                });
+                match self.protocol.handle_received(message) {
+                    Ok(()) => {}
+                    Err(ProtocolError::TooLarge { len, max }) => {
+                        // As over TCP: the frame is refused, the application
+                        // (rpc-core) answers GOAWAY and closes; the peer's
+                        // window is revoked by its timeout or when it closes.
+                        if let Some(inbound) = &self.inbound {
+                            let _ = inbound.send(Err(FrameError::TooLarge {
+                                len: len as usize,
+                                max: max as usize,
+                            }
+                            .into()));
+                        }
+                    }
+                    Err(error) => return Err(format!("peer broke the RDMA protocol: {error}")),
+                }
+            }
+            TAG_SEND => {
+                self.free_send_slots.push(index as u32);
+                self.protocol.handle_send_complete();
+            }
+            TAG_READ => {
+                let (token, len) = self
+                    .reads
+                    .remove(&index)
+                    .ok_or_else(|| format!("completion of unknown READ {index}"))?;
+                self.protocol.handle_read_complete(token, len);
+            }
+            _ => {
+                return Err(format!(
+                    "completion with unknown wr_id {:#x}",
+                    completion.wr_id
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Events, READs and transmits the protocol asks for.
+    fn carry_out(&mut self) -> Result<bool, String> {
+        let mut progressed = false;
+        while let Some(event) = self.protocol.poll_event() {
+            progressed = true;
+            match event {
+                Event::Allocate { token, len } => {
+                    let destination = self.device.large.take(len as usize).map_err(|error| {
+                        format!("destination of {len} bytes for a rendezvous frame: {error}")
+                    })?;
+                    self.destinations.insert(token, destination);
+                }
+                Event::Release { token, expired } => {
+                    if expired {
+                        tracing::warn!(token, "rendezvous frame not pulled in time: revoked");
+                    }
+                    if let Some(exposed) = self.exposed.remove(&token) {
+                        drop(PooledBuffer::restore(exposed.window.revoke(), exposed.pool));
+                    }
+                }
+            }
+        }
+        while let Some(read) = self.protocol.poll_read() {
+            progressed = true;
+            let destination = self
+                .destinations
+                .get(&read.token)
+                .ok_or("READ without a destination")?;
+            let id = self.next_read_id;
+            self.next_read_id = (self.next_read_id + 1) & ((1 << TAG_SHIFT) - 1);
+            self.reads.insert(id, (read.token, read.len));
+            self.sends.push(SendWr::new(
+                wr_id(TAG_READ, id),
+                SendOp::RdmaRead {
+                    remote_addr: read.remote_addr,
+                    rkey: read.rkey,
+                },
+                vec![
+                    destination
+                        .buffer()
+                        .sge(read.offset as usize, read.len as usize),
+                ],
+            ));
+        }
+        while let Some(message) = self.protocol.poll_transmit() {
+            progressed = true;
+            let slot = self
+                .free_send_slots
+                .pop()
+                .ok_or("protocol sent without a free send slot")?;
+            let len = write_message(self.send.slot_mut(slot as usize), &message);
+            let mut wr = SendWr::new(
+                wr_id(TAG_SEND, u64::from(slot)),
+                SendOp::Send,
+                vec![self.send.sge(slot as usize, len)],
+            );
+            wr.inline = len <= self.max_inline;
+            self.sends.push(wr);
+        }
+        if !self.sends.is_empty() {
+            let sends = std::mem::take(&mut self.sends);
+            self.qp
+                .post_send(sends)
+                .map_err(|error| format!("posting sends: {}", error.error))?;
+        }
+        Ok(progressed)
+    }
+
+    /// Hands frames up in order while the application keeps up.
+    fn deliver(&mut self) -> bool {
+        let mut progressed = false;
+        loop {
+            let backlog = self.inbound_shared.backlog.load(Ordering::Acquire);
+            let application_reads = self
+                .inbound
+                .as_ref()
+                .is_some_and(|inbound| !inbound.is_closed());
+            if application_reads && backlog >= self.inbound_limit {
+                self.protocol.set_hold_credits(true);
+                return progressed;
+            }
+            self.protocol.set_hold_credits(false);
+            let Some(inbound) = self.protocol.poll_inbound() else {
+                return progressed;
+            };
+            progressed = true;
+            let frame = match inbound {
+                Inbound::Frame(frame) => frame,
+                Inbound::Pulled { token, len } => {
+                    let destination = self
+                        .destinations
+                        .remove(&token)
+                        .expect("a pulled frame has its destination");
+                    destination.into_bytes(len as usize)
+                }
+                Inbound::Closed => {
+                    // The stream ends after everything the peer sent.
+                    self.inbound = None;
+                    continue;
+                }
+            };
+            if let Some(inbound) = &self.inbound {
+                self.inbound_shared.backlog.fetch_add(1, Ordering::AcqRel);
+                if inbound.send(Ok(frame)).is_err() {
+                    self.inbound_shared.backlog.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+    }
+
+    /// Reads a close reason or EOF from the set-up socket.
+    fn read_socket(&mut self) -> Result<bool, String> {
+        let mut buffer = [0u8; 1024];
+        let mut progressed = false;
+        loop {
+            match self.socket.try_read(&mut buffer) {
+                Ok(0) => {
+                    self.socket_eof = true;
+                    return self.on_socket_eof().map(|()| true);
+                }
+                Ok(n) => {
+                    progressed = true;
+                    if self.peer_reason.len() + n <= MAX_REASON_LEN + 4 {
+                        self.peer_reason.extend_from_slice(&buffer[..n]);
+                    }
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                    return Ok(progressed);
+                }
+                Err(error) => {
+                    self.socket_eof = true;
+                    return Err(format!("peer connection lost: {error}"));
+                }
+            }
+        }
+    }
+
+    fn on_socket_eof(&mut self) -> Result<(), String> {
+        // Whatever the peer sent before closing is in our CQ already (a SEND
+        // completes at the sender only after it landed here): take it first.
+        self.poll_completions()?;
+        self.carry_out()?;
+        self.deliver();
+        if let Some(reason) = decode_reason(&self.peer_reason) {
+            return Err(format!("peer closed the connection: {reason}"));
+        }
+        if self.protocol.peer_closed() {
+            // A clean close, then the peer left: nothing more can go out.
+            self.peer_left = true;
+            return Ok(());
+        }
+        Err("peer went away (its set-up connection closed)".into())
+    }
+
+    /// Best effort: tells the peer why we close, on the set-up socket.
+    fn tell_peer(&mut self, reason: &str) {
+        let text = &reason.as_bytes()[..reason.len().min(MAX_REASON_LEN)];
+        let mut message = (text.len() as u32).to_le_bytes().to_vec();
+        message.extend_from_slice(text);
+        let _ = self.socket.try_write(&message);
+    }
+}
+
+fn decode_reason(bytes: &[u8]) -> Option<String> {
+    let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+    let text = bytes.get(4..4 + len.min(MAX_REASON_LEN))?;
+    Some(String::from_utf8_lossy(text).into_owned())
+}
+
+/// Writes `message` into a send slot; returns its length.
+fn write_message(slot: &mut [u8], message: &Message) -> usize {
+    let (header, announce) = message.encode_header();
+    slot[..HEADER_LEN].copy_from_slice(&header);
+    let mut len = HEADER_LEN;
+    if let Some(body) = announce {
+        slot[len..len + body.len()].copy_from_slice(&body);
+        len += body.len();
+    }
+    if let crate::protocol::Body::Data(frame) = &message.body {
+        slot[len..len + frame.len()].copy_from_slice(frame);
+        len += frame.len();
+    }
+    len
+}
+
+fn describe_failure(completion: &WorkCompletion, tag: u64) -> String {
+    let what = match tag {
+        TAG_RECV => "a receive",
+        TAG_SEND => "a send",
+        TAG_READ => "a rendezvous READ",
+        _ => "a work request",
+    };
+    let why = match (tag, completion.status) {
+        (_, WcStatus::WrFlushErr) => "flushed: the queue pair is in error (peer gone?)",
+        (TAG_READ, WcStatus::RemAccessErr) => {
+            "remote access error: the peer announced a region it does not expose (bad rkey, range or length)"
+        }
+        (_, WcStatus::RetryExcErr) => "retries exceeded: the peer does not answer",
+        (_, WcStatus::RnrRetryExcErr) => "receiver not ready: the peer posted no receive",
+        _ => "",
+    };
+    let opcode = match completion.opcode {
+        WcOpcode::RdmaRead => " (RDMA READ)",
+        _ => "",
+    };
+    format!(
+        "{what}{opcode} failed with {:?}{}{why}",
+        completion.status,
+        if why.is_empty() { "" } else { ": " }
+    )
+}

@@ -1,0 +1,315 @@
+//! Registered memory for the RDMA transport, registered once and reused.
+//!
+//! - [`SlotPool`]: one registered buffer cut into equal slots: a connection's
+//!   receive slots (all posted before the peer may send) and, separately, its
+//!   send slots (brpc#3431: one shared pool can deadlock).
+//! - [`LargePool`]: registered buffers for rendezvous frames, shared by the
+//!   connections of one device. Buffers come in size classes (powers of two
+//!   from 64 KiB to 1 MiB, then whole MiB); a set is registered when the
+//!   device opens, a miss registers a new buffer once, and a returned buffer
+//!   is kept for the next frame of its class up to a byte cap. After warm-up
+//!   the hot path registers nothing (the transport's tests check
+//!   [`crate::verbs::registrations`]).
+//! - [`PooledBuffer::into_bytes`]: a pulled frame handed up as [`Bytes`] over
+//!   its registered destination, back in the pool when the last clone drops.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+
+use crate::verbs::{AccessFlags, ProtectionDomain, RegisteredBuffer, Sge, VerbsError};
+
+/// A registered buffer cut into `count` slots of `slot_len` bytes.
+#[derive(Debug)]
+pub struct SlotPool {
+    buffer: RegisteredBuffer,
+    slot_len: usize,
+    count: usize,
+}
+
+impl SlotPool {
+    /// Registers `count × slot_len` bytes with `access`.
+    pub fn new(
+        pd: &Arc<dyn ProtectionDomain>,
+        count: usize,
+        slot_len: usize,
+        access: AccessFlags,
+    ) -> Result<SlotPool, VerbsError> {
+        Ok(SlotPool {
+            buffer: RegisteredBuffer::new(pd, count * slot_len, access)?,
+            slot_len,
+            count,
+        })
+    }
+
+    /// Slots.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Bytes per slot.
+    pub fn slot_len(&self) -> usize {
+        self.slot_len
+    }
+
+    /// An SGE over the first `len` bytes of slot `index`.
+    pub fn sge(&self, index: usize, len: usize) -> Sge {
+        debug_assert!(index < self.count && len <= self.slot_len);
+        self.buffer.sge(index * self.slot_len, len)
+    }
+
+    /// The first `len` bytes of slot `index`.
+    pub fn slot(&self, index: usize, len: usize) -> &[u8] {
+        let start = index * self.slot_len;
+        &self.buffer.as_slice()[start..start + len.min(self.slot_len)]
+    }
+
+    /// Slot `index`, writable (only while no work request uses it).
+    pub fn slot_mut(&mut self, index: usize) -> &mut [u8] {
+        let start = index * self.slot_len;
+        &mut self.buffer.as_mut_slice()[start..start + self.slot_len]
+    }
+}
+
+/// Smallest rendezvous size class.
+pub const MIN_CLASS: usize = 64 << 10;
+const MIB: usize = 1 << 20;
+
+/// The size class (buffer length) that holds `len` bytes.
+pub fn size_class(len: usize) -> usize {
+    if len <= MIB {
+        len.max(MIN_CLASS).next_power_of_two()
+    } else {
+        len.div_ceil(MIB) * MIB
+    }
+}
+
+/// Sizes of the [`LargePool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LargePoolConfig {
+    /// Buffers of each class from 64 KiB to 1 MiB registered when the device opens.
+    pub prealloc_per_class: usize,
+    /// Bytes of free buffers kept registered for reuse; beyond it, returned
+    /// buffers are deregistered.
+    pub max_cached_bytes: usize,
+}
+
+impl Default for LargePoolConfig {
+    fn default() -> Self {
+        LargePoolConfig {
+            prealloc_per_class: 4,
+            max_cached_bytes: 512 << 20,
+        }
+    }
+}
+
+#[derive(Default)]
+struct FreeLists {
+    by_class: HashMap<usize, Vec<RegisteredBuffer>>,
+    cached_bytes: usize,
+}
+
+/// Registered buffers for rendezvous frames, by size class.
+pub struct LargePool {
+    pd: Arc<dyn ProtectionDomain>,
+    config: LargePoolConfig,
+    free: Mutex<FreeLists>,
+}
+
+impl std::fmt::Debug for LargePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LargePool")
+            .field("config", &self.config)
+            .field("cached_bytes", &self.lists().cached_bytes)
+            .finish()
+    }
+}
+
+impl LargePool {
+    /// A pool on `pd` with its start-up set registered.
+    pub fn new(
+        pd: Arc<dyn ProtectionDomain>,
+        config: LargePoolConfig,
+    ) -> Result<Arc<LargePool>, VerbsError> {
+        let pool = Arc::new(LargePool {
+            pd,
+            config,
+            free: Mutex::new(FreeLists::default()),
+        });
+        let mut class = MIN_CLASS;
+        while class <= MIB {
+            for _ in 0..config.prealloc_per_class {
+                let buffer = pool.register(class)?;
+                pool.put_back(buffer);
+            }
+            class *= 2;
+        }
+        Ok(pool)
+    }
+
+    fn lists(&self) -> std::sync::MutexGuard<'_, FreeLists> {
+        self.free
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    fn register(&self, class: usize) -> Result<RegisteredBuffer, VerbsError> {
+        RegisteredBuffer::new(&self.pd, class, AccessFlags::LOCAL_WRITE)
+    }
+
+    /// A buffer of at least `len` bytes (registered only on a miss).
+    pub fn take(self: &Arc<Self>, len: usize) -> Result<PooledBuffer, VerbsError> {
+        let class = size_class(len);
+        let cached = {
+            let mut lists = self.lists();
+            let buffer = lists.by_class.get_mut(&class).and_then(Vec::pop);
+            if buffer.is_some() {
+                lists.cached_bytes -= class;
+            }
+            buffer
+        };
+        let buffer = match cached {
+            Some(buffer) => buffer,
+            None => self.register(class)?,
+        };
+        Ok(PooledBuffer {
+            buffer: Some(buffer),
+            pool: self.clone(),
+        })
+    }
+
+    fn put_back(&self, buffer: RegisteredBuffer) {
+        let class = buffer.len();
+        let mut lists = self.lists();
+        if lists.cached_bytes + class <= self.config.max_cached_bytes {
+            lists.cached_bytes += class;
+            lists.by_class.entry(class).or_default().push(buffer);
+        }
+        // Else: dropped here, deregistered.
+    }
+
+    /// Bytes of free buffers held for reuse.
+    pub fn cached_bytes(&self) -> usize {
+        self.lists().cached_bytes
+    }
+}
+
+/// A buffer of a [`LargePool`], returned to it on drop.
+pub struct PooledBuffer {
+    buffer: Option<RegisteredBuffer>,
+    pool: Arc<LargePool>,
+}
+
+impl std::fmt::Debug for PooledBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("PooledBuffer").field(&self.buffer).finish()
+    }
+}
+
+impl PooledBuffer {
+    /// The registered buffer.
+    pub fn buffer(&self) -> &RegisteredBuffer {
+        self.buffer.as_ref().expect("present until drop")
+    }
+
+    /// The registered buffer, writable.
+    pub fn buffer_mut(&mut self) -> &mut RegisteredBuffer {
+        self.buffer.as_mut().expect("present until drop")
+    }
+
+    /// Takes the buffer out of the pool's care (e.g. to expose it); give it
+    /// back with [`PooledBuffer::restore`].
+    pub fn into_parts(mut self) -> (RegisteredBuffer, Arc<LargePool>) {
+        let buffer = self.buffer.take().expect("present until drop");
+        (buffer, self.pool.clone())
+    }
+
+    /// Puts a buffer taken with [`PooledBuffer::into_parts`] back under the pool's care.
+    pub fn restore(buffer: RegisteredBuffer, pool: Arc<LargePool>) -> PooledBuffer {
+        PooledBuffer {
+            buffer: Some(buffer),
+            pool,
+        }
+    }
+
+    /// The first `len` bytes as [`Bytes`] without a copy; the buffer goes back
+    /// to the pool when the last clone of those bytes drops.
+    pub fn into_bytes(self, len: usize) -> Bytes {
+        assert!(len <= self.buffer().len(), "length within the buffer");
+        Bytes::from_owner(PulledFrame { buffer: self, len })
+    }
+}
+
+impl Drop for PooledBuffer {
+    fn drop(&mut self) {
+        if let Some(buffer) = self.buffer.take() {
+            self.pool.put_back(buffer);
+        }
+    }
+}
+
+struct PulledFrame {
+    buffer: PooledBuffer,
+    len: usize,
+}
+
+impl AsRef<[u8]> for PulledFrame {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer.buffer().as_slice()[..self.len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::{Provider, soft::SoftProvider};
+
+    fn pd() -> Arc<dyn ProtectionDomain> {
+        let provider = SoftProvider;
+        let device = provider.devices().unwrap().remove(0).name;
+        provider.open(&device).unwrap().alloc_pd().unwrap()
+    }
+
+    #[test]
+    fn size_classes() {
+        assert_eq!(size_class(1), 64 << 10);
+        assert_eq!(size_class(64 << 10), 64 << 10);
+        assert_eq!(size_class((64 << 10) + 1), 128 << 10);
+        assert_eq!(size_class(1 << 20), 1 << 20);
+        assert_eq!(size_class((1 << 20) + 1), 2 << 20);
+        assert_eq!(size_class(64 << 20), 64 << 20);
+        assert_eq!(size_class((256 << 20) + 60), 257 << 20);
+    }
+
+    #[test]
+    fn buffers_are_reused_and_bytes_return_them() {
+        let pool = LargePool::new(
+            pd(),
+            LargePoolConfig {
+                prealloc_per_class: 1,
+                max_cached_bytes: 8 << 20,
+            },
+        )
+        .unwrap();
+        let start = pool.cached_bytes();
+        let mut buffer = pool.take(100_000).unwrap();
+        assert_eq!(buffer.buffer().len(), 128 << 10);
+        assert_eq!(pool.cached_bytes(), start - (128 << 10));
+        buffer.buffer_mut().as_mut_slice()[..3].copy_from_slice(b"abc");
+        let addr = buffer.buffer().addr();
+        let bytes = buffer.into_bytes(3);
+        let clone = bytes.clone();
+        drop(bytes);
+        assert_eq!(&clone[..], b"abc");
+        assert_eq!(pool.cached_bytes(), start - (128 << 10));
+        drop(clone);
+        assert_eq!(pool.cached_bytes(), start);
+        // The same registered buffer comes back for the next frame of its class.
+        assert_eq!(pool.take(70_000).unwrap().buffer().addr(), addr);
+        // Over the cap, returned buffers are deregistered rather than kept.
+        let big: Vec<_> = (0..3).map(|_| pool.take(4 << 20).unwrap()).collect();
+        drop(big);
+        assert!(pool.cached_bytes() <= 8 << 20);
+    }
+}

@@ -1,0 +1,28 @@
+//! rpc-core's transport conformance suite over `rdma://`, then the cases
+//! only RDMA has: rendezvous payloads up to 256 MiB, pool and credit
+//! accounting under load, forged rendezvous descriptors, a killed peer process.
+//!
+//! The provider comes from `RDMA_PROVIDER` (default `soft` here), so the same
+//! binary runs on a real device: `RDMA_PROVIDER=ibverbs RDMA_DEVICE=rxe0`.
+//! Every connection is made with `rnr_retry = 0`: a single RNR (a SEND that
+//! finds no posted receive, i.e. a credit bug) fails the connection and the test.
+
+#[path = "../../rpc-core/tests/suite/mod.rs"]
+mod suite;
+
+mod rdma;
+
+/// `rdma://127.0.0.1:0` with the strict test configuration.
+pub struct RdmaBed;
+
+impl suite::Bed for RdmaBed {
+    fn listen_endpoint(&self) -> String {
+        rdma::ensure_registered();
+        "rdma://127.0.0.1:0".into()
+    }
+}
+
+mod over_rdma {
+    use crate::RdmaBed;
+    crate::transport_suite!(RdmaBed);
+}
