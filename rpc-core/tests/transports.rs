@@ -15,8 +15,6 @@ mod mem {
 
 /// Cases that need raw TCP byte streams or a second process.
 mod tcp_only {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
 
     use rpc_core::Channel;
@@ -24,8 +22,8 @@ mod tcp_only {
     use tokio::net::TcpStream;
 
     use crate::suite::{
-        TcpBed, assert_all_unavailable_within_a_second, assert_echoes, spawn_hanging_calls,
-        start_with,
+        ChildServer, TcpBed, assert_all_unavailable_within_a_second, assert_echoes,
+        spawn_hanging_calls, start_with,
     };
 
     const CHILD_ENV: &str = "RPC_CORE_TEST_CHILD_SERVER";
@@ -77,45 +75,16 @@ mod tcp_only {
         std::future::pending::<()>().await;
     }
 
-    /// Kills the child process if the test fails half-way.
-    struct KillOnDrop(std::process::Child);
-    impl Drop for KillOnDrop {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn killed_server_process_fails_pending_calls_within_a_second() {
-        let child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "tcp_only::child_server_process",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut child = KillOnDrop(child);
-        let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
-        let endpoint = loop {
-            let line = lines.next().expect("child printed its endpoint").unwrap();
-            // libtest prints "test <name> ... " on the same line first.
-            if let Some((_, endpoint)) = line.split_once("LISTENING ") {
-                break endpoint.trim().to_owned();
-            }
-        };
+        let mut child = ChildServer::spawn("tcp_only::child_server_process", CHILD_ENV);
+        let endpoint = child.endpoint.clone();
         let channel = Channel::connect(endpoint.as_str()).await.unwrap();
         assert_echoes(&channel, "hi").await;
         let pending = spawn_hanging_calls(&channel, 16);
         tokio::time::sleep(Duration::from_millis(200)).await;
         let killed = Instant::now();
-        child.0.kill().unwrap();
+        child.kill();
         assert_all_unavailable_within_a_second(pending, killed).await;
     }
 }

@@ -51,6 +51,8 @@ const TAG_READ: u64 = 2;
 const CQ_BATCH: usize = 32;
 /// Longest close reason accepted from the peer.
 const MAX_REASON_LEN: usize = 4096;
+/// How long a side whose QP was flushed waits for the peer to say why.
+const PEER_REASON_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 fn wr_id(tag: u64, index: u64) -> u64 {
     (tag << TAG_SHIFT) | index
@@ -107,6 +109,8 @@ pub(crate) struct Driver {
     socket_eof: bool,
     /// The peer closed cleanly and then dropped the set-up socket.
     peer_left: bool,
+    /// The failure was a flush: our QP went to ERROR because the peer's did.
+    flushed: bool,
     poll_mode: PollMode,
     fault: Option<Fault>,
     max_inline: usize,
@@ -167,6 +171,7 @@ impl Driver {
             peer_reason: Vec::new(),
             socket_eof: false,
             peer_left: false,
+            flushed: false,
             poll_mode: config.poll_mode,
             fault: config.fault,
             max_inline,
@@ -183,10 +188,18 @@ impl Driver {
             End::Clean => {
                 tracing::debug!(qp = self.qp.qp_num(), "rdma connection closed");
             }
-            End::Failed(reason) => {
-                tracing::debug!(qp = self.qp.qp_num(), %reason, "rdma connection failed");
+            End::Failed(mut reason) => {
                 let _ = self.qp.to_error();
-                self.tell_peer(&reason);
+                if self.flushed {
+                    // Our QP broke because the peer's did: the peer is about to
+                    // say why on the set-up socket (or is gone, and EOF says so).
+                    if let Some(peer_reason) = self.await_peer_reason().await {
+                        reason = format!("peer closed the connection: {peer_reason}");
+                    }
+                } else {
+                    self.tell_peer(&reason);
+                }
+                tracing::debug!(qp = self.qp.qp_num(), %reason, "rdma connection failed");
                 if let Some(inbound) = self.inbound.take() {
                     let _ = inbound.send(Err(TransportError::Other(reason.into())));
                 }
@@ -428,6 +441,7 @@ impl Driver {
                 self.peer_left = true;
                 return Ok(());
             }
+            self.flushed = completion.status == WcStatus::WrFlushErr;
             return Err(describe_failure(&completion, tag));
         }
         match tag {
@@ -629,6 +643,30 @@ impl Driver {
             return Ok(());
         }
         Err("peer went away (its set-up connection closed)".into())
+    }
+
+    /// The peer's close reason, if it arrives on the set-up socket soon.
+    async fn await_peer_reason(&mut self) -> Option<String> {
+        let deadline = tokio::time::Instant::now() + PEER_REASON_WAIT;
+        let mut buffer = [0u8; 1024];
+        while !self.socket_eof && decode_reason(&self.peer_reason).is_none() {
+            if tokio::time::timeout_at(deadline, self.socket.readable())
+                .await
+                .is_err()
+            {
+                break;
+            }
+            match self.socket.try_read(&mut buffer) {
+                Ok(0) => self.socket_eof = true,
+                Ok(n) if self.peer_reason.len() + n <= MAX_REASON_LEN + 4 => {
+                    self.peer_reason.extend_from_slice(&buffer[..n]);
+                }
+                Ok(_) => break,
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => break,
+            }
+        }
+        decode_reason(&self.peer_reason)
     }
 
     /// Best effort: tells the peer why we close, on the set-up socket.

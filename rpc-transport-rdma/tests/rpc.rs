@@ -10,19 +10,10 @@
 #[path = "../../rpc-core/tests/suite/mod.rs"]
 mod suite;
 
+mod common;
 mod rdma;
 
-/// `rdma://127.0.0.1:0` with the strict test configuration.
-pub struct RdmaBed;
-
-impl suite::Bed for RdmaBed {
-    fn listen_endpoint(&self) -> String {
-        rdma::ensure_registered();
-        "rdma://127.0.0.1:0".into()
-    }
-}
-
 mod over_rdma {
-    use crate::RdmaBed;
+    use crate::common::RdmaBed;
     crate::transport_suite!(RdmaBed);
 }

@@ -235,6 +235,60 @@ pub async fn assert_all_unavailable_within_a_second(
     );
 }
 
+/// A server in a child process of this test binary, killed on drop: the
+/// binary runs itself again with `--exact <test> --ignored` and `env` set,
+/// and the child test prints `LISTENING <endpoint>` once it serves.
+pub struct ChildServer {
+    child: std::process::Child,
+    /// Where the child listens.
+    pub endpoint: String,
+}
+
+impl ChildServer {
+    /// Starts the child that runs the (ignored) test `test` with `env=1`.
+    pub fn spawn(test: &str, env: &str) -> ChildServer {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                test,
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(env, "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let endpoint = loop {
+            let Some(line) = lines.next() else {
+                let _ = child.kill();
+                panic!("child server exited before printing its endpoint");
+            };
+            // libtest prints "test <name> ... " on the same line first.
+            if let Some((_, endpoint)) = line.unwrap().split_once("LISTENING ") {
+                break endpoint.trim().to_owned();
+            }
+        };
+        ChildServer { child, endpoint }
+    }
+
+    /// SIGKILLs the child.
+    pub fn kill(&mut self) {
+        self.child.kill().unwrap();
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Waits for the next event, failing the test after `limit`.
 pub async fn next_event(events: &mut mpsc::UnboundedReceiver<Event>, limit: Duration) -> Event {
     tokio::time::timeout(limit, events.recv())
@@ -243,7 +297,8 @@ pub async fn next_event(events: &mut mpsc::UnboundedReceiver<Event>, limit: Dura
         .expect("event")
 }
 
-fn pattern(len: usize, seed: u64) -> Bytes {
+/// `len` pseudo-random bytes from `seed`.
+pub fn pattern(len: usize, seed: u64) -> Bytes {
     let mut state = seed | 1;
     (0..len)
         .map(|_| {

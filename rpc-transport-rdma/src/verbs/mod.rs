@@ -713,8 +713,10 @@ pub trait SharedReceiveQueue: Send + Sync {
 /// Bytes registered through [`RegisteredBuffer`]s and [`ExposedBuffer`]
 /// windows that are alive in this process (a leak check for pools).
 static REGISTERED_BYTES: AtomicU64 = AtomicU64::new(0);
-/// Registrations made through [`RegisteredBuffer`]s and [`ExposedBuffer`] windows since start.
+/// [`RegisteredBuffer`]s registered since start.
 static REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
+/// [`ExposedBuffer`] windows registered since start.
+static WINDOWS: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes currently registered through [`RegisteredBuffer`]s and
 /// [`ExposedBuffer`] windows in this process.
@@ -722,19 +724,25 @@ pub fn registered_bytes() -> u64 {
     REGISTERED_BYTES.load(AtomicOrdering::Relaxed)
 }
 
-/// Registrations ([`RegisteredBuffer::new`], [`RegisteredBuffer::expose`])
-/// made in this process so far: what a pool that "registers once" keeps flat.
+/// Buffers registered ([`RegisteredBuffer::new`]) in this process so far:
+/// what a pool that registers once keeps flat.
 pub fn registrations() -> u64 {
     REGISTRATIONS.load(AtomicOrdering::Relaxed)
+}
+
+/// Windows registered over already registered buffers
+/// ([`RegisteredBuffer::expose`]) in this process so far.
+pub fn windows_exposed() -> u64 {
+    WINDOWS.load(AtomicOrdering::Relaxed)
 }
 
 /// Counts one live registration of `len` bytes; uncounts on drop.
 struct RegistrationTally(usize);
 
 impl RegistrationTally {
-    fn new(len: usize) -> RegistrationTally {
+    fn new(len: usize, counter: &AtomicU64) -> RegistrationTally {
         REGISTERED_BYTES.fetch_add(len as u64, AtomicOrdering::Relaxed);
-        REGISTRATIONS.fetch_add(1, AtomicOrdering::Relaxed);
+        counter.fetch_add(1, AtomicOrdering::Relaxed);
         RegistrationTally(len)
     }
 }
@@ -774,7 +782,7 @@ impl RegisteredBuffer {
             region,
             pd: pd.clone(),
             data,
-            _tally: RegistrationTally::new(len),
+            _tally: RegistrationTally::new(len, &REGISTRATIONS),
         })
     }
 
@@ -797,7 +805,7 @@ impl RegisteredBuffer {
         match unsafe { self.pd.register(addr, len, access) } {
             Ok(window) => Ok(ExposedBuffer {
                 window,
-                _tally: RegistrationTally::new(len),
+                _tally: RegistrationTally::new(len, &WINDOWS),
                 buffer: self,
             }),
             Err(error) => Err(ExposeError {

@@ -1,31 +1,153 @@
-//! RDMA-only cases and the shared test configuration.
+//! Cases only RDMA has: rendezvous payloads up to 256 MiB, forged
+//! rendezvous descriptors, a killed peer process.
 
-use std::sync::{Arc, Once};
+use std::time::{Duration, Instant};
 
-use rpc_transport_rdma::{RdmaConfig, RdmaTransport};
+use bytes::Bytes;
+use rpc_core::{Channel, Code};
+use rpc_transport_rdma::config::Fault;
 
-/// The configuration every test connection uses: the environment's provider
-/// (soft unless `RDMA_PROVIDER` says otherwise) and no RNR retries.
-pub(crate) fn strict_config() -> RdmaConfig {
-    let mut config = RdmaConfig::from_env().expect("valid RDMA_* environment");
-    if config.provider.is_none() {
-        config.provider = Some("soft".into());
+use crate::common::{RdmaBed, ensure_registered, register_scheme, strict_config};
+use crate::suite::{
+    ChildServer, assert_all_unavailable_within_a_second, assert_echoes, pattern, probe,
+    spawn_hanging_calls, start_with,
+};
+
+async fn echo(channel: &Channel, payload: Bytes) -> Bytes {
+    channel
+        .unary(probe("Echo", payload))
+        .await
+        .expect("echo call")
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendezvous_payloads_of_1_64_and_256_mib_round_trip_byte_exact() {
+    const LIMIT: usize = 260 << 20;
+    let server = start_with(&RdmaBed, |s| s.max_frame_len(LIMIT)).await;
+    let channel = Channel::builder(server.endpoint.clone())
+        .max_frame_len(LIMIT)
+        .connect()
+        .await
+        .unwrap();
+    for (seed, len) in [1usize << 20, 64 << 20, 256 << 20].into_iter().enumerate() {
+        let payload = pattern(len, seed as u64 + 1);
+        let back = echo(&channel, payload.clone()).await;
+        assert_eq!(back.len(), len);
+        assert!(back == payload, "{len}-byte echo differs");
     }
-    config.connect.rnr_retry = 0;
-    config
+    // Odd sizes around the eager threshold and the READ chunk size.
+    for len in [
+        8 << 10,
+        (8 << 10) + 1,
+        (1 << 20) - 1,
+        (1 << 20) + 1,
+        (3 << 20) + 7,
+    ] {
+        let payload = pattern(len, len as u64);
+        assert!(echo(&channel, payload.clone()).await == payload, "{len}");
+    }
 }
 
-/// Registers `rdma://` with [`strict_config`], once per test binary.
-pub(crate) fn ensure_registered() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| register_scheme("rdma", strict_config()));
+/// A client whose rendezvous announcements are forged by `fault`.
+async fn forged_call(scheme: &str, fault: Fault, server_endpoint: &str) -> rpc_core::Status {
+    let mut config = strict_config();
+    config.fault = Some(fault);
+    register_scheme(scheme, config);
+    let endpoint = server_endpoint.replacen("rdma://", &format!("{scheme}://"), 1);
+    let channel = Channel::connect(endpoint.as_str()).await.unwrap();
+    // Small calls are eager: unaffected.
+    assert_echoes(&channel, "eager is fine").await;
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        channel.unary(probe("Echo", pattern(100_000, 1))),
+    )
+    .await
+    .expect("the forged call ends")
+    .unwrap_err()
 }
 
-/// Registers a transport with `config` under its own scheme, so tests with
-/// special settings do not disturb tests running in parallel.
-pub(crate) fn register_scheme(scheme: &str, config: RdmaConfig) {
-    rpc_core::transport::register(
-        scheme,
-        Arc::new(RdmaTransport::new(config).expect("valid config")),
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_rendezvous_descriptors_fail_the_call_with_a_clear_status() {
+    let server = start_with(&RdmaBed, |s| s.max_frame_len(1 << 20)).await;
+    let endpoint = server.endpoint.to_string();
+    let healthy = Channel::connect(server.endpoint.clone()).await.unwrap();
+
+    let bad_rkey = forged_call("rdmaforgedrkey", Fault::ForgeRkey, &endpoint).await;
+    assert_eq!(bad_rkey.code(), Code::Unavailable, "{bad_rkey:?}");
+    assert!(
+        bad_rkey.message().contains("remote access error"),
+        "{bad_rkey:?}"
     );
+
+    let bad_range = forged_call("rdmaforgedrange", Fault::ForgeRange, &endpoint).await;
+    assert_eq!(bad_range.code(), Code::Unavailable, "{bad_range:?}");
+    assert!(
+        bad_range.message().contains("remote access error"),
+        "{bad_range:?}"
+    );
+
+    let too_long = forged_call("rdmaforgedlength", Fault::ForgeLength(1 << 40), &endpoint).await;
+    assert!(
+        too_long.message().contains("exceeds the limit"),
+        "{too_long:?}"
+    );
+
+    // The server and its other connections are unharmed.
+    assert_echoes(&healthy, "still here").await;
+    let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let payload = pattern(100_000, 9);
+    assert!(echo(&fresh, payload.clone()).await == payload);
+}
+
+const CHILD_ENV: &str = "RDMA_TEST_CHILD_SERVER";
+
+/// Not a test by itself: the server half of
+/// `killed_peer_process_fails_pending_calls_within_a_second`, run in a child
+/// process of this test binary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper process for killed_peer_process_fails_pending_calls_within_a_second"]
+async fn child_server_process() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let server = start_with(&RdmaBed, |s| s.max_frame_len(256 << 20)).await;
+    println!("LISTENING {}", server.endpoint);
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_process_fails_pending_calls_within_a_second() {
+    ensure_registered();
+    let mut child = ChildServer::spawn("rdma::child_server_process", CHILD_ENV);
+    let channel = Channel::builder(child.endpoint.parse().unwrap())
+        .max_frame_len(256 << 20)
+        .connect()
+        .await
+        .unwrap();
+    assert_echoes(&channel, "hi").await;
+    let mut pending = spawn_hanging_calls(&channel, 16);
+    // Large transfers in flight too: rendezvous READs between the processes.
+    for seed in 0..4 {
+        let channel = channel.clone();
+        pending.push(tokio::spawn(async move {
+            channel.unary(probe("Echo", pattern(64 << 20, seed))).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let killed = Instant::now();
+    child.kill();
+    // An echo that completed before the kill is fine; everything else must
+    // end with Unavailable within a second.
+    let mut unfinished = Vec::new();
+    for call in pending {
+        if call.is_finished() {
+            let done = call.await.unwrap();
+            assert!(done.is_ok() || done.unwrap_err().code() == Code::Unavailable);
+        } else {
+            unfinished.push(call);
+        }
+    }
+    assert!(!unfinished.is_empty());
+    assert_all_unavailable_within_a_second(unfinished, killed).await;
 }

@@ -1,0 +1,40 @@
+//! What every RDMA test binary shares: the strict configuration and the bed.
+
+use std::sync::{Arc, Once};
+
+use rpc_transport_rdma::{RdmaConfig, RdmaTransport};
+
+/// `rdma://127.0.0.1:0` with the strict test configuration.
+pub(crate) struct RdmaBed;
+
+impl crate::suite::Bed for RdmaBed {
+    fn listen_endpoint(&self) -> String {
+        ensure_registered();
+        "rdma://127.0.0.1:0".into()
+    }
+}
+/// The configuration every test connection uses: the environment's provider
+/// (soft unless `RDMA_PROVIDER` says otherwise) and no RNR retries.
+pub(crate) fn strict_config() -> RdmaConfig {
+    let mut config = RdmaConfig::from_env().expect("valid RDMA_* environment");
+    if config.provider.is_none() {
+        config.provider = Some("soft".into());
+    }
+    config.connect.rnr_retry = 0;
+    config
+}
+
+/// Registers `rdma://` with [`strict_config`], once per test binary.
+pub(crate) fn ensure_registered() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| register_scheme("rdma", strict_config()));
+}
+
+/// Registers a transport with `config` under its own scheme, so tests with
+/// special settings do not disturb tests running in parallel.
+pub(crate) fn register_scheme(scheme: &str, config: RdmaConfig) {
+    rpc_core::transport::register(
+        scheme,
+        Arc::new(RdmaTransport::new(config).expect("valid config")),
+    );
+}
