@@ -1,7 +1,8 @@
 //! The main job in one process: starts an echo server, calls it, prints what happened.
 //!
 //! ```text
-//! cargo run --release --example echo                      # tcp://127.0.0.1:0
+//! cargo run --release --example echo                      # rdma://127.0.0.1:0 (soft provider)
+//! cargo run --release --example echo -- tcp://127.0.0.1:0 # the same over TCP
 //! cargo run --release --example echo -- mem://echo        # in-process transport
 //! ```
 
@@ -14,7 +15,10 @@ use rpc_core::{Code, Request, Server};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_logging();
-    let listen = endpoint_arg("tcp://127.0.0.1:0");
+    // The one line that enables rdma:// (provider from RDMA_PROVIDER, else
+    // ibverbs when built in and a device exists, else soft).
+    rpc_transport_rdma::register()?;
+    let listen = endpoint_arg("rdma://127.0.0.1:0");
     let listening = Server::builder()
         .add_service(EchoServer::new(EchoService))
         .listen(listen.as_str())

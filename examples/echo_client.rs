@@ -1,7 +1,7 @@
 //! An echo client in its own process: a few calls, then latency of sequential calls.
 //!
 //! ```text
-//! cargo run --release --example echo_client -- tcp://127.0.0.1:50051 [calls]
+//! cargo run --release --example echo_client -- rdma://127.0.0.1:50051 [calls]
 //! ```
 
 use std::time::Instant;
@@ -12,7 +12,10 @@ use rdma_rpc_examples::{endpoint_arg, init_logging};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_logging();
-    let endpoint = endpoint_arg("tcp://127.0.0.1:50051");
+    // The one line that enables rdma:// (provider from RDMA_PROVIDER, else
+    // ibverbs when built in and a device exists, else soft).
+    rpc_transport_rdma::register()?;
+    let endpoint = endpoint_arg("rdma://127.0.0.1:50051");
     let calls: u32 = std::env::args()
         .nth(2)
         .map(|n| n.parse())

@@ -1,7 +1,7 @@
 //! An echo server in its own process.
 //!
 //! ```text
-//! cargo run --release --example echo_server -- tcp://127.0.0.1:50051
+//! cargo run --release --example echo_server -- rdma://127.0.0.1:50051
 //! ```
 //! Stops gracefully on Ctrl-C.
 
@@ -12,7 +12,10 @@ use rpc_core::Server;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_logging();
-    let listen = endpoint_arg("tcp://127.0.0.1:50051");
+    // The one line that enables rdma:// (provider from RDMA_PROVIDER, else
+    // ibverbs when built in and a device exists, else soft).
+    rpc_transport_rdma::register()?;
+    let listen = endpoint_arg("rdma://127.0.0.1:50051");
     let listening = Server::builder()
         .add_service(EchoServer::new(EchoService))
         .listen(listen.as_str())

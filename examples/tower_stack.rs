@@ -5,7 +5,8 @@
 //! delays calls that ask for it, and records how many calls run at once.
 //!
 //! ```text
-//! cargo run --release --example tower_stack                  # tcp://127.0.0.1:0
+//! cargo run --release --example tower_stack                  # rdma://127.0.0.1:0
+//! cargo run --release --example tower_stack -- tcp://127.0.0.1:0
 //! cargo run --release --example tower_stack -- mem://kv
 //! ```
 
@@ -139,11 +140,14 @@ impl tower::retry::Policy<Request<Bytes>, Response<Bytes>, BoxError> for RetryId
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_logging();
+    // The one line that enables rdma:// (provider from RDMA_PROVIDER, else
+    // ibverbs when built in and a device exists, else soft).
+    rpc_transport_rdma::register()?;
     let stats = Arc::new(ChaosStats::default());
     let listening = Server::builder()
         .layer(ChaosLayer(stats.clone()))
         .add_service(KeyValueServer::new(KvStore::default()))
-        .listen(endpoint_arg("tcp://127.0.0.1:0").as_str())
+        .listen(endpoint_arg("rdma://127.0.0.1:0").as_str())
         .await?;
     let endpoint = listening.local_endpoint();
     tokio::spawn(listening.serve());
