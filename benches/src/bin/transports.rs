@@ -196,7 +196,11 @@ fn main() {
     }
     let contenders = [
         ("tcp://", "tcp://127.0.0.1:0", "adaptive"),
-        ("rdma:// (soft, adaptive spin)", "rdma://127.0.0.1:0", "adaptive"),
+        (
+            "rdma:// (soft, adaptive spin)",
+            "rdma://127.0.0.1:0",
+            "adaptive",
+        ),
         ("rdma:// (soft, busy-poll)", "rdma://127.0.0.1:0", "busy"),
         ("rdma:// (soft, event only)", "rdma://127.0.0.1:0", "event"),
     ];

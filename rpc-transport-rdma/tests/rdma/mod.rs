@@ -128,10 +128,14 @@ async fn killed_peer_process_fails_pending_calls_within_a_second() {
     assert_echoes(&channel, "hi").await;
     let mut pending = spawn_hanging_calls(&channel, 16);
     // Large transfers in flight too: rendezvous READs between the processes.
-    for seed in 0..4 {
+    // (The payload is made first: generating 64 MiB in a debug build inside
+    // the tasks would stall the runtime for longer than the deadline.)
+    let large = pattern(64 << 20, 3);
+    for _ in 0..4 {
         let channel = channel.clone();
+        let large = large.clone();
         pending.push(tokio::spawn(async move {
-            channel.unary(probe("Echo", pattern(64 << 20, seed))).await
+            channel.unary(probe("Echo", large)).await
         }));
     }
     tokio::time::sleep(Duration::from_millis(150)).await;

@@ -45,6 +45,8 @@ struct QpInner {
     /// Set by `to_rtr` (expected peer) or by the accept loop (attached peer).
     peer: Option<Peer>,
     writer: Option<UnixStream>,
+    /// Messages encoded but not yet written: one write per batch, not per message.
+    unwritten: Vec<u8>,
     next_seq: u64,
     outstanding: VecDeque<Outstanding>,
     recv_queue: VecDeque<RecvWr>,
@@ -128,6 +130,7 @@ pub(crate) fn create(
             options: ConnectOptions::default(),
             peer: None,
             writer: None,
+            unwritten: Vec::new(),
             next_seq: 0,
             outstanding: VecDeque::new(),
             recv_queue: VecDeque::new(),
@@ -261,18 +264,34 @@ impl QpShared {
                 return;
             }
         }
+        self.flush(inner);
     }
 
-    /// Writes a message to the peer; on failure the QP goes to ERROR.
+    /// Queues a message for the peer; [`QpShared::flush`] writes the batch.
     fn write(&self, inner: &mut QpInner, message: &Message) -> bool {
-        let Some(writer) = inner.writer.as_mut() else {
+        if inner.writer.is_none() {
             return false;
-        };
-        if wire::write_message(writer, message).is_ok() {
-            return true;
         }
-        self.enter_error(inner, Some(WcStatus::RetryExcErr));
-        false
+        inner.unwritten.extend_from_slice(&message.encode());
+        true
+    }
+
+    /// Writes the queued messages in one go; on failure the QP goes to ERROR.
+    fn flush(&self, inner: &mut QpInner) {
+        if inner.unwritten.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut inner.unwritten);
+        let Some(writer) = inner.writer.as_mut() else {
+            return;
+        };
+        if wire::write_all(writer, &batch).is_err() {
+            self.enter_error(inner, Some(WcStatus::RetryExcErr));
+        } else {
+            // Keep the allocation for the next batch.
+            inner.unwritten = batch;
+            inner.unwritten.clear();
+        }
     }
 
     /// Moves the QP to ERROR: the oldest outstanding send completes with
@@ -284,6 +303,12 @@ impl QpShared {
         }
         inner.state = QpState::Error;
         inner.rnr_resend_at = None;
+        // Messages already queued (e.g. the NAK that explains this error)
+        // still go out, best effort, before the wire closes.
+        let unwritten = std::mem::take(&mut inner.unwritten);
+        if let (false, Some(writer)) = (unwritten.is_empty(), inner.writer.as_mut()) {
+            let _ = wire::write_all(writer, &unwritten);
+        }
         for (i, outstanding) in inner.outstanding.drain(..).enumerate() {
             let status = match (i, first) {
                 (0, Some(status)) => status,
@@ -350,7 +375,11 @@ impl QpShared {
                     Ok(ReadOutcome::Message(Message::Response(response))) => {
                         self.on_response(&mut inner, response)
                     }
-                    Ok(ReadOutcome::TimedOut) => break,
+                    Ok(ReadOutcome::TimedOut) => {
+                        // The wire is drained: acknowledge the whole batch at once.
+                        self.flush(&mut inner);
+                        break;
+                    }
                     Ok(ReadOutcome::Closed) | Err(_) => {
                         // The peer is gone (or broke the protocol): requests in
                         // flight can never be acknowledged.
@@ -806,6 +835,7 @@ impl QueuePair for SoftQp {
             for request in early {
                 self.shared.on_request(&mut inner, request);
             }
+            self.shared.flush(&mut inner);
         }
         if dial {
             let name = SocketAddr::from_abstract_name(rendezvous_name(peer.pid, peer.context))?;
@@ -898,6 +928,7 @@ impl QueuePair for SoftQp {
                 shared.retire_local_errors(&mut inner);
             }
         }
+        shared.flush(&mut inner);
         Ok(())
     }
 

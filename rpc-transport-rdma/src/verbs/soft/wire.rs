@@ -389,9 +389,9 @@ pub(crate) fn wait_for_data(stream: &std::os::unix::net::UnixStream) {
     };
 }
 
-/// Writes one message whole.
-pub(crate) fn write_message(stream: &mut impl Write, message: &Message) -> io::Result<()> {
-    stream.write_all(&message.encode())
+/// Writes a batch of encoded messages whole.
+pub(crate) fn write_all(stream: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
+    stream.write_all(bytes)
 }
 
 #[cfg(test)]
