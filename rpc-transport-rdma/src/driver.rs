@@ -51,6 +51,8 @@ const TAG_READ: u64 = 2;
 const CQ_BATCH: usize = 32;
 /// Longest close reason accepted from the peer.
 const MAX_REASON_LEN: usize = 4096;
+/// How long READ destinations stay out of the pool after a failure with READs in flight.
+const READ_QUARANTINE: std::time::Duration = std::time::Duration::from_secs(1);
 /// How long a side whose QP was flushed waits for the peer to say why.
 const PEER_REASON_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -204,6 +206,17 @@ impl Driver {
                     let _ = inbound.send(Err(TransportError::Other(reason.into())));
                 }
             }
+        }
+        if !self.reads.is_empty() {
+            // READs were in flight. On hardware nothing is written after the
+            // QP is destroyed; the soft provider's responder pushes READ data
+            // from the peer process and may be mid-write. Keep the destinations
+            // out of the pool for a while so no later frame sees a stale write.
+            let quarantined = std::mem::take(&mut self.destinations);
+            tokio::spawn(async move {
+                tokio::time::sleep(READ_QUARANTINE).await;
+                drop(quarantined);
+            });
         }
         // Dropping the driver destroys the QP first, then frees the memory.
     }

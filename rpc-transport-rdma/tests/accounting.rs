@@ -94,6 +94,7 @@ async fn rendezvous_buffers_are_reused_and_windows_revoked(channel: &Channel) {
 /// One test, so the two phases never overlap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_memory_stays_flat_under_load() {
+    crate::require_device!();
     let server = start(&RdmaBed).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
     ten_thousand_calls_256_in_flight_without_rnr_or_registration_growth(&channel).await;

@@ -23,6 +23,12 @@ use tokio::sync::{mpsc, oneshot};
 pub trait Bed: Send + Sync + 'static {
     /// A fresh endpoint to bind (port 0 or a unique name).
     fn listen_endpoint(&self) -> String;
+
+    /// `Err(why)` when this transport cannot run here (e.g. no RDMA device):
+    /// each test then prints `skipped: why` and passes without running.
+    fn available(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// `tcp://127.0.0.1:0`.
@@ -819,6 +825,10 @@ macro_rules! transport_suite {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
+                if let Err(why) = $crate::suite::Bed::available(&$bed) {
+                    println!("skipped: {why}");
+                    return;
+                }
                 $crate::suite::$name(&$bed).await;
             }
         )*

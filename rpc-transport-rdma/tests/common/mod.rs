@@ -12,6 +12,29 @@ impl crate::suite::Bed for RdmaBed {
         ensure_registered();
         "rdma://127.0.0.1:0".into()
     }
+
+    fn available(&self) -> Result<(), String> {
+        device_available()
+    }
+}
+
+/// `Err` with the reason when the configured provider has no usable device
+/// (e.g. `RDMA_PROVIDER=ibverbs` on a machine without RDMA).
+pub(crate) fn device_available() -> Result<(), String> {
+    rpc_transport_rdma::device::open(&strict_config())
+        .map(drop)
+        .map_err(|error| format!("no RDMA device: {error}"))
+}
+
+/// Returns from the calling test, printing `skipped: …`, when no device is usable.
+#[macro_export]
+macro_rules! require_device {
+    () => {
+        if let Err(why) = $crate::common::device_available() {
+            println!("skipped: {why}");
+            return;
+        }
+    };
 }
 /// The configuration every test connection uses: the environment's provider
 /// (soft unless `RDMA_PROVIDER` says otherwise) and no RNR retries.

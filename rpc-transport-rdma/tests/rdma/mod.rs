@@ -23,6 +23,7 @@ async fn echo(channel: &Channel, payload: Bytes) -> Bytes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rendezvous_payloads_of_1_64_and_256_mib_round_trip_byte_exact() {
+    crate::require_device!();
     const LIMIT: usize = 260 << 20;
     let server = start_with(&RdmaBed, |s| s.max_frame_len(LIMIT)).await;
     let channel = Channel::builder(server.endpoint.clone())
@@ -69,6 +70,7 @@ async fn forged_call(scheme: &str, fault: Fault, server_endpoint: &str) -> rpc_c
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_rendezvous_descriptors_fail_the_call_with_a_clear_status() {
+    crate::require_device!();
     let server = start_with(&RdmaBed, |s| s.max_frame_len(1 << 20)).await;
     let endpoint = server.endpoint.to_string();
     let healthy = Channel::connect(server.endpoint.clone()).await.unwrap();
@@ -118,6 +120,7 @@ async fn child_server_process() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_process_fails_pending_calls_within_a_second() {
+    crate::require_device!();
     ensure_registered();
     let mut child = ChildServer::spawn("rdma::child_server_process", CHILD_ENV);
     let channel = Channel::builder(child.endpoint.parse().unwrap())
