@@ -91,12 +91,14 @@ impl Transport for RdmaTransport {
     ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>> {
         let rdma = self.config.clone();
         let authority = endpoint.authority().to_owned();
+        // The scheme it was registered under (`rdma`, or a test's own).
+        let scheme = endpoint.scheme().to_owned();
         let max_frame_len = config.max_frame_len;
         Box::pin(async move {
             // Open the device now: a missing device fails the bind, not each accept.
             let device = device::open(&rdma).map_err(other)?;
             let listener = TcpListener::bind(&authority).await?;
-            let local: Endpoint = format!("rdma://{}", listener.local_addr()?)
+            let local: Endpoint = format!("{scheme}://{}", listener.local_addr()?)
                 .parse()
                 .map_err(|_| TransportError::InvalidEndpoint {
                     endpoint: authority.clone(),

@@ -56,6 +56,7 @@ async fn forged_call(scheme: &str, fault: Fault, server_endpoint: &str) -> rpc_c
     config.fault = Some(fault);
     register_scheme(scheme, config);
     let endpoint = server_endpoint.replacen("rdma://", &format!("{scheme}://"), 1);
+    assert_ne!(endpoint, server_endpoint);
     let channel = Channel::connect(endpoint.as_str()).await.unwrap();
     // Small calls are eager: unaffected.
     assert_echoes(&channel, "eager is fine").await;
@@ -157,4 +158,53 @@ async fn killed_peer_process_fails_pending_calls_within_a_second() {
     }
     assert!(!unfinished.is_empty());
     assert_all_unavailable_within_a_second(unfinished, killed).await;
+}
+
+/// Both ends in pure event mode: every wait goes through arm → event → ack →
+/// re-arm → poll, so a lost wake-up shows up as a call that never ends.
+struct EventBed;
+
+impl crate::suite::Bed for EventBed {
+    fn listen_endpoint(&self) -> String {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            let mut config = strict_config();
+            config.poll_mode = rpc_transport_rdma::PollMode::Event;
+            register_scheme("rdmaevent", config);
+        });
+        "rdmaevent://127.0.0.1:0".into()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_mode_loses_no_wake_up_over_many_rounds() {
+    crate::require_device!();
+    let server = start_with(&EventBed, |s| s).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    for round in 0..3000u64 {
+        let payload = Bytes::from(round.to_le_bytes().to_vec());
+        let back = tokio::time::timeout(Duration::from_secs(5), echo(&channel, payload.clone()))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: no completion (lost wake-up?)"));
+        assert_eq!(back, payload);
+    }
+    // Bursts, so events arrive while the driver is busy as well as asleep.
+    for burst in 0..20 {
+        let calls: Vec<_> = (0..64)
+            .map(|i| {
+                let channel = channel.clone();
+                tokio::spawn(async move {
+                    let payload = pattern(1 + (i * 97) % 20_000, burst);
+                    let back = echo(&channel, payload.clone()).await;
+                    assert!(back == payload);
+                })
+            })
+            .collect();
+        for call in calls {
+            tokio::time::timeout(Duration::from_secs(5), call)
+                .await
+                .expect("burst call ends")
+                .unwrap();
+        }
+    }
 }
