@@ -7,9 +7,21 @@
 
 #![allow(unsafe_code)]
 
-use std::io;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::fd::RawFd;
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+
+use crate::stats::{gbps, histogram, record};
+
+/// Bytes per ping-pong message.
+pub const MESSAGE: usize = 64;
+/// Bytes copied by the bandwidth floors.
+pub const REGION: usize = 64 << 20;
 
 /// An eventfd, inheritable by a child process (no CLOEXEC).
 pub fn eventfd_inheritable() -> io::Result<RawFd> {
@@ -136,4 +148,154 @@ pub fn process_vm_read(pid: u32, remote: u64, local: &mut [u8]) -> io::Result<()
         done += n as usize;
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------- measurements
+
+/// 64 B TCP loopback ping-pong with a child process (TCP_NODELAY).
+pub fn tcp_ping_pong(rounds: usize) -> Histogram<u64> {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port().to_string();
+    let mut peer = child(&["tcp", &port, &rounds.to_string()]);
+    let (mut stream, _) = listener.accept().expect("accept");
+    stream.set_nodelay(true).expect("nodelay");
+    let mut buf = [7u8; MESSAGE];
+    let mut h = histogram();
+    for _ in 0..rounds {
+        let start = Instant::now();
+        stream.write_all(&buf).expect("write");
+        stream.read_exact(&mut buf).expect("read");
+        record(&mut h, start.elapsed());
+    }
+    peer.wait().expect("peer");
+    h
+}
+
+/// 64 B ping-pong through shared memory + eventfd: both processes block in read().
+pub fn eventfd_ping_pong(rounds: usize) -> Histogram<u64> {
+    let ping = eventfd_inheritable().expect("eventfd");
+    let pong = eventfd_inheritable().expect("eventfd");
+    let mut peer = child(&[
+        "eventfd",
+        &ping.to_string(),
+        &pong.to_string(),
+        &rounds.to_string(),
+    ]);
+    let mut h = histogram();
+    for _ in 0..rounds {
+        let start = Instant::now();
+        eventfd_signal(ping).expect("signal");
+        eventfd_wait(pong).expect("wait");
+        record(&mut h, start.elapsed());
+    }
+    peer.wait().expect("peer");
+    h
+}
+
+/// Ping-pong through a shared page, both processes spinning.
+pub fn spin_ping_pong(rounds: usize) -> Histogram<u64> {
+    let page = SharedPage::create().expect("shared page");
+    let mut peer = child(&["spin", &page.fd().to_string(), &rounds.to_string()]);
+    let mut h = histogram();
+    for i in 1..=rounds as u64 {
+        let start = Instant::now();
+        page.counter(0).store(i, Ordering::Release);
+        page.spin_until(1, i);
+        record(&mut h, start.elapsed());
+    }
+    peer.wait().expect("peer");
+    h
+}
+
+/// Single-thread memcpy of 64 MiB, best of five (GB/s).
+pub fn memcpy_gbps() -> f64 {
+    let src = vec![1u8; REGION];
+    let mut dst = vec![0u8; REGION];
+    dst.copy_from_slice(&src);
+    let best = (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            start.elapsed()
+        })
+        .min()
+        .expect("runs");
+    std::hint::black_box(&dst);
+    gbps(REGION as u64, best)
+}
+
+/// process_vm_readv of 64 MiB from a child process, best of five (GB/s).
+pub fn process_vm_readv_gbps() -> f64 {
+    let mut peer = child(&["vm"]);
+    let mut lines = BufReader::new(peer.stdout.take().expect("stdout")).lines();
+    let line = lines.next().expect("peer address").expect("line");
+    let addr: u64 = line.trim().parse().expect("address");
+    let mut local = vec![0u8; REGION];
+    process_vm_read(peer.id(), addr, &mut local).expect("process_vm_readv");
+    let best = (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            process_vm_read(peer.id(), addr, &mut local).expect("process_vm_readv");
+            start.elapsed()
+        })
+        .min()
+        .expect("runs");
+    assert!(local.iter().all(|&b| b == 0x5a), "read the peer's bytes");
+    drop(peer.stdin.take());
+    peer.wait().expect("peer");
+    gbps(REGION as u64, best)
+}
+
+/// The argument that makes a benchmark binary run [`run_child`] instead.
+pub const CHILD_FLAG: &str = "--floor-child";
+
+fn child(args: &[&str]) -> Child {
+    Command::new(std::env::current_exe().expect("own path"))
+        .arg(CHILD_FLAG)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn peer")
+}
+
+/// The child side of the floors; binaries call it when started with [`CHILD_FLAG`].
+pub fn run_child(args: &[String]) {
+    let arg = |i: usize| args[i].as_str();
+    match arg(0) {
+        "tcp" => {
+            let rounds: usize = arg(2).parse().expect("rounds");
+            let mut stream = TcpStream::connect(format!("127.0.0.1:{}", arg(1))).expect("connect");
+            stream.set_nodelay(true).expect("nodelay");
+            let mut buf = [0u8; MESSAGE];
+            for _ in 0..rounds {
+                stream.read_exact(&mut buf).expect("read");
+                stream.write_all(&buf).expect("write");
+            }
+        }
+        "eventfd" => {
+            let (ping, pong): (RawFd, RawFd) =
+                (arg(1).parse().expect("fd"), arg(2).parse().expect("fd"));
+            for _ in 0..arg(3).parse::<usize>().expect("rounds") {
+                eventfd_wait(ping).expect("wait");
+                eventfd_signal(pong).expect("signal");
+            }
+        }
+        "spin" => {
+            let page = SharedPage::map(arg(1).parse().expect("fd")).expect("map");
+            for i in 1..=arg(2).parse::<u64>().expect("rounds") {
+                page.spin_until(0, i);
+                page.counter(1).store(i, Ordering::Release);
+            }
+        }
+        "vm" => {
+            let region = vec![0x5au8; REGION];
+            println!("{}", region.as_ptr() as u64);
+            std::io::stdout().flush().expect("flush");
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+            std::hint::black_box(&region);
+        }
+        other => panic!("unknown floor role {other}"),
+    }
 }

@@ -9,16 +9,12 @@
 //! TCP loopback 64 B ping-pong, eventfd ping-pong, shared-memory busy-poll
 //! ping-pong, memcpy and process_vm_readv of 64 MiB. Compare rows of one run.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::os::fd::RawFd;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use rdma_rpc_benches::floors::{self, SharedPage};
+use rdma_rpc_benches::floors::{self, MESSAGE, REGION};
 use rdma_rpc_benches::stats::{gbps, histogram, p50_p99, record};
 use rpc_transport_rdma::setup::{self, QpListener};
 use rpc_transport_rdma::verbs::{
@@ -27,9 +23,7 @@ use rpc_transport_rdma::verbs::{
     wait_readable,
 };
 
-const MESSAGE: usize = 64;
 const RECV_SLOTS: usize = 16;
-const REGION: usize = 64 << 20;
 
 fn child(args: &[&str]) -> Child {
     Command::new(std::env::current_exe().expect("own path"))
@@ -39,97 +33,6 @@ fn child(args: &[&str]) -> Child {
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn peer")
-}
-
-// ---------------------------------------------------------------- floors
-
-fn tcp_floor(rounds: usize) -> Histogram<u64> {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let port = listener.local_addr().expect("addr").port().to_string();
-    let mut peer = child(&["tcp", &port, &rounds.to_string()]);
-    let (mut stream, _) = listener.accept().expect("accept");
-    stream.set_nodelay(true).expect("nodelay");
-    let mut buf = [7u8; MESSAGE];
-    let mut h = histogram();
-    for _ in 0..rounds {
-        let start = Instant::now();
-        stream.write_all(&buf).expect("write");
-        stream.read_exact(&mut buf).expect("read");
-        record(&mut h, start.elapsed());
-    }
-    peer.wait().expect("peer");
-    h
-}
-
-fn eventfd_floor(rounds: usize) -> Histogram<u64> {
-    let ping = floors::eventfd_inheritable().expect("eventfd");
-    let pong = floors::eventfd_inheritable().expect("eventfd");
-    let mut peer = child(&[
-        "eventfd",
-        &ping.to_string(),
-        &pong.to_string(),
-        &rounds.to_string(),
-    ]);
-    let mut h = histogram();
-    for _ in 0..rounds {
-        let start = Instant::now();
-        floors::eventfd_signal(ping).expect("signal");
-        floors::eventfd_wait(pong).expect("wait");
-        record(&mut h, start.elapsed());
-    }
-    peer.wait().expect("peer");
-    h
-}
-
-fn spin_floor(rounds: usize) -> Histogram<u64> {
-    let page = SharedPage::create().expect("shared page");
-    let mut peer = child(&["spin", &page.fd().to_string(), &rounds.to_string()]);
-    let mut h = histogram();
-    for i in 1..=rounds as u64 {
-        let start = Instant::now();
-        page.counter(0).store(i, Ordering::Release);
-        page.spin_until(1, i);
-        record(&mut h, start.elapsed());
-    }
-    peer.wait().expect("peer");
-    h
-}
-
-fn memcpy_floor() -> f64 {
-    let src = vec![1u8; REGION];
-    let mut dst = vec![0u8; REGION];
-    dst.copy_from_slice(&src);
-    let best = (0..5)
-        .map(|_| {
-            let start = Instant::now();
-            dst.copy_from_slice(std::hint::black_box(&src));
-            start.elapsed()
-        })
-        .min()
-        .expect("runs");
-    std::hint::black_box(&dst);
-    gbps(REGION as u64, best)
-}
-
-fn process_vm_floor() -> f64 {
-    let mut peer = child(&["vm"]);
-    let mut lines = BufReader::new(peer.stdout.take().expect("stdout")).lines();
-    let line = lines.next().expect("peer address").expect("line");
-    let addr: u64 = line.trim().parse().expect("address");
-    let mut local = vec![0u8; REGION];
-    floors::process_vm_read(peer.id(), addr, &mut local).expect("process_vm_readv");
-    let best = (0..5)
-        .map(|_| {
-            let start = Instant::now();
-            floors::process_vm_read(peer.id(), addr, &mut local).expect("process_vm_readv");
-            start.elapsed()
-        })
-        .min()
-        .expect("runs");
-    assert!(local.iter().all(|&b| b == 0x5a), "read the peer's bytes");
-    drop(peer.stdin.take());
-    peer.wait().expect("peer");
-    gbps(REGION as u64, best)
 }
 
 // ---------------------------------------------------------------- soft verbs
@@ -358,39 +261,6 @@ fn soft_peer(port: &str, busy: bool, rounds: usize) {
 fn run_child(args: &[String]) {
     let arg = |i: usize| args[i].as_str();
     match arg(0) {
-        "tcp" => {
-            let rounds: usize = arg(2).parse().expect("rounds");
-            let mut stream = TcpStream::connect(format!("127.0.0.1:{}", arg(1))).expect("connect");
-            stream.set_nodelay(true).expect("nodelay");
-            let mut buf = [0u8; MESSAGE];
-            for _ in 0..rounds {
-                stream.read_exact(&mut buf).expect("read");
-                stream.write_all(&buf).expect("write");
-            }
-        }
-        "eventfd" => {
-            let (ping, pong): (RawFd, RawFd) =
-                (arg(1).parse().expect("fd"), arg(2).parse().expect("fd"));
-            for _ in 0..arg(3).parse::<usize>().expect("rounds") {
-                floors::eventfd_wait(ping).expect("wait");
-                floors::eventfd_signal(pong).expect("signal");
-            }
-        }
-        "spin" => {
-            let page = SharedPage::map(arg(1).parse().expect("fd")).expect("map");
-            for i in 1..=arg(2).parse::<u64>().expect("rounds") {
-                page.spin_until(0, i);
-                page.counter(1).store(i, Ordering::Release);
-            }
-        }
-        "vm" => {
-            let region = vec![0x5au8; REGION];
-            println!("{}", region.as_ptr() as u64);
-            std::io::stdout().flush().expect("flush");
-            let mut sink = Vec::new();
-            let _ = std::io::stdin().read_to_end(&mut sink);
-            std::hint::black_box(&region);
-        }
         "soft" => soft_peer(arg(1), arg(2) == "busy", arg(3).parse().expect("rounds")),
         other => panic!("unknown peer role {other}"),
     }
@@ -398,6 +268,9 @@ fn run_child(args: &[String]) {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(floors::CHILD_FLAG) {
+        return floors::run_child(&args[1..]);
+    }
     if args.first().map(String::as_str) == Some("--child") {
         return run_child(&args[1..]);
     }
@@ -417,11 +290,11 @@ fn main() {
     eprintln!(
         "floors: TCP, eventfd, shared-memory spin ({rounds} rounds each), memcpy, process_vm_readv..."
     );
-    let tcp = tcp_floor(rounds);
-    let eventfd = eventfd_floor(rounds);
-    let spin = spin_floor(rounds * 10);
-    let memcpy = memcpy_floor();
-    let vm = process_vm_floor();
+    let tcp = floors::tcp_ping_pong(rounds);
+    let eventfd = floors::eventfd_ping_pong(rounds);
+    let spin = floors::spin_ping_pong(rounds * 10);
+    let memcpy = floors::memcpy_gbps();
+    let vm = floors::process_vm_readv_gbps();
     eprintln!("soft provider: event mode (+ READ goodput), busy-poll mode...");
     let event = soft_run(false, rounds, true);
     let busy = soft_run(true, rounds, false);
