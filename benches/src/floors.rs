@@ -299,3 +299,15 @@ pub fn run_child(args: &[String]) {
         other => panic!("unknown floor role {other}"),
     }
 }
+
+/// CPU time this process has used so far (all threads).
+pub fn process_cpu_time() -> std::time::Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec we own.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut now) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_PROCESS_CPUTIME_ID)");
+    std::time::Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+}

@@ -1,2 +1,521 @@
-//! placeholder
-fn main() {}
+//! rdma-rpc beside tonic and tarpc and the machine's floors, in one run.
+//!
+//! ```text
+//! cargo run --release -p rdma-rpc-benches -- --quick     # under 2 minutes on 2 cores
+//! cargo run --release -p rdma-rpc-benches -- --full
+//! ```
+//! Every contender's server runs in its own process (this binary, started
+//! with `--serve <contender>`); the client runs here; both on current-thread
+//! tokio runtimes. Prints progress on stderr and a markdown table on stdout
+//! (ratios to tonic in brackets); writes the numbers as JSON and the charts
+//! (latency CDF, goodput against size; SVG and PNG) to
+//! `target/bench-results/`. `benches/README.md` explains every row.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use rdma_rpc_benches::contenders::{self, Client, Contender};
+use rdma_rpc_benches::floors;
+use rdma_rpc_benches::plot::{self, Chart, Series};
+use rdma_rpc_benches::stats::{gbps, histogram, record};
+use serde::Serialize;
+
+/// How much each workload does.
+#[derive(Debug, Clone, Serialize)]
+struct Settings {
+    mode: &'static str,
+    latency_calls: u64,
+    warmup_calls: u64,
+    throughput_seconds: f64,
+    in_flight: Vec<usize>,
+    /// (payload bytes, echoes)
+    large: Vec<(usize, u32)>,
+    overhead_calls: u64,
+    floor_rounds: usize,
+}
+
+impl Settings {
+    fn quick() -> Settings {
+        Settings {
+            mode: "quick",
+            latency_calls: 3_000,
+            warmup_calls: 300,
+            throughput_seconds: 0.6,
+            in_flight: vec![1, 16, 128],
+            large: vec![(1 << 20, 6), (16 << 20, 2), (64 << 20, 1)],
+            overhead_calls: 5_000,
+            floor_rounds: 2_000,
+        }
+    }
+
+    fn full() -> Settings {
+        Settings {
+            mode: "full",
+            latency_calls: 20_000,
+            warmup_calls: 2_000,
+            throughput_seconds: 3.0,
+            in_flight: vec![1, 16, 128],
+            large: vec![(1 << 20, 40), (16 << 20, 10), (64 << 20, 4)],
+            overhead_calls: 50_000,
+            floor_rounds: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Latency {
+    p50_us: f64,
+    p99_us: f64,
+    p999_us: f64,
+    /// (µs, fraction of calls at or below)
+    cdf: Vec<(f64, f64)>,
+}
+
+impl Latency {
+    fn from(h: &Histogram<u64>) -> Latency {
+        let us = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+        let mut cdf = Vec::new();
+        let mut q = 0.0;
+        while q < 0.9995 {
+            cdf.push((us(q).max(0.001), q));
+            q += if q < 0.9 { 0.01 } else { 0.001 };
+        }
+        Latency {
+            p50_us: us(0.5),
+            p99_us: us(0.99),
+            p999_us: us(0.999),
+            cdf,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Measured {
+    contender: Contender,
+    label: &'static str,
+    latency_64b: Latency,
+    /// (calls in flight, calls/s)
+    throughput_64b: Vec<(usize, f64)>,
+    /// (payload bytes, GB/s counting both directions)
+    goodput: Vec<(usize, f64)>,
+    /// CPU µs per empty call over the framework's in-memory transport.
+    cpu_per_call_us: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Floors {
+    tcp_pingpong_p50_us: f64,
+    tcp_pingpong_p99_us: f64,
+    eventfd_pingpong_p50_us: f64,
+    spin_pingpong_p50_us: f64,
+    memcpy_gbps: f64,
+    process_vm_readv_gbps: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Report {
+    settings: Settings,
+    rdma_provider: String,
+    contenders: Vec<Measured>,
+    floors: Floors,
+}
+
+struct ServerProcess(Child);
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_server(contender: Contender) -> (ServerProcess, String) {
+    let mut child = Command::new(std::env::current_exe().expect("own path"))
+        .args(["--serve", contender.key()])
+        .env("RDMA_POLL", contender.poll_mode())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("server process");
+    let stdout = child.stdout.take().expect("stdout");
+    let child = ServerProcess(child);
+    for line in BufReader::new(stdout).lines() {
+        let line = line.expect("server output");
+        if let Some(addr) = line.strip_prefix("LISTENING ") {
+            return (child, addr.to_owned());
+        }
+    }
+    panic!("{} server exited early", contender.label());
+}
+
+fn register_rdma(poll: &str) {
+    let mut config = rpc_transport_rdma::RdmaConfig::from_env().expect("RDMA settings");
+    config.poll_mode = rpc_transport_rdma::PollMode::parse(poll).expect("poll mode");
+    rpc_transport_rdma::register_with(config).expect("register rdma://");
+}
+
+async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measured {
+    let mut client = Client::connect(contender, addr).await;
+    let small = [7u8; 64];
+    for _ in 0..settings.warmup_calls {
+        client.say(&small).await;
+    }
+    eprintln!("  64 B latency, {} calls", settings.latency_calls);
+    let mut h = histogram();
+    for _ in 0..settings.latency_calls {
+        let started = Instant::now();
+        client.say(&small).await;
+        record(&mut h, started.elapsed());
+    }
+    let latency_64b = Latency::from(&h);
+
+    let mut throughput_64b = Vec::new();
+    for &in_flight in &settings.in_flight {
+        eprintln!(
+            "  64 B throughput, {in_flight} in flight, {} s",
+            settings.throughput_seconds
+        );
+        let deadline = Instant::now() + Duration::from_secs_f64(settings.throughput_seconds);
+        let started = Instant::now();
+        let mut workers = tokio::task::JoinSet::new();
+        for _ in 0..in_flight {
+            let mut client = client.clone();
+            workers.spawn(async move {
+                let mut done = 0u64;
+                while Instant::now() < deadline {
+                    client.say(&[7u8; 64]).await;
+                    done += 1;
+                }
+                done
+            });
+        }
+        let mut total = 0;
+        while let Some(done) = workers.join_next().await {
+            total += done.expect("worker");
+        }
+        throughput_64b.push((in_flight, total as f64 / started.elapsed().as_secs_f64()));
+    }
+
+    let mut goodput = Vec::new();
+    for &(size, rounds) in &settings.large {
+        eprintln!("  {} MiB echo × {rounds}", size >> 20);
+        let payload = vec![0x5au8; size];
+        assert_eq!(client.say(&payload).await, size, "warm-up echo");
+        let started = Instant::now();
+        for _ in 0..rounds {
+            assert_eq!(client.say(&payload).await, size);
+        }
+        let moved = 2 * size as u64 * u64::from(rounds);
+        goodput.push((size, gbps(moved, started.elapsed())));
+    }
+    Measured {
+        contender,
+        label: contender.label(),
+        latency_64b,
+        throughput_64b,
+        goodput,
+        cpu_per_call_us: None,
+    }
+}
+
+/// CPU per empty call with client and server on one thread, over the
+/// framework's in-memory transport.
+fn cpu_per_call(contender: Contender, calls: u64) -> Option<f64> {
+    contenders::runtime().block_on(async {
+        let mut client = contenders::in_memory(contender).await?;
+        for _ in 0..calls / 10 {
+            client.say(&[]).await;
+        }
+        let started = floors::process_cpu_time();
+        for _ in 0..calls {
+            client.say(&[]).await;
+        }
+        let spent = floors::process_cpu_time() - started;
+        Some(spent.as_secs_f64() * 1e6 / calls as f64)
+    })
+}
+
+fn ratio(value: f64, tonic: f64) -> String {
+    if tonic > 0.0 {
+        format!(" ({:.2}×)", value / tonic)
+    } else {
+        String::new()
+    }
+}
+
+fn print_table(report: &Report) {
+    let columns = &report.contenders;
+    let tonic = columns
+        .iter()
+        .find(|m| m.contender == Contender::Tonic)
+        .expect("tonic measured");
+    let header: Vec<&str> = columns.iter().map(|m| m.label).collect();
+    println!(
+        "rdma-rpc against tonic and tarpc ({} mode; RDMA provider: {}). Two processes, one connection, \
+         current-thread runtimes, loopback. Ratios to tonic in brackets.\n",
+        report.settings.mode, report.rdma_provider
+    );
+    println!("| workload | {} |", header.join(" | "));
+    println!("|---|{}", "---|".repeat(columns.len()));
+    let row = |name: &str, value: &dyn Fn(&Measured) -> Option<f64>, digits: usize| {
+        let base = value(tonic).unwrap_or(0.0);
+        let cells: Vec<String> = columns
+            .iter()
+            .map(|m| match value(m) {
+                Some(v) => format!("{v:.digits$}{}", ratio(v, base)),
+                None => "—".to_owned(),
+            })
+            .collect();
+        println!("| {name} | {} |", cells.join(" | "));
+    };
+    row("64 B echo p50 (µs)", &|m| Some(m.latency_64b.p50_us), 1);
+    row("64 B echo p99 (µs)", &|m| Some(m.latency_64b.p99_us), 1);
+    row("64 B echo p99.9 (µs)", &|m| Some(m.latency_64b.p999_us), 1);
+    for (index, &in_flight) in report.settings.in_flight.iter().enumerate() {
+        row(
+            &format!("64 B calls/s, {in_flight} in flight"),
+            &|m| Some(m.throughput_64b[index].1),
+            0,
+        );
+    }
+    for (index, &(size, _)) in report.settings.large.iter().enumerate() {
+        row(
+            &format!("{} MiB echo goodput (GB/s, both ways)", size >> 20),
+            &|m| Some(m.goodput[index].1),
+            2,
+        );
+    }
+    row(
+        "CPU per empty call, in-memory transport (µs)",
+        &|m| m.cpu_per_call_us,
+        2,
+    );
+    let f = &report.floors;
+    println!("\nFloors (two processes, same machine, same run):\n");
+    println!("| floor | value |");
+    println!("|---|---|");
+    println!(
+        "| TCP loopback 64 B ping-pong p50 / p99 (µs) | {:.1} / {:.1} |",
+        f.tcp_pingpong_p50_us, f.tcp_pingpong_p99_us
+    );
+    println!(
+        "| shared memory + eventfd 64 B ping-pong p50 (µs) | {:.1} |",
+        f.eventfd_pingpong_p50_us
+    );
+    println!(
+        "| shared memory busy-poll ping-pong p50 (µs) | {:.2} |",
+        f.spin_pingpong_p50_us
+    );
+    println!(
+        "| memcpy 64 MiB, one thread (GB/s) | {:.2} |",
+        f.memcpy_gbps
+    );
+    println!(
+        "| process_vm_readv 64 MiB (GB/s) | {:.2} |",
+        f.process_vm_readv_gbps
+    );
+}
+
+fn print_goals(report: &Report) {
+    let get = |c: Contender| {
+        report
+            .contenders
+            .iter()
+            .find(|m| m.contender == c)
+            .expect("measured")
+    };
+    let (rdma, busy, tcp, tonic, tarpc) = (
+        get(Contender::RdmaAdaptive),
+        get(Contender::RdmaBusy),
+        get(Contender::RpcTcp),
+        get(Contender::Tonic),
+        get(Contender::Tarpc),
+    );
+    let at_128 = |m: &Measured| {
+        m.throughput_64b
+            .iter()
+            .find(|(n, _)| *n == 128)
+            .map_or(0.0, |(_, r)| *r)
+    };
+    let largest = |m: &Measured| m.goodput.last().map_or(0.0, |(_, g)| *g);
+    let verdict = |ok: bool| if ok { "met" } else { "missed" };
+    println!("\nGoals:\n");
+    println!("| goal | measured | |");
+    println!("|---|---|---|");
+    let p = rdma.latency_64b.p50_us / tonic.latency_64b.p50_us;
+    println!(
+        "| rdma 64 B p50, default mode ≤ 0.1× tonic | {p:.3}× | {} |",
+        verdict(p <= 0.1)
+    );
+    println!(
+        "| rdma 64 B p50, busy-poll ≤ 10 µs | {:.1} µs | {} |",
+        busy.latency_64b.p50_us,
+        verdict(busy.latency_64b.p50_us <= 10.0)
+    );
+    let best_rdma_rate = at_128(rdma).max(at_128(busy));
+    println!(
+        "| rdma calls/s at 128 in flight ≥ 5× tonic | {:.2}× | {} |",
+        best_rdma_rate / at_128(tonic),
+        verdict(best_rdma_rate >= 5.0 * at_128(tonic))
+    );
+    println!(
+        "| rdma calls/s at 128 in flight ≥ 1.5× tarpc | {:.2}× | {} |",
+        best_rdma_rate / at_128(tarpc),
+        verdict(best_rdma_rate >= 1.5 * at_128(tarpc))
+    );
+    let share = largest(rdma).max(largest(busy)) / report.floors.memcpy_gbps;
+    println!(
+        "| rdma 64 MiB echo goodput ≥ 50% of memcpy | {:.0}% | {} |",
+        share * 100.0,
+        verdict(share >= 0.5)
+    );
+    println!(
+        "| tcp:// p50 ≤ tarpc p50 | {:.1} vs {:.1} µs | {} |",
+        tcp.latency_64b.p50_us,
+        tarpc.latency_64b.p50_us,
+        verdict(tcp.latency_64b.p50_us <= tarpc.latency_64b.p50_us)
+    );
+    if let (Some(ours), Some(theirs)) = (tcp.cpu_per_call_us, tonic.cpu_per_call_us) {
+        println!(
+            "| in-memory CPU per call ≤ 1/3 of tonic's | {:.2}× | {} |",
+            ours / theirs,
+            verdict(ours * 3.0 <= theirs)
+        );
+    }
+}
+
+fn write_outputs(report: &Report) -> Vec<String> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
+    std::fs::create_dir_all(&dir).expect("target/bench-results");
+    let mut written = Vec::new();
+    let json = dir.join(format!("compare-{}.json", report.settings.mode));
+    std::fs::write(
+        &json,
+        serde_json::to_string_pretty(report).expect("serialise"),
+    )
+    .expect("write JSON");
+    written.push(json.display().to_string());
+
+    let png = match plot::load_font() {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!("PNG charts skipped (no font): {why}; SVG charts are written");
+            false
+        }
+    };
+    let latency = Chart {
+        title: "64-byte echo latency, one call in flight".into(),
+        x_label: "latency (µs, log scale)".into(),
+        y_label: "fraction of calls at or below".into(),
+        series: report
+            .contenders
+            .iter()
+            .map(|m| Series {
+                name: m.label.to_owned(),
+                points: m.latency_64b.cdf.clone(),
+            })
+            .collect(),
+    };
+    let goodput = Chart {
+        title: "Echo goodput against payload size".into(),
+        x_label: "payload (MiB, log scale)".into(),
+        y_label: "GB/s (both directions)".into(),
+        series: report
+            .contenders
+            .iter()
+            .map(|m| Series {
+                name: m.label.to_owned(),
+                points: m
+                    .goodput
+                    .iter()
+                    .map(|(size, g)| (*size as f64 / (1 << 20) as f64, *g))
+                    .collect(),
+            })
+            .collect(),
+    };
+    for (chart, stem) in [(latency, "latency-cdf"), (goodput, "goodput")] {
+        match plot::write(&chart, &dir.join(stem), png) {
+            Ok(files) => written.extend(files),
+            Err(error) => eprintln!("chart {stem} failed: {error}"),
+        }
+    }
+    written
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(floors::CHILD_FLAG) {
+        return floors::run_child(&args[1..]);
+    }
+    let mut settings = Settings::quick();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        match arg.as_str() {
+            "--serve" => {
+                let key = iter.next().expect("--serve CONTENDER");
+                let contender = Contender::from_key(key).expect("known contender");
+                return contenders::serve(contender);
+            }
+            "--quick" => settings = Settings::quick(),
+            "--full" => settings = Settings::full(),
+            other => panic!("unknown argument {other}; use --quick or --full"),
+        }
+    }
+    let started = Instant::now();
+    let rdma_provider = rpc_transport_rdma::device::select(
+        &rpc_transport_rdma::RdmaConfig::from_env().expect("RDMA settings"),
+    )
+    .map(|(provider, device)| format!("{} ({device})", provider.name()))
+    .unwrap_or_else(|error| format!("unavailable: {error}"));
+
+    let mut measured = Vec::new();
+    for contender in Contender::ALL {
+        eprintln!(
+            "[{:>5.1}s] {}",
+            started.elapsed().as_secs_f64(),
+            contender.label()
+        );
+        let (server, addr) = spawn_server(contender);
+        register_rdma(contender.poll_mode());
+        let result = contenders::runtime().block_on(measure(contender, &addr, &settings));
+        drop(server);
+        measured.push(result);
+    }
+    eprintln!(
+        "[{:>5.1}s] CPU per call over in-memory transports",
+        started.elapsed().as_secs_f64()
+    );
+    for m in &mut measured {
+        m.cpu_per_call_us = match m.contender {
+            Contender::RdmaAdaptive | Contender::RdmaBusy => None,
+            other => cpu_per_call(other, settings.overhead_calls),
+        };
+    }
+    eprintln!("[{:>5.1}s] floors", started.elapsed().as_secs_f64());
+    let rounds = settings.floor_rounds;
+    let tcp = floors::tcp_ping_pong(rounds);
+    let eventfd = floors::eventfd_ping_pong(rounds);
+    let spin = floors::spin_ping_pong(rounds * 10);
+    let us = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    let floors = Floors {
+        tcp_pingpong_p50_us: us(&tcp, 0.5),
+        tcp_pingpong_p99_us: us(&tcp, 0.99),
+        eventfd_pingpong_p50_us: us(&eventfd, 0.5),
+        spin_pingpong_p50_us: us(&spin, 0.5),
+        memcpy_gbps: floors::memcpy_gbps(),
+        process_vm_readv_gbps: floors::process_vm_readv_gbps(),
+    };
+    let report = Report {
+        settings,
+        rdma_provider,
+        contenders: measured,
+        floors,
+    };
+    print_table(&report);
+    print_goals(&report);
+    let written = write_outputs(&report);
+    println!("\nWritten: {}", written.join(", "));
+    eprintln!("[{:>5.1}s] done", started.elapsed().as_secs_f64());
+}

@@ -1,0 +1,394 @@
+//! The frameworks the comparison runs, each as a server (in its own process)
+//! and a client, all serving the same echo service: `proto/echo.proto` for
+//! rdma-rpc and tonic, an equivalent serde service for tarpc.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use rdma_rpc_examples::EchoService;
+use rdma_rpc_examples::echo as rpc_echo;
+use rpc_core::Server;
+
+/// tonic's code for `proto/echo.proto` (from build.rs).
+pub mod tonic_echo {
+    #![allow(missing_docs, unreachable_pub, clippy::all)]
+    tonic::include_proto!("echo.v1");
+}
+
+/// tarpc's version of the echo service.
+pub mod tarpc_echo {
+    /// Echo: returns the message and payload it was given.
+    #[tarpc::service]
+    pub trait Echo {
+        /// Returns `(message, payload)` unchanged.
+        async fn say(
+            message: String,
+            payload: serde_bytes::ByteBuf,
+        ) -> (String, serde_bytes::ByteBuf);
+    }
+}
+
+/// The largest message any contender is configured to accept.
+pub const MAX_MESSAGE: usize = 80 << 20;
+
+/// Who is measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum Contender {
+    /// rdma-rpc over `rdma://` (soft provider unless `RDMA_PROVIDER` says otherwise), default polling.
+    RdmaAdaptive,
+    /// rdma-rpc over `rdma://` in busy-poll mode.
+    RdmaBusy,
+    /// rdma-rpc over `tcp://`.
+    RpcTcp,
+    /// tonic: gRPC over HTTP/2 on loopback TCP.
+    Tonic,
+    /// tarpc over TCP with its bincode transport.
+    Tarpc,
+}
+
+impl Contender {
+    /// Every contender, in table order.
+    pub const ALL: [Contender; 5] = [
+        Contender::RdmaAdaptive,
+        Contender::RdmaBusy,
+        Contender::RpcTcp,
+        Contender::Tonic,
+        Contender::Tarpc,
+    ];
+
+    /// Column title.
+    pub fn label(self) -> &'static str {
+        match self {
+            Contender::RdmaAdaptive => "rdma-rpc rdma:// (default)",
+            Contender::RdmaBusy => "rdma-rpc rdma:// (busy-poll)",
+            Contender::RpcTcp => "rdma-rpc tcp://",
+            Contender::Tonic => "tonic",
+            Contender::Tarpc => "tarpc",
+        }
+    }
+
+    /// The name used on the command line of a server process.
+    pub fn key(self) -> &'static str {
+        match self {
+            Contender::RdmaAdaptive => "rdma",
+            Contender::RdmaBusy => "rdma-busy",
+            Contender::RpcTcp => "tcp",
+            Contender::Tonic => "tonic",
+            Contender::Tarpc => "tarpc",
+        }
+    }
+
+    /// The contender named `key`.
+    pub fn from_key(key: &str) -> Option<Contender> {
+        Contender::ALL.into_iter().find(|c| c.key() == key)
+    }
+
+    /// `RDMA_POLL` for both processes of this contender.
+    pub fn poll_mode(self) -> &'static str {
+        match self {
+            Contender::RdmaBusy => "busy",
+            _ => "adaptive",
+        }
+    }
+}
+
+/// A current-thread runtime: what every process of the comparison runs.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Serves `contender` on a free loopback port; prints `LISTENING <addr>` and runs forever.
+pub fn serve(contender: Contender) {
+    rpc_transport_rdma::register().expect("RDMA settings");
+    runtime().block_on(async move {
+        match contender {
+            Contender::RdmaAdaptive | Contender::RdmaBusy | Contender::RpcTcp => {
+                let scheme = if contender == Contender::RpcTcp {
+                    "tcp"
+                } else {
+                    "rdma"
+                };
+                let listening = Server::builder()
+                    .max_frame_len(MAX_MESSAGE)
+                    .add_service(rpc_echo::echo_server::EchoServer::new(EchoService))
+                    .listen(format!("{scheme}://127.0.0.1:0").as_str())
+                    .await
+                    .expect("bind");
+                announce(listening.local_endpoint().authority());
+                listening.serve().await.expect("serve");
+            }
+            Contender::Tonic => {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
+                announce(&listener.local_addr().expect("addr").to_string());
+                let incoming = tokio_stream_of(listener);
+                tonic::transport::Server::builder()
+                    .add_service(
+                        tonic_echo::echo_server::EchoServer::new(TonicEcho)
+                            .max_decoding_message_size(MAX_MESSAGE)
+                            .max_encoding_message_size(MAX_MESSAGE),
+                    )
+                    .serve_with_incoming(incoming)
+                    .await
+                    .expect("serve");
+            }
+            Contender::Tarpc => {
+                let mut listener = tarpc::serde_transport::tcp::listen(
+                    "127.0.0.1:0",
+                    tarpc::tokio_serde::formats::Bincode::default,
+                )
+                .await
+                .expect("bind");
+                listener.config_mut().max_frame_length(MAX_MESSAGE);
+                announce(&listener.local_addr().to_string());
+                serve_tarpc(listener.filter_map(|r| async { r.ok() })).await;
+            }
+        }
+    });
+}
+
+fn announce(addr: &str) {
+    println!("LISTENING {addr}");
+}
+
+/// Accepted TCP connections (with TCP_NODELAY) as the stream tonic serves.
+fn tokio_stream_of(
+    listener: tokio::net::TcpListener,
+) -> impl futures_util::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    futures_util::stream::unfold(listener, |listener| async move {
+        let accepted = listener.accept().await.map(|(stream, _)| {
+            let _ = stream.set_nodelay(true);
+            stream
+        });
+        Some((accepted, listener))
+    })
+}
+
+/// Serves tarpc on every transport `transports` yields.
+pub async fn serve_tarpc<T>(transports: impl futures_util::Stream<Item = T>)
+where
+    T: tarpc::Transport<
+            tarpc::Response<tarpc_echo::EchoResponse>,
+            tarpc::ClientMessage<tarpc_echo::EchoRequest>,
+        > + Send
+        + 'static,
+{
+    use tarpc::server::Channel as _;
+    use tarpc_echo::Echo as _;
+    transports
+        .for_each(|transport| async move {
+            let channel = tarpc::server::BaseChannel::with_defaults(transport);
+            tokio::spawn(
+                channel
+                    .execute(TarpcEcho.serve())
+                    .for_each(|response| async move {
+                        tokio::spawn(response);
+                    }),
+            );
+        })
+        .await;
+}
+
+/// tonic's echo service.
+#[derive(Debug, Clone, Copy)]
+pub struct TonicEcho;
+
+#[tonic::async_trait]
+impl tonic_echo::echo_server::Echo for TonicEcho {
+    async fn say(
+        &self,
+        request: tonic::Request<tonic_echo::EchoRequest>,
+    ) -> Result<tonic::Response<tonic_echo::EchoReply>, tonic::Status> {
+        let tonic_echo::EchoRequest { message, payload } = request.into_inner();
+        Ok(tonic::Response::new(tonic_echo::EchoReply {
+            message,
+            payload,
+        }))
+    }
+}
+
+/// tarpc's echo service.
+#[derive(Debug, Clone, Copy)]
+pub struct TarpcEcho;
+
+impl tarpc_echo::Echo for TarpcEcho {
+    async fn say(
+        self,
+        _: tarpc::context::Context,
+        message: String,
+        payload: serde_bytes::ByteBuf,
+    ) -> (String, serde_bytes::ByteBuf) {
+        (message, payload)
+    }
+}
+
+/// A connected client of any contender.
+#[derive(Clone)]
+pub enum Client {
+    /// rdma-rpc (any transport).
+    Rpc(rpc_echo::echo_client::EchoClient<rpc_core::Channel>),
+    /// tonic.
+    Tonic(tonic_echo::echo_client::EchoClient<tonic::transport::Channel>),
+    /// tarpc.
+    Tarpc(tarpc_echo::EchoClient),
+}
+
+/// A deadline far enough for a 64 MiB echo on a slow machine.
+const CALL_DEADLINE: Duration = Duration::from_secs(120);
+
+impl Client {
+    /// Connects to `contender`'s server at `addr`.
+    pub async fn connect(contender: Contender, addr: &str) -> Client {
+        match contender {
+            Contender::RdmaAdaptive | Contender::RdmaBusy | Contender::RpcTcp => {
+                let scheme = if contender == Contender::RpcTcp {
+                    "tcp"
+                } else {
+                    "rdma"
+                };
+                let channel = rpc_core::Channel::builder(
+                    format!("{scheme}://{addr}").parse().expect("endpoint"),
+                )
+                .max_frame_len(MAX_MESSAGE)
+                .connect()
+                .await
+                .expect("connect");
+                Client::Rpc(rpc_echo::echo_client::EchoClient::new(channel))
+            }
+            Contender::Tonic => {
+                let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                    .expect("endpoint")
+                    .tcp_nodelay(true)
+                    .connect()
+                    .await
+                    .expect("connect");
+                Client::Tonic(
+                    tonic_echo::echo_client::EchoClient::new(channel)
+                        .max_decoding_message_size(MAX_MESSAGE)
+                        .max_encoding_message_size(MAX_MESSAGE),
+                )
+            }
+            Contender::Tarpc => {
+                let addr: SocketAddr = addr.parse().expect("address");
+                let mut connect = tarpc::serde_transport::tcp::connect(
+                    addr,
+                    tarpc::tokio_serde::formats::Bincode::default,
+                );
+                connect.config_mut().max_frame_length(MAX_MESSAGE);
+                let transport = connect.await.expect("connect");
+                Client::tarpc(transport)
+            }
+        }
+    }
+
+    /// A tarpc client over any transport (TCP, or in-memory channels).
+    pub fn tarpc<T>(transport: T) -> Client
+    where
+        T: tarpc::Transport<
+                tarpc::ClientMessage<tarpc_echo::EchoRequest>,
+                tarpc::Response<tarpc_echo::EchoResponse>,
+            > + Send
+            + 'static,
+    {
+        Client::Tarpc(
+            tarpc_echo::EchoClient::new(tarpc::client::Config::default(), transport).spawn(),
+        )
+    }
+
+    /// One echo of `payload`; returns the length of the payload that came back.
+    pub async fn say(&mut self, payload: &[u8]) -> usize {
+        match self {
+            Client::Rpc(client) => client
+                .say(rpc_echo::EchoRequest {
+                    message: String::new(),
+                    payload: payload.to_vec(),
+                })
+                .await
+                .expect("rdma-rpc call")
+                .into_inner()
+                .payload
+                .len(),
+            Client::Tonic(client) => client
+                .say(tonic_echo::EchoRequest {
+                    message: String::new(),
+                    payload: payload.to_vec(),
+                })
+                .await
+                .expect("tonic call")
+                .into_inner()
+                .payload
+                .len(),
+            Client::Tarpc(client) => {
+                let mut context = tarpc::context::current();
+                context.deadline = std::time::Instant::now() + CALL_DEADLINE;
+                client
+                    .say(
+                        context,
+                        String::new(),
+                        serde_bytes::ByteBuf::from(payload.to_vec()),
+                    )
+                    .await
+                    .expect("tarpc call")
+                    .1
+                    .len()
+            }
+        }
+    }
+}
+
+/// Runs server and client of `contender` over its framework's in-memory
+/// transport on the current runtime and returns the client (rdma-rpc:
+/// `mem://`; tonic: HTTP/2 over `tokio::io::duplex`; tarpc: its channel
+/// transport). `RdmaBusy` is not an in-memory contender.
+pub async fn in_memory(contender: Contender) -> Option<Client> {
+    match contender {
+        Contender::RdmaAdaptive | Contender::RdmaBusy => None,
+        Contender::RpcTcp => {
+            let name = format!("mem://overhead-{}", std::process::id());
+            let listening = Server::builder()
+                .add_service(rpc_echo::echo_server::EchoServer::new(EchoService))
+                .listen(name.as_str())
+                .await
+                .expect("bind mem://");
+            let endpoint = listening.local_endpoint();
+            tokio::spawn(listening.serve());
+            let channel = rpc_core::Channel::connect(endpoint).await.expect("connect");
+            Some(Client::Rpc(rpc_echo::echo_client::EchoClient::new(channel)))
+        }
+        Contender::Tonic => {
+            let (client_io, server_io) = tokio::io::duplex(1 << 20);
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(tonic_echo::echo_server::EchoServer::new(TonicEcho))
+                    .serve_with_incoming(futures_util::stream::iter([Ok::<_, std::io::Error>(
+                        server_io,
+                    )])),
+            );
+            let mut client_io = Some(client_io);
+            let channel = tonic::transport::Endpoint::from_static("http://in-memory")
+                .connect_with_connector(tower::service_fn(move |_| {
+                    let io = client_io.take();
+                    async move {
+                        io.map(hyper_util::rt::TokioIo::new).ok_or_else(|| {
+                            std::io::Error::other("the in-memory connection is single-use")
+                        })
+                    }
+                }))
+                .await
+                .expect("connect in memory");
+            Some(Client::Tonic(tonic_echo::echo_client::EchoClient::new(
+                channel,
+            )))
+        }
+        Contender::Tarpc => {
+            let (client_side, server_side) = tarpc::transport::channel::unbounded();
+            tokio::spawn(serve_tarpc(futures_util::stream::iter([server_side])));
+            Some(Client::tarpc(client_side))
+        }
+    }
+}
