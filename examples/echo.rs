@@ -37,7 +37,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let reply = client
         .say(EchoRequest {
             message: "hello, rdma-rpc".into(),
-            payload: vec![],
+            payload: Default::default(),
         })
         .await?;
     println!(
@@ -48,7 +48,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut request = Request::new(EchoRequest {
         message: "with metadata".into(),
-        payload: vec![],
+        payload: Default::default(),
     });
     request.metadata_mut().insert("x-request-id", "42")?;
     let reply = client.say(request).await?;
@@ -57,7 +57,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         reply.get_ref().message
     );
 
-    let payload: Vec<u8> = (0..(4 << 20)).map(|i: u32| (i % 251) as u8).collect();
+    let payload: bytes::Bytes = (0..(4 << 20)).map(|i: u32| (i % 251) as u8).collect();
     let started = Instant::now();
     let reply = client
         .say(EchoRequest {
@@ -82,7 +82,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         client
             .say(EchoRequest {
                 message: format!("#{i}"),
-                payload: vec![],
+                payload: Default::default(),
             })
             .await?;
     }
@@ -93,7 +93,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut request = Request::new(EchoRequest {
         message: "too late".into(),
-        payload: vec![],
+        payload: Default::default(),
     });
     request.set_timeout(Duration::from_nanos(1));
     match client.say(request).await {

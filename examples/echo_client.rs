@@ -25,7 +25,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let reply = client
         .say(EchoRequest {
             message: "hello".into(),
-            payload: vec![],
+            payload: Default::default(),
         })
         .await?;
     println!(
@@ -38,7 +38,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         client
             .say(EchoRequest {
                 message: format!("{i}"),
-                payload: vec![0; 64],
+                payload: vec![0; 64].into(),
             })
             .await?;
         latencies.push(started.elapsed());

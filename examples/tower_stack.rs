@@ -168,7 +168,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for i in 0..12 {
         let request = PutRequest {
             key: format!("key-{i:02}"),
-            value: vec![i as u8; 1024],
+            value: vec![i as u8; 1024].into(),
             expected_version: None,
         };
         match client.clone().put(request).await {

@@ -301,12 +301,14 @@ impl Client {
     }
 
     /// One echo of `payload`; returns the length of the payload that came back.
-    pub async fn say(&mut self, payload: &[u8]) -> usize {
+    /// rdma-rpc and tonic take the `Bytes` as it is (their `bytes` fields are
+    /// `Bytes`); tarpc's serde message needs its own buffer.
+    pub async fn say(&mut self, payload: &bytes::Bytes) -> usize {
         match self {
             Client::Rpc(client) => client
                 .say(rpc_echo::EchoRequest {
                     message: String::new(),
-                    payload: payload.to_vec(),
+                    payload: payload.clone(),
                 })
                 .await
                 .expect("rdma-rpc call")
@@ -316,7 +318,7 @@ impl Client {
             Client::Tonic(client) => client
                 .say(tonic_echo::EchoRequest {
                     message: String::new(),
-                    payload: payload.to_vec(),
+                    payload: payload.clone(),
                 })
                 .await
                 .expect("tonic call")

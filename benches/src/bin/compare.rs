@@ -158,7 +158,7 @@ fn register_rdma(poll: &str) {
 
 async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measured {
     let mut client = Client::connect(contender, addr).await;
-    let small = [7u8; 64];
+    let small = bytes::Bytes::from_static(&[7u8; 64]);
     for _ in 0..settings.warmup_calls {
         client.say(&small).await;
     }
@@ -184,8 +184,9 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
             let mut client = client.clone();
             workers.spawn(async move {
                 let mut done = 0u64;
+                let small = bytes::Bytes::from_static(&[7u8; 64]);
                 while Instant::now() < deadline {
-                    client.say(&[7u8; 64]).await;
+                    client.say(&small).await;
                     done += 1;
                 }
                 done
@@ -201,7 +202,7 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
     let mut goodput = Vec::new();
     for &(size, rounds) in &settings.large {
         eprintln!("  {} MiB echo × {rounds}", size >> 20);
-        let payload = vec![0x5au8; size];
+        let payload = bytes::Bytes::from(vec![0x5au8; size]);
         assert_eq!(client.say(&payload).await, size, "warm-up echo");
         let started = Instant::now();
         for _ in 0..rounds {
@@ -225,12 +226,13 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
 fn cpu_per_call(contender: Contender, calls: u64) -> Option<f64> {
     contenders::runtime().block_on(async {
         let mut client = contenders::in_memory(contender).await?;
+        let empty = bytes::Bytes::new();
         for _ in 0..calls / 10 {
-            client.say(&[]).await;
+            client.say(&empty).await;
         }
         let started = floors::process_cpu_time();
         for _ in 0..calls {
-            client.say(&[]).await;
+            client.say(&empty).await;
         }
         let spent = floors::process_cpu_time() - started;
         Some(spent.as_secs_f64() * 1e6 / calls as f64)
@@ -250,7 +252,7 @@ fn print_table(report: &Report) {
     let tonic = columns
         .iter()
         .find(|m| m.contender == Contender::Tonic)
-        .expect("tonic measured");
+        .unwrap_or(&columns[0]);
     let header: Vec<&str> = columns.iter().map(|m| m.label).collect();
     println!(
         "rdma-rpc against tonic and tarpc ({} mode; RDMA provider: {}). Two processes, one connection, \
@@ -319,6 +321,10 @@ fn print_table(report: &Report) {
 }
 
 fn print_goals(report: &Report) {
+    if report.contenders.len() < Contender::ALL.len() {
+        println!("\n(Goals need every contender; run without --only.)");
+        return;
+    }
     let get = |c: Contender| {
         report
             .contenders
@@ -450,6 +456,7 @@ fn main() {
         return floors::run_child(&args[1..]);
     }
     let mut settings = Settings::quick();
+    let mut only: Option<Vec<Contender>> = None;
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
         match arg.as_str() {
@@ -460,7 +467,19 @@ fn main() {
             }
             "--quick" => settings = Settings::quick(),
             "--full" => settings = Settings::full(),
-            other => panic!("unknown argument {other}; use --quick or --full"),
+            "--only" => {
+                let keys = iter.next().expect("--only rdma,tonic,...");
+                only = Some(
+                    keys.split(',')
+                        .map(|key| {
+                            Contender::from_key(key).expect("rdma, rdma-busy, tcp, tonic or tarpc")
+                        })
+                        .collect(),
+                );
+            }
+            other => {
+                panic!("unknown argument {other}; use --quick or --full [--only rdma,tonic,...]")
+            }
         }
     }
     let started = Instant::now();
@@ -471,7 +490,8 @@ fn main() {
     .unwrap_or_else(|error| format!("unavailable: {error}"));
 
     let mut measured = Vec::new();
-    for contender in Contender::ALL {
+    let chosen = only.unwrap_or_else(|| Contender::ALL.to_vec());
+    for contender in chosen {
         eprintln!(
             "[{:>5.1}s] {}",
             started.elapsed().as_secs_f64(),
