@@ -39,8 +39,8 @@ use crate::device::Device;
 use crate::pool::{LargePool, PooledBuffer, SlotPool};
 use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, ProtocolError, Route};
 use crate::verbs::{
-    AccessFlags, AsyncCompletionChannel, CompletionQueue, ExposedBuffer, QueuePair, RecvWr, SendOp,
-    SendWr, WcOpcode, WcStatus, WorkCompletion,
+    AccessFlags, AsyncCompletionChannel, CmConnection, CompletionQueue, ExposedBuffer, QueuePair,
+    RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 const TAG_SHIFT: u32 = 62;
@@ -89,6 +89,8 @@ pub(crate) struct Driver {
     // Drop order matters: the QP goes first so that nothing is posted against
     // memory that is about to be freed.
     qp: Arc<dyn QueuePair>,
+    /// The rdma_cm connection of the QP, when it was connected through one.
+    _cm: Option<CmConnection>,
     cq: Arc<dyn CompletionQueue>,
     channel: AsyncCompletionChannel,
     recv: SlotPool,
@@ -134,6 +136,7 @@ impl Driver {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         endpoint: Endpoint,
+        cm: Option<CmConnection>,
         device: Arc<Device>,
         protocol: Protocol,
         config: &RdmaConfig,
@@ -153,6 +156,7 @@ impl Driver {
         Driver {
             free_send_slots: (0..send.count() as u32).rev().collect(),
             qp,
+            _cm: cm,
             cq,
             channel,
             recv,

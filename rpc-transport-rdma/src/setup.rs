@@ -153,6 +153,30 @@ pub async fn establish_checked<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    let direct = |peer: Hello| async move {
+        qp.to_rtr(&peer.address, options)?;
+        qp.to_rts()?;
+        Ok(peer)
+    };
+    establish_with(stream, qp, provider, payload, check, direct).await
+}
+
+/// The general form: exchanges hellos, runs `check` on the peer's, lets
+/// `connect` bring the QP to RTS (directly from the peer's address, or
+/// through a connection manager), then exchanges the readiness byte.
+pub async fn establish_with<S, T, F, Fut>(
+    stream: &mut S,
+    qp: &Arc<dyn QueuePair>,
+    provider: &str,
+    payload: &[u8],
+    check: impl FnOnce(&Hello) -> Result<(), SetupError>,
+    connect: F,
+) -> Result<T, SetupError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    F: FnOnce(Hello) -> Fut,
+    Fut: std::future::Future<Output = Result<T, SetupError>>,
+{
     if qp.state() == QpState::Reset {
         qp.to_init()?;
     }
@@ -171,17 +195,24 @@ where
         });
     }
     check(&peer)?;
-    qp.to_rtr(&peer.address, options)?;
-    qp.to_rts()?;
+    let connected = connect(peer).await?;
     stream.write_all(&[READY]).await?;
     stream.flush().await?;
-    let ready = stream.read_u8().await?;
+    let ready = match stream.read_u8().await {
+        Ok(ready) => ready,
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(SetupError::Protocol(
+                "the peer closed the set-up connection before it was ready (it refused this side's hello or could not connect its queue pair: see its log)".into(),
+            ));
+        }
+        Err(error) => return Err(error.into()),
+    };
     if ready != READY {
         return Err(SetupError::Protocol(
             "peer did not confirm readiness".into(),
         ));
     }
-    Ok(peer)
+    Ok(connected)
 }
 
 /// A connected queue pair with its set-up stream (kept open as a liveness signal).

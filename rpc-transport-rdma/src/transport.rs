@@ -7,6 +7,7 @@
 //! [`Driver`] task runs the connection; the application gets a frame sink and
 //! a frame stream, like any rpc-core transport.
 
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -30,7 +31,10 @@ use crate::driver::{Driver, Endpoint as QpEndpoint, InboundShared};
 use crate::pool::SlotPool;
 use crate::protocol::{GEOMETRY_LEN, Geometry, PROTOCOL_VERSION, Protocol};
 use crate::setup::{self, Hello, SetupError};
-use crate::verbs::{AccessFlags, AsyncCompletionChannel, QpCaps, QpInit, RecvWr, VerbsError};
+use crate::verbs::{
+    AccessFlags, AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions, QpCaps, QpInit,
+    QueuePair, RecvWr, VerbsError,
+};
 
 /// How long the set-up exchange may take before the attempt is abandoned.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -71,7 +75,15 @@ impl Transport for RdmaTransport {
             let attempt = async {
                 let socket = TcpStream::connect(&authority).await?;
                 socket.set_nodelay(true)?;
-                establish(socket, &device, &rdma, max_frame_len, authority.clone()).await
+                establish(
+                    socket,
+                    &device,
+                    &rdma,
+                    max_frame_len,
+                    authority.clone(),
+                    Role::Connect,
+                )
+                .await
             };
             tokio::time::timeout(SETUP_TIMEOUT, attempt)
                 .await
@@ -104,9 +116,34 @@ impl Transport for RdmaTransport {
                     endpoint: authority.clone(),
                     reason: "not host:port",
                 })?;
+            // rdma_cm listens beside TCP (on its own port, announced in the
+            // hello) for peers whose device connects only through it (iWARP).
+            let cm = match device.context.connection_manager() {
+                Some(manager) => {
+                    let addr = SocketAddr::new(listener.local_addr()?.ip(), 0);
+                    match tokio::task::spawn_blocking(move || manager.listen(addr)).await {
+                        Ok(Ok(cm)) => Some(cm),
+                        Ok(Err(error)) if device.context.requires_connection_manager() => {
+                            return Err(other(error));
+                        }
+                        Ok(Err(error)) => {
+                            tracing::debug!(%error, "no rdma_cm listener; direct connections only");
+                            None
+                        }
+                        Err(error) => return Err(other(error)),
+                    }
+                }
+                None => None,
+            };
             let (accepted, incoming) = mpsc::channel(16);
-            let accept_loop =
-                tokio::spawn(accept_loop(listener, device, rdma, max_frame_len, accepted));
+            let accept_loop = tokio::spawn(accept_loop(
+                listener,
+                cm,
+                device,
+                rdma,
+                max_frame_len,
+                accepted,
+            ));
             Ok(Box::new(RdmaListener {
                 incoming,
                 local,
@@ -118,6 +155,7 @@ impl Transport for RdmaTransport {
 
 async fn accept_loop(
     listener: TcpListener,
+    cm: Option<Arc<dyn CmListener>>,
     device: Arc<Device>,
     config: Arc<RdmaConfig>,
     max_frame_len: usize,
@@ -139,9 +177,21 @@ async fn accept_loop(
         let device = device.clone();
         let config = config.clone();
         let accepted = accepted.clone();
+        let cm = cm.clone();
         tokio::spawn(async move {
             let _ = socket.set_nodelay(true);
-            let attempt = establish(socket, &device, &config, max_frame_len, peer.to_string());
+            let role = Role::Accept {
+                cm: cm.clone(),
+                token: new_token(),
+            };
+            let attempt = establish(
+                socket,
+                &device,
+                &config,
+                max_frame_len,
+                peer.to_string(),
+                role,
+            );
             let result = match tokio::time::timeout(SETUP_TIMEOUT, attempt).await {
                 Ok(result) => result,
                 Err(_) => Err(TransportError::Io(std::io::Error::new(
@@ -185,37 +235,68 @@ impl Listener for RdmaListener {
 }
 
 /// What this transport adds to the set-up hello.
-fn hello_payload(geometry: &Geometry, host: &str) -> Vec<u8> {
-    let mut payload = vec![PROTOCOL_VERSION];
-    payload.extend_from_slice(&geometry.encode());
-    payload.push(host.len() as u8);
-    payload.extend_from_slice(host.as_bytes());
-    payload
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TransportHello {
+    geometry: Geometry,
+    /// The host (kernel boot id): soft only connects processes of one host.
+    host: String,
+    /// This side's device connects only through rdma_cm (iWARP).
+    requires_cm: bool,
+    /// The accepting side's rdma_cm port (0: none).
+    cm_port: u16,
+    /// The accepting side's token for this connection's rdma_cm request.
+    cm_token: u64,
 }
 
-fn parse_hello_payload(payload: &[u8]) -> Result<(Geometry, String), SetupError> {
-    let bad = |what: &str| SetupError::Protocol(what.to_owned());
-    let version = *payload.first().ok_or_else(|| bad("empty RDMA hello"))?;
-    if version != PROTOCOL_VERSION {
-        return Err(SetupError::Protocol(format!(
-            "peer speaks RDMA protocol version {version}, this build speaks {PROTOCOL_VERSION}: upgrade the older side"
-        )));
+impl TransportHello {
+    fn encode(&self) -> Vec<u8> {
+        let mut payload = vec![PROTOCOL_VERSION];
+        payload.extend_from_slice(&self.geometry.encode());
+        payload.push(u8::from(self.requires_cm));
+        payload.extend_from_slice(&self.cm_port.to_le_bytes());
+        payload.extend_from_slice(&self.cm_token.to_le_bytes());
+        payload.push(self.host.len() as u8);
+        payload.extend_from_slice(self.host.as_bytes());
+        payload
     }
-    let geometry = payload
-        .get(1..1 + GEOMETRY_LEN)
-        .ok_or_else(|| bad("RDMA hello truncated"))?;
-    let geometry = Geometry::decode(geometry)
-        .map_err(|error| SetupError::Protocol(format!("peer's pools: {error}")))?;
-    let host_len = *payload
-        .get(1 + GEOMETRY_LEN)
-        .ok_or_else(|| bad("RDMA hello truncated"))? as usize;
-    let host = payload
-        .get(2 + GEOMETRY_LEN..2 + GEOMETRY_LEN + host_len)
-        .ok_or_else(|| bad("RDMA hello truncated"))?;
-    if payload.len() != 2 + GEOMETRY_LEN + host_len {
-        return Err(bad("trailing bytes in RDMA hello"));
+
+    fn decode(payload: &[u8]) -> Result<TransportHello, SetupError> {
+        let bad = |what: &str| SetupError::Protocol(what.to_owned());
+        let version = *payload.first().ok_or_else(|| bad("empty RDMA hello"))?;
+        if version != PROTOCOL_VERSION {
+            return Err(SetupError::Protocol(format!(
+                "peer speaks RDMA protocol version {version}, this build speaks {PROTOCOL_VERSION}: upgrade the older side"
+            )));
+        }
+        const FIXED: usize = 1 + GEOMETRY_LEN + 1 + 2 + 8 + 1;
+        if payload.len() < FIXED {
+            return Err(bad("RDMA hello truncated"));
+        }
+        let geometry = Geometry::decode(&payload[1..1 + GEOMETRY_LEN])
+            .map_err(|error| SetupError::Protocol(format!("peer's pools: {error}")))?;
+        let at = 1 + GEOMETRY_LEN;
+        let requires_cm = match payload[at] {
+            0 => false,
+            1 => true,
+            _ => return Err(bad("RDMA hello: bad rdma_cm flag")),
+        };
+        let cm_port = u16::from_le_bytes(payload[at + 1..at + 3].try_into().expect("2"));
+        let cm_token = u64::from_le_bytes(payload[at + 3..at + 11].try_into().expect("8"));
+        let host_len = payload[at + 11] as usize;
+        let host = payload
+            .get(FIXED..FIXED + host_len)
+            .ok_or_else(|| bad("RDMA hello truncated"))?;
+        if payload.len() != FIXED + host_len {
+            return Err(bad("trailing bytes in RDMA hello"));
+        }
+        Ok(TransportHello {
+            geometry,
+            host: String::from_utf8_lossy(host).into_owned(),
+            requires_cm,
+            cm_port,
+            cm_token,
+        })
     }
-    Ok((geometry, String::from_utf8_lossy(host).into_owned()))
 }
 
 /// This host's identity as the soft provider sees it: the kernel's boot id.
@@ -226,9 +307,9 @@ fn host_identity() -> String {
 }
 
 /// Checks the peer's hello against ours, before the QP is connected.
-fn check_peer(hello: &Hello, provider: &str, host: &str) -> Result<Geometry, SetupError> {
-    let (geometry, peer_host) = parse_hello_payload(&hello.payload)?;
-    if provider == "soft" && peer_host != host {
+fn check_peer(hello: &Hello, provider: &str, host: &str) -> Result<TransportHello, SetupError> {
+    let peer = TransportHello::decode(&hello.payload)?;
+    if provider == "soft" && peer.host != host {
         return Err(SetupError::Protocol(
             "the soft RDMA provider connects processes of one host only, and the peer runs on \
              another host: use RDMA_PROVIDER=ibverbs with an RDMA device on both hosts, or a \
@@ -236,7 +317,81 @@ fn check_peer(hello: &Hello, provider: &str, host: &str) -> Result<Geometry, Set
                 .into(),
         ));
     }
-    Ok(geometry)
+    Ok(peer)
+}
+
+/// A token no other pending connection of this process has.
+fn new_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    hasher.write_u32(std::process::id());
+    hasher.finish() | 1
+}
+
+/// Which side of the set-up exchange this is.
+enum Role {
+    /// We dialled the TCP connection.
+    Connect,
+    /// We accepted it; `cm` is the listener's rdma_cm endpoint, if the device
+    /// has one, and `token` names this connection's request to it.
+    Accept {
+        cm: Option<Arc<dyn CmListener>>,
+        token: u64,
+    },
+}
+
+/// How long rdma_cm may take to connect a QP (slow under emulation).
+const CM_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Brings the QP to RTS: from the peer's address, or through rdma_cm when
+/// either side's device needs it (iWARP). Returns the rdma_cm connection to
+/// keep, if any.
+async fn connect_queue_pair(
+    device: &Arc<Device>,
+    qp: &Arc<dyn QueuePair>,
+    options: &ConnectOptions,
+    role: Role,
+    peer: Hello,
+    peer_ip: std::net::IpAddr,
+) -> Result<Option<CmConnection>, SetupError> {
+    let peer_transport = TransportHello::decode(&peer.payload)?;
+    let local_requires = device.context.requires_connection_manager();
+    if !local_requires && !peer_transport.requires_cm {
+        qp.to_rtr(&peer.address, options)?;
+        qp.to_rts()?;
+        return Ok(None);
+    }
+    let no_cm = || {
+        SetupError::Protocol(
+            "one side's RDMA device (iWARP) connects only through rdma_cm, which the other side does not offer: use the ibverbs provider on both sides".into(),
+        )
+    };
+    let qp = qp.clone();
+    let options = *options;
+    let connection = match role {
+        Role::Accept { cm, token } => {
+            let listener = cm.ok_or_else(no_cm)?;
+            tokio::task::spawn_blocking(move || listener.accept(&qp, token, &options, CM_TIMEOUT))
+                .await
+        }
+        Role::Connect => {
+            if peer_transport.cm_port == 0 {
+                return Err(no_cm());
+            }
+            let manager = device.context.connection_manager().ok_or_else(no_cm)?;
+            let addr = std::net::SocketAddr::new(peer_ip, peer_transport.cm_port);
+            let token = peer_transport.cm_token;
+            tokio::task::spawn_blocking(move || {
+                manager.connect(&qp, addr, token, &options, CM_TIMEOUT)
+            })
+            .await
+        }
+    };
+    let connection = connection
+        .map_err(|error| SetupError::Protocol(format!("rdma_cm task failed: {error}")))??;
+    Ok(Some(connection))
 }
 
 /// Builds a QP with its CQ, channel and pools; receives are posted at once.
@@ -296,6 +451,7 @@ async fn establish(
     config: &RdmaConfig,
     max_frame_len: usize,
     peer: String,
+    role: Role,
 ) -> Result<Connection, TransportError> {
     let endpoint = prepare(device, config).map_err(other)?;
     let local = Geometry {
@@ -305,18 +461,33 @@ async fn establish(
         max_frame_len: max_frame_len as u64,
     };
     let host = host_identity();
-    let payload = hello_payload(&local, &host);
+    let requires_cm = device.context.requires_connection_manager();
+    let (cm_port, cm_token) = match &role {
+        Role::Accept {
+            cm: Some(listener),
+            token,
+        } => (listener.local_addr().port(), *token),
+        _ => (0, 0),
+    };
+    let hello = TransportHello {
+        geometry: local,
+        host: host.clone(),
+        requires_cm,
+        cm_port,
+        cm_token,
+    };
+    let peer_ip = socket.peer_addr()?.ip();
     let mut peer_geometry = None;
-    setup::establish_checked(
+    let cm = setup::establish_with(
         &mut socket,
         &endpoint.qp,
         device.provider,
-        &config.connect,
-        &payload,
+        &hello.encode(),
         |hello| {
-            peer_geometry = Some(check_peer(hello, device.provider, &host)?);
+            peer_geometry = Some(check_peer(hello, device.provider, &host)?.geometry);
             Ok(())
         },
+        |peer| connect_queue_pair(device, &endpoint.qp, &config.connect, role, peer, peer_ip),
     )
     .await
     .map_err(other)?;
@@ -328,6 +499,7 @@ async fn establish(
     let shared = Arc::new(InboundShared::default());
     let driver = Driver::new(
         endpoint,
+        cm,
         device.clone(),
         protocol,
         config,
@@ -382,18 +554,25 @@ mod tests {
             eager_threshold: 8192,
             max_frame_len: 1 << 26,
         };
-        let payload = hello_payload(&geometry, "boot-a");
-        assert_eq!(
-            parse_hello_payload(&payload).unwrap(),
-            (geometry, "boot-a".to_owned())
-        );
+        let ours = TransportHello {
+            geometry,
+            host: "boot-a".into(),
+            requires_cm: true,
+            cm_port: 4791,
+            cm_token: 0x1234_5678_9abc_def1,
+        };
+        let payload = ours.encode();
+        assert_eq!(TransportHello::decode(&payload).unwrap(), ours);
         let mut newer = payload.clone();
         newer[0] = PROTOCOL_VERSION + 1;
-        let error = parse_hello_payload(&newer).unwrap_err().to_string();
+        let error = TransportHello::decode(&newer).unwrap_err().to_string();
         assert!(error.contains("upgrade the older side"), "{error}");
         for cut in 0..payload.len() {
-            assert!(parse_hello_payload(&payload[..cut]).is_err());
+            assert!(TransportHello::decode(&payload[..cut]).is_err());
         }
+        let mut longer = payload.clone();
+        longer.push(0);
+        assert!(TransportHello::decode(&longer).is_err());
         let hello = Hello {
             provider: "soft".into(),
             address: crate::verbs::QpAddress {

@@ -590,6 +590,62 @@ pub trait Context: Send + Sync {
         capacity: u32,
         channel: Option<&Arc<dyn CompletionChannel>>,
     ) -> Result<Arc<dyn CompletionQueue>, VerbsError>;
+
+    /// The connection manager (rdma_cm) of this device, if the provider has one.
+    fn connection_manager(&self) -> Option<Arc<dyn ConnectionManager>> {
+        None
+    }
+
+    /// True when QPs of this device connect only through the connection
+    /// manager (iWARP): the out-of-band address exchange cannot connect them.
+    fn requires_connection_manager(&self) -> bool {
+        false
+    }
+}
+
+/// Connects queue pairs by IP address and port (rdma_cm): how RoCE users
+/// address peers, and the only way iWARP QPs connect. Blocking calls; async
+/// code runs them on a blocking thread.
+pub trait ConnectionManager: Send + Sync {
+    /// Listens on `addr` (port 0 picks one).
+    fn listen(&self, addr: std::net::SocketAddr) -> Result<Arc<dyn CmListener>, VerbsError>;
+
+    /// Connects `qp` (in INIT) to the listener at `addr`, sending `token` as
+    /// private data, and waits until the connection is established (QP in RTS).
+    fn connect(
+        &self,
+        qp: &Arc<dyn QueuePair>,
+        addr: std::net::SocketAddr,
+        token: u64,
+        options: &ConnectOptions,
+        timeout: Duration,
+    ) -> Result<CmConnection, VerbsError>;
+}
+
+/// A listening connection-manager endpoint.
+pub trait CmListener: Send + Sync {
+    /// Where it listens (the real port).
+    fn local_addr(&self) -> std::net::SocketAddr;
+
+    /// Waits for the connection request that carries `token`, accepts it
+    /// with `qp` (in INIT), and waits until it is established (QP in RTS).
+    fn accept(
+        &self,
+        qp: &Arc<dyn QueuePair>,
+        token: u64,
+        options: &ConnectOptions,
+        timeout: Duration,
+    ) -> Result<CmConnection, VerbsError>;
+}
+
+/// An established connection-manager connection; dropping it disconnects.
+/// Keep it as long as the QP is used.
+pub struct CmConnection(pub Box<dyn std::any::Any + Send + Sync>);
+
+impl fmt::Debug for CmConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("CmConnection")
+    }
 }
 
 /// A protection domain: memory regions and queue pairs that may work together.
@@ -691,6 +747,9 @@ pub trait QueuePair: Send + Sync {
     fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>>;
     /// Posts receives, in order. On failure the failing request and all after it come back.
     fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
+
+    /// Lets a provider recognise its own QPs (e.g. its connection manager).
+    fn as_any(&self) -> &dyn std::any::Any;
 
     /// RESET → INIT → RTR → RTS in one call.
     fn connect(&self, remote: &QpAddress, options: &ConnectOptions) -> Result<(), VerbsError> {

@@ -10,7 +10,7 @@ pub(crate) struct RdmaBed;
 impl crate::suite::Bed for RdmaBed {
     fn listen_endpoint(&self) -> String {
         ensure_registered();
-        "rdma://127.0.0.1:0".into()
+        format!("rdma://{}:0", test_addr())
     }
 
     fn available(&self) -> Result<(), String> {
@@ -36,6 +36,12 @@ macro_rules! require_device {
         }
     };
 }
+/// The address servers listen on: `RDMA_TEST_ADDR` (an address of the RDMA
+/// device's netdev, needed where connections go through rdma_cm), else loopback.
+pub(crate) fn test_addr() -> String {
+    std::env::var("RDMA_TEST_ADDR").unwrap_or_else(|_| "127.0.0.1".into())
+}
+
 /// The configuration every test connection uses: the environment's provider
 /// (soft unless `RDMA_PROVIDER` says otherwise) and no RNR retries.
 pub(crate) fn strict_config() -> RdmaConfig {

@@ -172,7 +172,7 @@ impl crate::suite::Bed for EventBed {
             config.poll_mode = rpc_transport_rdma::PollMode::Event;
             register_scheme("rdmaevent", config);
         });
-        "rdmaevent://127.0.0.1:0".into()
+        format!("rdmaevent://{}:0", crate::common::test_addr())
     }
 }
 

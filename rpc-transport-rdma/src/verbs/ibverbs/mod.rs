@@ -24,11 +24,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdma_mummy_sys as sys;
 
+mod cm;
+
 use super::{
-    AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, Context, DeviceCaps,
-    DeviceInfo, MemoryRegion, PostError, ProtectionDomain, Provider, QpAddress, QpCaps, QpInit,
-    QpState, QueuePair, RecvWr, SendOp, SendWr, SharedReceiveQueue, VerbsError, WcOpcode, WcStatus,
-    WorkCompletion,
+    AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, ConnectionManager, Context,
+    DeviceCaps, DeviceInfo, MemoryRegion, PostError, ProtectionDomain, Provider, QpAddress, QpCaps,
+    QpInit, QpState, QueuePair, RecvWr, SendOp, SendWr, SharedReceiveQueue, VerbsError, WcOpcode,
+    WcStatus, WorkCompletion,
 };
 
 /// The port every QP uses.
@@ -287,6 +289,17 @@ fn mtu_enum(bytes: u32) -> u32 {
 impl Context for IbvContext {
     fn device_name(&self) -> &str {
         &self.name
+    }
+
+    fn connection_manager(&self) -> Option<Arc<dyn ConnectionManager>> {
+        Some(Arc::new(cm::IbvConnectionManager {
+            device: self.name.clone(),
+            iwarp: self.iwarp,
+        }))
+    }
+
+    fn requires_connection_manager(&self) -> bool {
+        self.iwarp
     }
 
     fn caps(&self) -> DeviceCaps {
@@ -968,6 +981,10 @@ impl IbvQp {
 }
 
 impl QueuePair for IbvQp {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
     fn qp_num(&self) -> u32 {
         // SAFETY: live QP.
         unsafe { (*self.qp).qp_num }

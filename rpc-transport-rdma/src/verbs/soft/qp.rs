@@ -752,6 +752,10 @@ impl QpShared {
 }
 
 impl QueuePair for SoftQp {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn qp_num(&self) -> u32 {
         self.shared.qp_num
     }
