@@ -311,8 +311,16 @@ impl ConnectionManager for IbvConnectionManager {
         if rc != 0 {
             return Err(os_error("rdma_listen"));
         }
-        // SAFETY: bound id; the port comes back in network order.
-        let port = u16::from_be(unsafe { sys::rdma_get_src_port(id.id) });
+        // SAFETY: a bound id's route holds its source address (what the
+        // inline rdma_get_src_port reads; the dlopen layer does not export it).
+        let port = unsafe {
+            let src = &(*id.id).route.addr.src_addr_union;
+            if src.src_addr.sa_family == libc::AF_INET6 as u16 {
+                u16::from_be(src.src_sin6.sin6_port)
+            } else {
+                u16::from_be(src.src_sin.sin_port)
+            }
+        };
         let shared = Arc::new(Pending::default());
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
