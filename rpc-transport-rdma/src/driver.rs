@@ -197,10 +197,14 @@ impl Driver {
             End::Failed(mut reason) => {
                 let _ = self.qp.to_error();
                 if self.flushed {
-                    // Our QP broke because the peer's did: the peer is about to
-                    // say why on the set-up socket (or is gone, and EOF says so).
-                    if let Some(peer_reason) = self.await_peer_reason().await {
-                        reason = format!("peer closed the connection: {peer_reason}");
+                    // Our QP broke, maybe because the peer's did: the peer is
+                    // about to say why on the set-up socket (or is gone, and
+                    // EOF says so). If it says nothing, we say what we saw.
+                    match self.await_peer_reason().await {
+                        Some(peer_reason) => {
+                            reason = format!("peer closed the connection: {peer_reason}");
+                        }
+                        None => self.tell_peer(&reason),
                     }
                 } else {
                     self.tell_peer(&reason);
@@ -725,6 +729,9 @@ fn describe_failure(completion: &WorkCompletion, tag: u64) -> String {
         _ => "a work request",
     };
     let why = match (tag, completion.status) {
+        (TAG_READ, WcStatus::WrFlushErr) => {
+            "flushed: the queue pair went to ERROR under a rendezvous READ (iWARP devices report a remote access error - a bad rkey, range or length in the peer's announcement - this way; or the peer is gone)"
+        }
         (_, WcStatus::WrFlushErr) => "flushed: the queue pair is in error (peer gone?)",
         (TAG_READ, WcStatus::RemAccessErr) => {
             "remote access error: the peer announced a region it does not expose (bad rkey, range or length)"

@@ -913,9 +913,33 @@ fn child_process() {
     let mut info = region.addr().to_le_bytes().to_vec();
     info.extend_from_slice(&region.rkey().to_le_bytes());
     send_blob(&mut oob, &info);
-    let peer = QpAddress::from_bytes(&recv_blob(&mut oob)).unwrap();
-    side.qp.to_rtr(&peer, &ConnectOptions::default()).unwrap();
-    side.qp.to_rts().unwrap();
+    let peer = recv_blob(&mut oob);
+    // iWARP: the parent listens with rdma_cm and sends "CM" + port + token.
+    let _cm = match peer.strip_prefix(b"CM") {
+        Some(cm) => {
+            let port = u16::from_le_bytes(cm[..2].try_into().unwrap());
+            let token = u64::from_le_bytes(cm[2..10].try_into().unwrap());
+            let manager = device.context.connection_manager().unwrap();
+            let addr = std::net::SocketAddr::new(harness::cm_ip(), port);
+            Some(
+                manager
+                    .connect(
+                        &side.qp,
+                        addr,
+                        token,
+                        &ConnectOptions::default(),
+                        harness::CM_TIMEOUT,
+                    )
+                    .unwrap(),
+            )
+        }
+        None => {
+            let peer = QpAddress::from_bytes(&peer).unwrap();
+            side.qp.to_rtr(&peer, &ConnectOptions::default()).unwrap();
+            side.qp.to_rts().unwrap();
+            None
+        }
+    };
     send_blob(&mut oob, b"ready");
     // Echo: receive a message, send back the first 64 bytes of the region.
     let got = wait(&side.recv_cq, 1);
@@ -938,6 +962,7 @@ struct Child {
     address: QpAddress,
     region_addr: u64,
     region_rkey: u32,
+    _cm: Option<rpc_transport_rdma::verbs::CmConnection>,
 }
 
 impl Drop for Child {
@@ -975,11 +1000,34 @@ fn spawn_child(side: &Side) -> Child {
     let region_addr = u64::from_le_bytes(info[..8].try_into().unwrap());
     let region_rkey = u32::from_le_bytes(info[8..12].try_into().unwrap());
     side.qp.to_init().unwrap();
-    side.qp
-        .to_rtr(&address, &ConnectOptions::default())
-        .unwrap();
-    side.qp.to_rts().unwrap();
-    send_blob(&mut oob, &side.qp.local_address().to_bytes());
+    let cm = if side.requires_cm {
+        let manager = side.cm.clone().unwrap();
+        let listener = manager
+            .listen(std::net::SocketAddr::new(harness::cm_ip(), 0))
+            .unwrap();
+        let token = 0xc41d_0000_0000_0000 | u64::from(side.qp.qp_num());
+        let mut blob = b"CM".to_vec();
+        blob.extend_from_slice(&listener.local_addr().port().to_le_bytes());
+        blob.extend_from_slice(&token.to_le_bytes());
+        send_blob(&mut oob, &blob);
+        Some(
+            listener
+                .accept(
+                    &side.qp,
+                    token,
+                    &ConnectOptions::default(),
+                    harness::CM_TIMEOUT,
+                )
+                .unwrap(),
+        )
+    } else {
+        side.qp
+            .to_rtr(&address, &ConnectOptions::default())
+            .unwrap();
+        side.qp.to_rts().unwrap();
+        send_blob(&mut oob, &side.qp.local_address().to_bytes());
+        None
+    };
     assert_eq!(recv_blob(&mut oob), b"ready");
     Child {
         process,
@@ -987,6 +1035,7 @@ fn spawn_child(side: &Side) -> Child {
         address,
         region_addr,
         region_rkey,
+        _cm: cm,
     }
 }
 

@@ -112,6 +112,10 @@ pub struct Side {
     pub send_cq: Arc<dyn CompletionQueue>,
     pub recv_cq: Arc<dyn CompletionQueue>,
     pub channel: Arc<dyn CompletionChannel>,
+    /// The device connects QPs only through rdma_cm (iWARP).
+    pub requires_cm: bool,
+    /// The device's rdma_cm, if any.
+    pub cm: Option<Arc<dyn verbs::ConnectionManager>>,
 }
 
 pub struct SideOptions {
@@ -158,6 +162,8 @@ impl Side {
             send_cq,
             recv_cq,
             channel,
+            requires_cm: device.context.requires_connection_manager(),
+            cm: device.context.connection_manager(),
         }
     }
 
@@ -176,16 +182,55 @@ impl Side {
 pub struct Pair {
     pub a: Side,
     pub b: Side,
+    /// rdma_cm connections (iWARP devices), kept as long as the QPs.
+    pub _cm: Vec<verbs::CmConnection>,
 }
 
-pub fn connect(a: &Side, b: &Side, options: ConnectOptions) {
-    let (address_a, address_b) = (a.qp.local_address(), b.qp.local_address());
+/// The address rdma_cm listens on and connects to: `RDMA_TEST_ADDR` (an
+/// address of the device's netdev), else loopback.
+pub fn cm_ip() -> std::net::IpAddr {
+    std::env::var("RDMA_TEST_ADDR")
+        .ok()
+        .and_then(|addr| addr.parse().ok())
+        .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into())
+}
+
+/// How long an rdma_cm connect may take under emulation.
+pub const CM_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Connects `a` and `b`: from each other's addresses, or through rdma_cm
+/// when the device connects only that way (iWARP). Returns what to keep.
+pub fn connect(
+    device: &Device,
+    a: &Side,
+    b: &Side,
+    options: ConnectOptions,
+) -> Vec<verbs::CmConnection> {
     a.qp.to_init().expect("a init");
     b.qp.to_init().expect("b init");
+    if device.context.requires_connection_manager() {
+        let cm = device.context.connection_manager().expect("rdma_cm");
+        let listener = cm
+            .listen(std::net::SocketAddr::new(cm_ip(), 0))
+            .expect("rdma_cm listen");
+        let token = 0x5eed_0000_0000_0001 ^ u64::from(b.qp.qp_num());
+        let accepting = {
+            let listener = listener.clone();
+            let qp = b.qp.clone();
+            std::thread::spawn(move || listener.accept(&qp, token, &options, CM_TIMEOUT))
+        };
+        let active = cm
+            .connect(&a.qp, listener.local_addr(), token, &options, CM_TIMEOUT)
+            .expect("rdma_cm connect");
+        let passive = accepting.join().unwrap().expect("rdma_cm accept");
+        return vec![active, passive];
+    }
+    let (address_a, address_b) = (a.qp.local_address(), b.qp.local_address());
     a.qp.to_rtr(&address_b, &options).expect("a rtr");
     b.qp.to_rtr(&address_a, &options).expect("b rtr");
     a.qp.to_rts().expect("a rts");
     b.qp.to_rts().expect("b rts");
+    Vec::new()
 }
 
 impl Pair {
@@ -213,8 +258,8 @@ impl Pair {
         let pd_b = device.context.alloc_pd().expect("pd");
         let a = Side::new(device, &pd_a, a);
         let b = Side::new(device, &pd_b, b);
-        connect(&a, &b, options);
-        Pair { a, b }
+        let _cm = connect(device, &a, &b, options);
+        Pair { a, b, _cm }
     }
 }
 
