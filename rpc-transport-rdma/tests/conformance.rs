@@ -306,6 +306,13 @@ fn inline_sends_copy_at_post_time_and_ignore_the_lkey() {
         inline: true,
         ..wr(2, SendOp::Send, vec![big.sge(0, granted + 1)])
     };
+    if device.quirks.applies(
+        device.quirks.inline_limit_not_enforced,
+        "inline_sends_copy_at_post_time_and_ignore_the_lkey",
+        "an inline send over max_inline_data is accepted; not checked",
+    ) {
+        return;
+    }
     let error = tight.a.qp.post_send(vec![too_long.clone()]).unwrap_err();
     assert_eq!(error.rejected, vec![too_long], "the request comes back");
 }
@@ -403,6 +410,13 @@ fn cq_returns_completions_in_order_in_batches() {
 // ------------------------------------------------------------------ errors
 
 fn expect_qp_error_then_flush(device: &Device, side: &Side, buf: &Buffer) {
+    if device.quirks.applies(
+        device.quirks.qp_state_not_queryable,
+        "QP in ERROR",
+        "the QP state cannot be read back; not checked",
+    ) {
+        return;
+    }
     let deadline = Instant::now() + COMPLETION_TIMEOUT;
     while side.qp.state() != QpState::Error {
         assert!(Instant::now() < deadline, "QP did not reach ERROR");
@@ -454,11 +468,12 @@ fn bad_lkey_and_sge_outside_the_region_are_loc_prot_err() {
         };
         pair.a.post_send(request);
         let done = wait(&pair.a.send_cq, 1);
-        let expected = if device.quirks.applies(
-            device.quirks.local_protection_as_qp_op_err,
-            "bad_lkey_and_sge_outside_the_region_are_loc_prot_err",
-            "reported as LOC_QP_OP_ERR",
-        ) {
+        let expected = if case == "bad lkey"
+            && device.quirks.applies(
+                device.quirks.bad_lkey_as_qp_op_err,
+                "bad_lkey_and_sge_outside_the_region_are_loc_prot_err",
+                "a bad lkey is reported as LOC_QP_OP_ERR",
+            ) {
             WcStatus::LocQpOpErr
         } else {
             WcStatus::LocProtErr
@@ -496,7 +511,16 @@ fn receive_buffer_too_small_is_loc_len_err_and_rem_inv_req_err() {
         assert_eq!(wait(&pair.a.send_cq, 1)[0].status, WcStatus::Success);
         return;
     }
-    assert_eq!(wait(&pair.a.send_cq, 1)[0].status, WcStatus::RemInvReqErr);
+    let at_sender = if quirks.applies(
+        quirks.receive_too_small_sender_rem_op_err,
+        test,
+        "the sender reports REM_OP_ERR",
+    ) {
+        WcStatus::RemOpErr
+    } else {
+        WcStatus::RemInvReqErr
+    };
+    assert_eq!(wait(&pair.a.send_cq, 1)[0].status, at_sender);
     expect_qp_error_then_flush(&device, &pair.a, &src);
 }
 
@@ -570,7 +594,16 @@ fn remote_key_range_and_rights_are_checked_rem_access_err() {
         } else {
             WcStatus::RemAccessErr
         };
-        let done = wait(&pair.a.send_cq, 2);
+        let mut done = wait(&pair.a.send_cq, 2);
+        if quirks.applies(
+            quirks.refused_read_completes_after_later_send,
+            test,
+            "the SEND behind the refused READ completes first, with SUCCESS",
+        ) {
+            done.sort_by_key(|c| c.wr_id);
+            assert_eq!(done[0].status, expected, "{case}: {done:?}");
+            continue;
+        }
         assert_eq!(done[0].status, expected, "{case}: {done:?}");
         assert_eq!(
             (done[1].wr_id, done[1].status),
@@ -1271,7 +1304,22 @@ fn peer_killed_mid_transfer_errors_everything_within_a_second() {
     side.qp.post_send(reads).unwrap();
     child.process.kill().unwrap();
     let killed = Instant::now();
-    let done = wait(&side.send_cq, 256);
+    let mut done = wait(&side.send_cq, 256);
+    if done.iter().all(|c| c.status == WcStatus::Success) {
+        // The device finished the whole transfer before the kill landed: the
+        // next READ meets the dead peer instead.
+        side.qp
+            .post_send(vec![wr(
+                256,
+                SendOp::RdmaRead {
+                    remote_addr: child.region_addr,
+                    rkey: child.region_rkey,
+                },
+                vec![sink.sge(0, chunk)],
+            )])
+            .unwrap();
+        done.extend(wait(&side.send_cq, 1));
+    }
     let test = "peer_killed_mid_transfer_errors_everything_within_a_second";
     let quirks = &device.quirks;
     let recv_done = if quirks.applies(
@@ -1311,13 +1359,19 @@ fn peer_killed_mid_transfer_errors_everything_within_a_second() {
     assert!(failed[1..].iter().all(|c| c.status == WcStatus::WrFlushErr));
     assert_eq!(
         done.iter().map(|c| c.wr_id).collect::<Vec<_>>(),
-        (0..256).collect::<Vec<_>>(),
+        (0..done.len() as u64).collect::<Vec<_>>(),
         "in order"
     );
     if let Some(recv) = recv_done.first() {
         assert_eq!(recv.status, WcStatus::WrFlushErr);
     }
-    assert_eq!(side.qp.state(), QpState::Error);
+    if !quirks.applies(
+        quirks.qp_state_not_queryable,
+        test,
+        "the QP state cannot be read back; not checked",
+    ) {
+        assert_eq!(side.qp.state(), QpState::Error);
+    }
     eprintln!(
         "{succeeded} of 256 READs completed before the kill; all others errored within {elapsed:?}"
     );

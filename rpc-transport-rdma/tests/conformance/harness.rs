@@ -34,8 +34,16 @@ pub struct Device {
 pub struct Quirks {
     /// Which device family (for the message).
     pub family: &'static str,
-    /// A bad lkey or an SGE outside its region completes with LOC_QP_OP_ERR, not LOC_PROT_ERR (rxe, siw).
-    pub local_protection_as_qp_op_err: bool,
+    /// A bad lkey completes with LOC_QP_OP_ERR, not LOC_PROT_ERR (rxe, siw).
+    pub bad_lkey_as_qp_op_err: bool,
+    /// The QP's state cannot be read back: `ibv_query_qp` reports RESET, so an ERROR it entered by itself is not seen (siw).
+    pub qp_state_not_queryable: bool,
+    /// The sender of a message its receiver could not hold sees REM_OP_ERR, not REM_INV_REQ_ERR (rxe).
+    pub receive_too_small_sender_rem_op_err: bool,
+    /// An inline send longer than the QP's max_inline_data is accepted (siw).
+    pub inline_limit_not_enforced: bool,
+    /// A refused READ completes (WR_FLUSH_ERR) after a SEND posted behind it completes with SUCCESS (siw).
+    pub refused_read_completes_after_later_send: bool,
     /// A receive too small for the message completes with LOC_QP_OP_ERR, not LOC_LEN_ERR (rxe).
     pub receive_too_small_as_qp_op_err: bool,
     /// Work requests posted after the QP entered ERROR never complete (rxe, siw on 6.1).
@@ -67,7 +75,8 @@ impl Quirks {
         match (provider, device) {
             ("ibverbs", name) if name.starts_with("rxe") => Quirks {
                 family: "rxe, kernel 6.1",
-                local_protection_as_qp_op_err: true,
+                bad_lkey_as_qp_op_err: true,
+                receive_too_small_sender_rem_op_err: true,
                 receive_too_small_as_qp_op_err: true,
                 no_flush_after_error: true,
                 no_receive_flush_on_internal_error: true,
@@ -77,7 +86,10 @@ impl Quirks {
             },
             ("ibverbs", name) if name.starts_with("siw") => Quirks {
                 family: "siw, kernel 6.1",
-                local_protection_as_qp_op_err: true,
+                bad_lkey_as_qp_op_err: true,
+                qp_state_not_queryable: true,
+                inline_limit_not_enforced: true,
+                refused_read_completes_after_later_send: true,
                 no_flush_after_error: true,
                 no_remote_errors_at_initiator: true,
                 remote_access_as_flush: true,
