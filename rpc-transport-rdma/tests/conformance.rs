@@ -468,12 +468,14 @@ fn bad_lkey_and_sge_outside_the_region_are_loc_prot_err() {
         };
         pair.a.post_send(request);
         let done = wait(&pair.a.send_cq, 1);
-        let expected = if case == "bad lkey"
-            && device.quirks.applies(
-                device.quirks.bad_lkey_as_qp_op_err,
-                "bad_lkey_and_sge_outside_the_region_are_loc_prot_err",
-                "a bad lkey is reported as LOC_QP_OP_ERR",
-            ) {
+        let quirks = &device.quirks;
+        let test = "bad_lkey_and_sge_outside_the_region_are_loc_prot_err";
+        let expected = if quirks.applies(
+            quirks.local_protection_as_qp_op_err
+                || (case == "bad lkey" && quirks.bad_lkey_as_qp_op_err),
+            test,
+            &format!("{case}: reported as LOC_QP_OP_ERR"),
+        ) {
             WcStatus::LocQpOpErr
         } else {
             WcStatus::LocProtErr
@@ -594,16 +596,25 @@ fn remote_key_range_and_rights_are_checked_rem_access_err() {
         } else {
             WcStatus::RemAccessErr
         };
-        let mut done = wait(&pair.a.send_cq, 2);
         if quirks.applies(
             quirks.refused_read_completes_after_later_send,
             test,
-            "the SEND behind the refused READ completes first, with SUCCESS",
+            "the SEND behind the refused READ completes first (SUCCESS) or never; only the READ is checked",
         ) {
-            done.sort_by_key(|c| c.wr_id);
-            assert_eq!(done[0].status, expected, "{case}: {done:?}");
+            let deadline = Instant::now() + COMPLETION_TIMEOUT;
+            let mut batch = [harness::BLANK; 4];
+            let read = loop {
+                assert!(Instant::now() < deadline, "{case}: the READ never completed");
+                let n = pair.a.send_cq.poll(&mut batch).unwrap();
+                if let Some(read) = batch[..n].iter().find(|c| c.wr_id == 1) {
+                    break *read;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            };
+            assert_eq!(read.status, expected, "{case}: {read:?}");
             continue;
         }
+        let done = wait(&pair.a.send_cq, 2);
         assert_eq!(done[0].status, expected, "{case}: {done:?}");
         assert_eq!(
             (done[1].wr_id, done[1].status),
@@ -1346,16 +1357,22 @@ fn peer_killed_mid_transfer_errors_everything_within_a_second() {
         .count();
     let failed = &done[succeeded..];
     assert!(!failed.is_empty(), "the kill interrupted the transfer");
-    let first = if quirks.applies(
+    let first: &[WcStatus] = if quirks.applies(
         quirks.peer_death_as_flush,
         test,
         "the peer's death shows as WR_FLUSH_ERR",
     ) {
-        WcStatus::WrFlushErr
+        &[WcStatus::WrFlushErr]
+    } else if quirks.applies(
+        quirks.dead_peer_as_rem_access_err,
+        test,
+        "the peer's death may show as REM_ACCESS_ERR",
+    ) {
+        &[WcStatus::RemAccessErr, WcStatus::RetryExcErr]
     } else {
-        WcStatus::RetryExcErr
+        &[WcStatus::RetryExcErr]
     };
-    assert_eq!(failed[0].status, first, "{:?}", failed[0]);
+    assert!(first.contains(&failed[0].status), "{:?}", failed[0]);
     assert!(failed[1..].iter().all(|c| c.status == WcStatus::WrFlushErr));
     assert_eq!(
         done.iter().map(|c| c.wr_id).collect::<Vec<_>>(),

@@ -36,6 +36,10 @@ pub struct Quirks {
     pub family: &'static str,
     /// A bad lkey completes with LOC_QP_OP_ERR, not LOC_PROT_ERR (rxe, siw).
     pub bad_lkey_as_qp_op_err: bool,
+    /// Every local protection error (bad lkey, range, rights) completes with LOC_QP_OP_ERR (siw).
+    pub local_protection_as_qp_op_err: bool,
+    /// A READ to a dead peer's QP on the same host completes with REM_ACCESS_ERR at once (rxe answers for the destroyed QP).
+    pub dead_peer_as_rem_access_err: bool,
     /// The QP's state cannot be read back: `ibv_query_qp` reports RESET, so an ERROR it entered by itself is not seen (siw).
     pub qp_state_not_queryable: bool,
     /// The sender of a message its receiver could not hold sees REM_OP_ERR, not REM_INV_REQ_ERR (rxe).
@@ -77,6 +81,7 @@ impl Quirks {
                 family: "rxe, kernel 6.1",
                 bad_lkey_as_qp_op_err: true,
                 receive_too_small_sender_rem_op_err: true,
+                dead_peer_as_rem_access_err: true,
                 receive_too_small_as_qp_op_err: true,
                 no_flush_after_error: true,
                 no_receive_flush_on_internal_error: true,
@@ -87,6 +92,7 @@ impl Quirks {
             ("ibverbs", name) if name.starts_with("siw") => Quirks {
                 family: "siw, kernel 6.1",
                 bad_lkey_as_qp_op_err: true,
+                local_protection_as_qp_op_err: true,
                 qp_state_not_queryable: true,
                 inline_limit_not_enforced: true,
                 refused_read_completes_after_later_send: true,
