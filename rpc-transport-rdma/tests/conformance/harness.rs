@@ -36,8 +36,14 @@ pub struct Quirks {
     pub family: &'static str,
     /// A bad lkey completes with LOC_QP_OP_ERR, not LOC_PROT_ERR (rxe, siw).
     pub bad_lkey_as_qp_op_err: bool,
-    /// Every local protection error (bad lkey, range, rights) completes with LOC_QP_OP_ERR (siw).
+    /// A bad lkey or an SGE outside its region completes with LOC_QP_OP_ERR (siw).
     pub local_protection_as_qp_op_err: bool,
+    /// A READ from a region registered without REMOTE_READ succeeds (siw does not check the right).
+    pub remote_read_right_not_enforced: bool,
+    /// When the peer dies mid-transfer, one completion can come twice and another never (siw).
+    pub duplicate_completion_on_peer_death: bool,
+    /// A READ posted after the peer died may neither complete nor fail for many seconds (rxe under emulation).
+    pub dead_peer_read_may_hang: bool,
     /// A READ to a dead peer's QP on the same host completes with REM_ACCESS_ERR at once (rxe answers for the destroyed QP).
     pub dead_peer_as_rem_access_err: bool,
     /// The QP's state cannot be read back: `ibv_query_qp` reports RESET, so an ERROR it entered by itself is not seen (siw).
@@ -82,6 +88,7 @@ impl Quirks {
                 bad_lkey_as_qp_op_err: true,
                 receive_too_small_sender_rem_op_err: true,
                 dead_peer_as_rem_access_err: true,
+                dead_peer_read_may_hang: true,
                 receive_too_small_as_qp_op_err: true,
                 no_flush_after_error: true,
                 no_receive_flush_on_internal_error: true,
@@ -93,6 +100,8 @@ impl Quirks {
                 family: "siw, kernel 6.1",
                 bad_lkey_as_qp_op_err: true,
                 local_protection_as_qp_op_err: true,
+                remote_read_right_not_enforced: true,
+                duplicate_completion_on_peer_death: true,
                 qp_state_not_queryable: true,
                 inline_limit_not_enforced: true,
                 refused_read_completes_after_later_send: true,
