@@ -12,10 +12,13 @@ run() {
   cat /tmp/out
   passed=$(grep -a '^test result:' /tmp/out | sed 's/.* \([0-9]*\) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
   failures=$(grep -a '^test result:' /tmp/out | sed 's/.* \([0-9]*\) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
-  skipped=$(grep -a -c '^skipped: \|\.\.\. skipped: \|skipped: ' /tmp/out)
+  # A test that cannot run on this device prints "skipped: <why>" (missing
+  # capability) or "known deviation (...): ...; skipped".
+  skipped=$(grep -a -c -E 'skipped: |; skipped$' /tmp/out)
+  deviations=$(grep -a -c 'known deviation' /tmp/out)
   if [ "$rc" -ne 0 ] && [ "$failures" -eq 0 ]; then failures=1; fi
   [ "$rc" -ne 0 ] && failed=1
-  line="RESULT $dev $name: $passed passed, $failures failed, $skipped skipped"
+  line="RESULT $dev $name: $passed passed, $failures failed, $skipped skipped ($deviations known deviations checked)"
   echo "$line"
   summary="$summary
 $line"
