@@ -394,3 +394,35 @@ pub async fn in_memory(contender: Contender) -> Option<Client> {
         }
     }
 }
+
+/// A server process of this benchmark binary, killed on drop.
+#[derive(Debug)]
+pub struct ServerProcess(std::process::Child);
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts this binary again with `--serve <arg>` and `RDMA_POLL=<poll>`,
+/// and waits for its `LISTENING <address>` line.
+pub fn spawn_server(arg: &str, poll: &str) -> (ServerProcess, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(std::env::current_exe().expect("own path"))
+        .args(["--serve", arg])
+        .env("RDMA_POLL", poll)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("server process");
+    let stdout = child.stdout.take().expect("stdout");
+    let child = ServerProcess(child);
+    for line in BufReader::new(stdout).lines() {
+        let line = line.expect("server output");
+        if let Some(addr) = line.strip_prefix("LISTENING ") {
+            return (child, addr.to_owned());
+        }
+    }
+    panic!("server process {arg} exited early");
+}

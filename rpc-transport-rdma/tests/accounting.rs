@@ -6,20 +6,11 @@ mod suite;
 
 mod common;
 
-use bytes::Bytes;
 use rpc_core::Channel;
 use rpc_transport_rdma::verbs;
 
-use crate::common::RdmaBed;
-use crate::suite::{pattern, probe, start};
-
-async fn echo(channel: &Channel, payload: Bytes) -> Bytes {
-    channel
-        .unary(probe("Echo", payload))
-        .await
-        .expect("echo call")
-        .into_inner()
-}
+use crate::common::{RdmaBed, echo};
+use crate::suite::{pattern, start};
 
 /// Calls `total` echoes with `in_flight` outstanding at a time; sizes cycle
 /// from 1 byte to the eager threshold.

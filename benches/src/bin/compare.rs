@@ -11,9 +11,7 @@
 //! (latency CDF, goodput against size; SVG and PNG) to
 //! `target/bench-results/`. `benches/README.md` explains every row.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -121,33 +119,6 @@ struct Report {
     rdma_provider: String,
     contenders: Vec<Measured>,
     floors: Floors,
-}
-
-struct ServerProcess(Child);
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn_server(contender: Contender) -> (ServerProcess, String) {
-    let mut child = Command::new(std::env::current_exe().expect("own path"))
-        .args(["--serve", contender.key()])
-        .env("RDMA_POLL", contender.poll_mode())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("server process");
-    let stdout = child.stdout.take().expect("stdout");
-    let child = ServerProcess(child);
-    for line in BufReader::new(stdout).lines() {
-        let line = line.expect("server output");
-        if let Some(addr) = line.strip_prefix("LISTENING ") {
-            return (child, addr.to_owned());
-        }
-    }
-    panic!("{} server exited early", contender.label());
 }
 
 fn register_rdma(poll: &str) {
@@ -497,7 +468,7 @@ fn main() {
             started.elapsed().as_secs_f64(),
             contender.label()
         );
-        let (server, addr) = spawn_server(contender);
+        let (server, addr) = contenders::spawn_server(contender.key(), contender.poll_mode());
         register_rdma(contender.poll_mode());
         let result = contenders::runtime().block_on(measure(contender, &addr, &settings));
         drop(server);

@@ -17,13 +17,12 @@
 //! the same run, as absolute times drift on a shared machine.
 
 use std::future::Future;
-use std::io::{BufRead, BufReader};
 use std::pin::Pin;
-use std::process::{Child, Command, Stdio};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use rdma_rpc_benches::contenders::spawn_server;
 use rdma_rpc_benches::stats::{gbps, histogram, p50_p99, record};
 use rpc_core::server::NamedService;
 use rpc_core::{Channel, Request, Response, Server, Status};
@@ -72,33 +71,6 @@ fn serve(listen: &str) {
         println!("LISTENING {}", listening.local_endpoint());
         listening.serve().await.expect("serve");
     });
-}
-
-struct ServerProcess(Child);
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn_server(listen: &str, poll: &str) -> (ServerProcess, String) {
-    let mut child = Command::new(std::env::current_exe().expect("own path"))
-        .args(["--serve", listen])
-        .env("RDMA_POLL", poll)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("server process");
-    let stdout = child.stdout.take().expect("stdout");
-    let child = ServerProcess(child);
-    for line in BufReader::new(stdout).lines() {
-        let line = line.expect("server output");
-        if let Some(endpoint) = line.strip_prefix("LISTENING ") {
-            return (child, endpoint.to_owned());
-        }
-    }
-    panic!("server process exited early");
 }
 
 fn echo(payload: Bytes) -> Request<Bytes> {

@@ -67,3 +67,12 @@ pub(crate) fn register_scheme(scheme: &str, config: RdmaConfig) {
         Arc::new(RdmaTransport::new(config).expect("valid config")),
     );
 }
+
+/// One Echo call of the suite's probe service; the payload that came back.
+pub(crate) async fn echo(channel: &rpc_core::Channel, payload: bytes::Bytes) -> bytes::Bytes {
+    channel
+        .unary(crate::suite::probe("Echo", payload))
+        .await
+        .expect("echo call")
+        .into_inner()
+}

@@ -7,19 +7,11 @@ use bytes::Bytes;
 use rpc_core::{Channel, Code};
 use rpc_transport_rdma::config::Fault;
 
-use crate::common::{RdmaBed, ensure_registered, register_scheme, strict_config};
+use crate::common::{RdmaBed, echo, ensure_registered, register_scheme, strict_config};
 use crate::suite::{
     ChildServer, assert_all_unavailable_within_a_second, assert_echoes, pattern, probe,
     spawn_hanging_calls, start_with,
 };
-
-async fn echo(channel: &Channel, payload: Bytes) -> Bytes {
-    channel
-        .unary(probe("Echo", payload))
-        .await
-        .expect("echo call")
-        .into_inner()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rendezvous_payloads_of_1_64_and_256_mib_round_trip_byte_exact() {

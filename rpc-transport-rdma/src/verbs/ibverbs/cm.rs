@@ -283,6 +283,11 @@ pub(super) struct IbvConnectionManager {
     pub(super) iwarp: bool,
 }
 
+/// librdmacm's convention: 0, or -1 with errno set.
+fn check_rc(rc: i32, what: &str) -> Result<(), VerbsError> {
+    if rc == 0 { Ok(()) } else { Err(os_error(what)) }
+}
+
 fn check_device(id: &Id, device: &str) -> Result<(), VerbsError> {
     let routed = id.device_name();
     if routed != device {
@@ -366,9 +371,7 @@ impl ConnectionManager for IbvConnectionManager {
                 millis,
             )
         };
-        if rc != 0 {
-            return Err(os_error("rdma_resolve_addr"));
-        }
+        check_rc(rc, "rdma_resolve_addr")?;
         id.expect(
             sys::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED,
             deadline,
@@ -377,9 +380,7 @@ impl ConnectionManager for IbvConnectionManager {
         check_device(&id, &self.device)?;
         // SAFETY: live id with a resolved address.
         let rc = unsafe { sys::rdma_resolve_route(id.id, millis) };
-        if rc != 0 {
-            return Err(os_error("rdma_resolve_route"));
-        }
+        check_rc(rc, "rdma_resolve_route")?;
         id.expect(
             sys::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED,
             deadline,
