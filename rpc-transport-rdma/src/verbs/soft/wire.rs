@@ -281,6 +281,9 @@ impl<'a> Cursor<'a> {
 /// time-outs in the middle of a message.
 pub(crate) struct MessageReader {
     buf: Vec<u8>,
+    /// Where the next message starts in `buf` (consumed bytes are dropped in
+    /// bulk, not one message at a time).
+    start: usize,
 }
 
 /// What one read produced.
@@ -296,25 +299,31 @@ impl MessageReader {
     pub(crate) fn new() -> MessageReader {
         MessageReader {
             buf: Vec::with_capacity(4096),
+            start: 0,
         }
     }
 
     fn take_message(&mut self) -> io::Result<Option<Message>> {
-        if self.buf.len() < 4 {
+        let buf = &self.buf[self.start..];
+        if buf.len() < 4 {
             return Ok(None);
         }
-        let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4")) as usize;
+        let len = u32::from_le_bytes(buf[..4].try_into().expect("4")) as usize;
         if len > MAX_MESSAGE {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "soft-RDMA wire message too long",
             ));
         }
-        if self.buf.len() < 4 + len {
+        if buf.len() < 4 + len {
             return Ok(None);
         }
-        let message = Message::decode(&self.buf[4..4 + len])?;
-        self.buf.drain(..4 + len);
+        let message = Message::decode(&buf[4..4 + len])?;
+        self.start += 4 + len;
+        if self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        }
         Ok(Some(message))
     }
 
@@ -327,7 +336,13 @@ impl MessageReader {
             let mut chunk = [0u8; 8192];
             match stream.read(&mut chunk) {
                 Ok(0) => return Ok(ReadOutcome::Closed),
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Ok(n) => {
+                    if self.start > 0 {
+                        self.buf.drain(..self.start);
+                        self.start = 0;
+                    }
+                    self.buf.extend_from_slice(&chunk[..n]);
+                }
                 Err(error)
                     if matches!(
                         error.kind(),
