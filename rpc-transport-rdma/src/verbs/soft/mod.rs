@@ -24,11 +24,12 @@
 
 mod memory;
 mod qp;
+mod ring;
 mod wire;
 
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
@@ -161,9 +162,14 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
         };
         let Ok(mut stream) = stream else { continue };
         let mut handshake = [0u8; HANDSHAKE_LEN];
-        if stream.read_exact(&mut handshake).is_err() {
-            continue;
-        }
+        // The dialer sends the shared-memory rings' fd with the handshake.
+        let ring = match ring::receive_with_fd(&stream, &mut handshake) {
+            Ok(Some(fd)) => match ring::RingPair::open(&fd) {
+                Ok(ring) => ring,
+                Err(_) => continue,
+            },
+            _ => continue,
+        };
         let u32_at = |at: usize| u32::from_le_bytes(handshake[at..at + 4].try_into().expect("4"));
         let (target, peer_qp_num, peer_pid) = (u32_at(0), u32_at(4), u32_at(8));
         let peer_context = u64::from_le_bytes(handshake[12..20].try_into().expect("8"));
@@ -171,6 +177,7 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
         match qp {
             Some(qp) => qp.attach(
                 stream,
+                ring,
                 qp::Peer {
                     pid: peer_pid,
                     context: peer_context,

@@ -6,7 +6,9 @@
 //! initiator resends N and its successors when the RNR timer expires.
 
 use std::collections::VecDeque;
+
 use std::net::Shutdown;
+use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
@@ -14,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::memory::{self, Span};
+use super::ring::RingPair;
 use super::wire::{
     self, Message, MessageReader, Outcome, ReadOutcome, Request, RequestOp, Response,
 };
@@ -45,6 +48,9 @@ struct QpInner {
     /// Set by `to_rtr` (expected peer) or by the accept loop (attached peer).
     peer: Option<Peer>,
     writer: Option<UnixStream>,
+    /// The shared-memory rings the wire messages travel in (the socket only
+    /// carries doorbells and EOF).
+    ring: Option<Arc<RingPair>>,
     /// Messages encoded but not yet written: one write per batch, not per message.
     unwritten: Vec<u8>,
     next_seq: u64,
@@ -71,7 +77,7 @@ pub(crate) struct QpShared {
     inner: Mutex<QpInner>,
     /// The read side of the wire. Whoever holds it progresses the QP: the
     /// engine thread when it wakes, or a caller busy-polling a CQ of this QP.
-    reader: Mutex<Option<(UnixStream, MessageReader)>>,
+    reader: Mutex<Option<(UnixStream, MessageReader, Arc<RingPair>)>>,
     /// Bumped on every attach so a stale engine thread knows to stop.
     generation: AtomicU64,
 }
@@ -130,6 +136,7 @@ pub(crate) fn create(
             options: ConnectOptions::default(),
             peer: None,
             writer: None,
+            ring: None,
             unwritten: Vec::new(),
             next_seq: 0,
             outstanding: VecDeque::new(),
@@ -218,7 +225,13 @@ impl QpShared {
     }
 
     /// Hands a connected socket to this QP and starts its engine.
-    pub(crate) fn attach(self: &Arc<Self>, stream: UnixStream, peer: Peer, dialed: bool) {
+    pub(crate) fn attach(
+        self: &Arc<Self>,
+        stream: UnixStream,
+        ring: RingPair,
+        peer: Peer,
+        dialed: bool,
+    ) {
         let mut inner = self.lock();
         let accepted = match inner.peer {
             None => true,
@@ -231,14 +244,16 @@ impl QpShared {
         let (Ok(writer), Ok(waiter)) = (stream.try_clone(), stream.try_clone()) else {
             return;
         };
+        let ring = Arc::new(ring);
         inner.peer = Some(peer);
         inner.writer = Some(writer);
-        *lock(&self.reader) = Some((stream, MessageReader::new()));
+        inner.ring = Some(ring.clone());
+        *lock(&self.reader) = Some((stream, MessageReader::new(), ring.clone()));
         let generation = self.generation.fetch_add(1, AtomicOrdering::SeqCst) + 1;
         let qp = self.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("soft-rdma-qp-{}", self.qp_num))
-            .spawn(move || qp.engine(waiter, generation));
+            .spawn(move || qp.engine(waiter, ring, generation));
         if spawned.is_err() {
             self.enter_error(&mut inner, None);
             return;
@@ -282,10 +297,10 @@ impl QpShared {
             return;
         }
         let batch = std::mem::take(&mut inner.unwritten);
-        let Some(writer) = inner.writer.as_mut() else {
+        let (Some(writer), Some(ring)) = (inner.writer.as_ref(), inner.ring.as_ref()) else {
             return;
         };
-        if wire::write_all(writer, &batch).is_err() {
+        if ring.send(&batch, writer).is_err() {
             self.enter_error(inner, Some(WcStatus::RetryExcErr));
         } else {
             // Keep the allocation for the next batch.
@@ -306,8 +321,12 @@ impl QpShared {
         // Messages already queued (e.g. the NAK that explains this error)
         // still go out, best effort, before the wire closes.
         let unwritten = std::mem::take(&mut inner.unwritten);
-        if let (false, Some(writer)) = (unwritten.is_empty(), inner.writer.as_mut()) {
-            let _ = wire::write_all(writer, &unwritten);
+        if let (false, Some(writer), Some(ring)) = (
+            unwritten.is_empty(),
+            inner.writer.as_ref(),
+            inner.ring.as_ref(),
+        ) {
+            let _ = ring.send(&unwritten, writer);
         }
         for (i, outstanding) in inner.outstanding.drain(..).enumerate() {
             let status = match (i, first) {
@@ -338,7 +357,7 @@ impl QpShared {
 
     /// The engine thread: sleeps until the wire is readable (or an RNR timer
     /// is due), then progresses the QP.
-    fn engine(self: Arc<Self>, waiter: UnixStream, generation: u64) {
+    fn engine(self: Arc<Self>, waiter: UnixStream, ring: Arc<RingPair>, generation: u64) {
         loop {
             let timeout = self
                 .lock()
@@ -347,7 +366,13 @@ impl QpShared {
                     at.saturating_duration_since(Instant::now())
                 });
             let _ = waiter.set_read_timeout(Some(timeout.max(std::time::Duration::from_micros(1))));
-            wire::wait_for_data(&waiter);
+            // Say we sleep, look once more, then sleep: a producer that
+            // publishes after our look sees the flag and rings the doorbell.
+            ring.set_sleeping(true);
+            if !ring.has_data() {
+                wire::wait_for_data(&waiter);
+            }
+            ring.set_sleeping(false);
             if self.generation.load(AtomicOrdering::SeqCst) != generation || !self.progress() {
                 return;
             }
@@ -364,9 +389,12 @@ impl QpShared {
             Err(std::sync::TryLockError::WouldBlock) => return self.lock().state != QpState::Error,
             Err(std::sync::TryLockError::Poisoned(poison)) => poison.into_inner(),
         };
-        if let Some((stream, reader)) = guard.as_mut() {
+        if let Some((stream, reader, ring)) = guard.as_mut() {
             loop {
-                let outcome = reader.read(&mut wire::NonBlocking(stream));
+                let outcome = reader.read(&mut RingStream {
+                    ring,
+                    socket: stream,
+                });
                 let mut inner = self.lock();
                 match outcome {
                     Ok(ReadOutcome::Message(Message::Request(request))) => {
@@ -843,7 +871,7 @@ impl QueuePair for SoftQp {
         }
         if dial {
             let name = SocketAddr::from_abstract_name(rendezvous_name(peer.pid, peer.context))?;
-            let mut stream = UnixStream::connect_addr(&name).map_err(|error| {
+            let stream = UnixStream::connect_addr(&name).map_err(|error| {
                 VerbsError::Io(std::io::Error::new(
                     error.kind(),
                     format!("cannot reach soft QP {} of process {}: {error} (soft peers must be on this host)", peer.qp_num, peer.pid),
@@ -854,8 +882,10 @@ impl QueuePair for SoftQp {
             handshake.extend_from_slice(&self.shared.qp_num.to_le_bytes());
             handshake.extend_from_slice(&me.0.to_le_bytes());
             handshake.extend_from_slice(&me.1.to_le_bytes());
-            std::io::Write::write_all(&mut stream, &handshake)?;
-            self.shared.attach(stream, peer, true);
+            let (ring, fd) = RingPair::create()?;
+            super::ring::send_with_fd(&stream, &handshake, fd.as_raw_fd())?;
+            drop(fd);
+            self.shared.attach(stream, ring, peer, true);
         }
         Ok(())
     }
@@ -973,5 +1003,34 @@ impl QueuePair for SoftQp {
             inner.recv_queue.push_back(wr);
         }
         Ok(())
+    }
+}
+
+/// What the wire reader reads: the ring first; the socket only for doorbell
+/// bytes (dropped) and EOF.
+struct RingStream<'a> {
+    ring: &'a RingPair,
+    socket: &'a UnixStream,
+}
+
+impl std::io::Read for RingStream<'_> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.ring.receive(out);
+        if n > 0 {
+            return Ok(n);
+        }
+        let mut doorbells = [0u8; 64];
+        loop {
+            match wire::NonBlocking(self.socket).read(&mut doorbells) {
+                // EOF: whatever the peer published before it went is still ours.
+                Ok(0) => return Ok(self.ring.receive(out)),
+                Ok(_) => continue,
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                    let n = self.ring.receive(out);
+                    return if n > 0 { Ok(n) } else { Err(error) };
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! it (except inline sends, which are small by definition): the responder
 //! moves them directly between the two address spaces with `process_vm_*`.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 
 use super::memory::Span;
 
@@ -402,11 +402,6 @@ pub(crate) fn wait_for_data(stream: &std::os::unix::net::UnixStream) {
             libc::MSG_PEEK,
         )
     };
-}
-
-/// Writes a batch of encoded messages whole.
-pub(crate) fn write_all(stream: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
-    stream.write_all(bytes)
 }
 
 #[cfg(test)]

@@ -1,0 +1,356 @@
+//! The soft wire's fast path: descriptors travel through a pair of
+//! single-producer single-consumer byte rings in memory shared by the two
+//! processes (a memfd passed over the connection's Unix socket), so a busy
+//! poller on either side moves a message with no system call.
+//!
+//! The Unix socket stays for two things: EOF (the peer process is gone) and
+//! doorbells. A consumer about to sleep sets its `sleeping` flag, looks at
+//! the ring once more, and blocks on the socket; a producer that finds the
+//! flag set after publishing writes one byte there. Both sides use SeqCst on
+//! the flag and the head index, so one of them always sees the other (no lost
+//! wake-up).
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Bytes of ring data per direction.
+pub(crate) const RING_BYTES: usize = 4 << 20;
+/// Control block before each direction's data: head, tail, sleeping, each on its own cache line.
+const CONTROL: usize = 192;
+const HALF: usize = CONTROL + RING_BYTES;
+/// How long a producer waits for room before declaring the peer stuck.
+const FULL_TIMEOUT: Duration = Duration::from_secs(2);
+const _: () = assert!(RING_BYTES.is_power_of_two(), "index arithmetic masks");
+
+/// The shared mapping: two halves, dialer → acceptor first.
+struct Mapping {
+    base: *mut u8,
+}
+
+// SAFETY: the mapping is only accessed through the atomics of the control
+// blocks and by the single producer / single consumer of each half, which
+// the QP's locks serialise.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the region was mapped with this length by `map` and is unmapped once.
+        unsafe { libc::munmap(self.base.cast(), 2 * HALF) };
+    }
+}
+
+/// One QP's view of the two rings.
+pub(crate) struct RingPair {
+    mapping: Mapping,
+    /// Which half we produce into (0: dialer → acceptor).
+    tx: usize,
+}
+
+impl std::fmt::Debug for RingPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingPair").field("tx", &self.tx).finish()
+    }
+}
+
+fn map(fd: RawFd) -> io::Result<Mapping> {
+    // SAFETY: maps a memfd of at least 2 * HALF bytes (sized by `create`),
+    // shared, readable and writable; the result is checked.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            2 * HALF,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Mapping { base: base.cast() })
+}
+
+impl RingPair {
+    /// Creates the shared memory (dialing side); returns the rings and the fd to pass.
+    pub(crate) fn create() -> io::Result<(RingPair, OwnedFd)> {
+        // SAFETY: a NUL-terminated name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"rdma-rpc-soft-ring".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: a valid fd; the size is checked.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), (2 * HALF) as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mapping = map(fd.as_raw_fd())?;
+        Ok((RingPair { mapping, tx: 0 }, fd))
+    }
+
+    /// Maps the shared memory the dialer passed (accepting side).
+    pub(crate) fn open(fd: &OwnedFd) -> io::Result<RingPair> {
+        Ok(RingPair {
+            mapping: map(fd.as_raw_fd())?,
+            tx: 1,
+        })
+    }
+
+    fn control(&self, half: usize, slot: usize) -> *mut u8 {
+        // SAFETY: inside the mapping (half ≤ 1, slot < 3).
+        unsafe { self.mapping.base.add(half * HALF + slot * 64) }
+    }
+
+    fn head(&self, half: usize) -> &AtomicU64 {
+        // SAFETY: an 8-byte aligned word of the shared mapping, only used atomically.
+        unsafe { AtomicU64::from_ptr(self.control(half, 0).cast()) }
+    }
+
+    fn tail(&self, half: usize) -> &AtomicU64 {
+        // SAFETY: as above.
+        unsafe { AtomicU64::from_ptr(self.control(half, 1).cast()) }
+    }
+
+    fn sleeping(&self, half: usize) -> &AtomicU32 {
+        // SAFETY: a 4-byte aligned word of the shared mapping, only used atomically.
+        unsafe { AtomicU32::from_ptr(self.control(half, 2).cast()) }
+    }
+
+    fn data(&self, half: usize) -> *mut u8 {
+        // SAFETY: inside the mapping.
+        unsafe { self.mapping.base.add(half * HALF + CONTROL) }
+    }
+
+    fn rx(&self) -> usize {
+        1 - self.tx
+    }
+
+    /// Appends `bytes` (the caller is the only producer), waiting while the
+    /// ring is full; then rings the doorbell on `socket` if the consumer sleeps.
+    pub(crate) fn send(&self, bytes: &[u8], socket: &UnixStream) -> io::Result<()> {
+        let half = self.tx;
+        let mut written = 0;
+        let deadline = Instant::now() + FULL_TIMEOUT;
+        while written < bytes.len() {
+            let head = self.head(half).load(Ordering::Relaxed);
+            let tail = self.tail(half).load(Ordering::Acquire);
+            let room = RING_BYTES - (head - tail) as usize;
+            if room == 0 {
+                // Wake the consumer if it sleeps, then wait for it to drain.
+                self.doorbell(socket);
+                if Instant::now() > deadline {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "soft-RDMA ring full: the peer does not drain it",
+                    ));
+                }
+                std::thread::yield_now();
+                continue;
+            }
+            let n = room.min(bytes.len() - written);
+            let at = (head as usize) & (RING_BYTES - 1);
+            let first = n.min(RING_BYTES - at);
+            // SAFETY: [at, at + first) and [0, n - first) lie inside this
+            // half's data; the consumer does not read past `head`, which is
+            // published only after the copy.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    bytes[written..].as_ptr(),
+                    self.data(half).add(at),
+                    first,
+                );
+                std::ptr::copy_nonoverlapping(
+                    bytes[written + first..].as_ptr(),
+                    self.data(half),
+                    n - first,
+                );
+            }
+            self.head(half).store(head + n as u64, Ordering::SeqCst);
+            written += n;
+        }
+        self.doorbell(socket);
+        Ok(())
+    }
+
+    fn doorbell(&self, socket: &UnixStream) {
+        if self.sleeping(self.tx).load(Ordering::SeqCst) != 0 {
+            let byte = [1u8];
+            // SAFETY: one readable byte; the fd belongs to `socket`. A full
+            // socket buffer already holds doorbells, so EAGAIN is fine.
+            let _ = unsafe {
+                libc::send(
+                    socket.as_raw_fd(),
+                    byte.as_ptr().cast(),
+                    1,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+        }
+    }
+
+    /// Copies out up to `out.len()` bytes that arrived (the caller is the
+    /// only consumer); 0 when the ring is empty.
+    pub(crate) fn receive(&self, out: &mut [u8]) -> usize {
+        let half = self.rx();
+        let tail = self.tail(half).load(Ordering::Relaxed);
+        let head = self.head(half).load(Ordering::SeqCst);
+        let n = ((head - tail) as usize).min(out.len());
+        if n == 0 {
+            return 0;
+        }
+        let at = (tail as usize) & (RING_BYTES - 1);
+        let first = n.min(RING_BYTES - at);
+        // SAFETY: the bytes in [tail, head) were published by the producer
+        // and are not overwritten before `tail` moves past them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data(half).add(at), out.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(half), out[first..].as_mut_ptr(), n - first);
+        }
+        self.tail(half).store(tail + n as u64, Ordering::Release);
+        n
+    }
+
+    /// True when bytes are waiting to be received.
+    pub(crate) fn has_data(&self) -> bool {
+        let half = self.rx();
+        self.head(half).load(Ordering::SeqCst) != self.tail(half).load(Ordering::Relaxed)
+    }
+
+    /// Declares (or clears) that our consumer is about to sleep on the socket.
+    pub(crate) fn set_sleeping(&self, sleeping: bool) {
+        self.sleeping(self.rx())
+            .store(u32::from(sleeping), Ordering::SeqCst);
+    }
+}
+
+/// Sends `bytes` and `fd` in one message (SCM_RIGHTS).
+pub(crate) fn send_with_fd(socket: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<()> {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: an all-zero msghdr is valid; the fields are set below.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &mut iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.as_mut_ptr().cast();
+    message.msg_controllen = space;
+    // SAFETY: the control buffer has room for one cmsg with one fd
+    // (CMSG_SPACE above); the header pointer comes from CMSG_FIRSTHDR of it.
+    unsafe {
+        let header = libc::CMSG_FIRSTHDR(&message);
+        (*header).cmsg_level = libc::SOL_SOCKET;
+        (*header).cmsg_type = libc::SCM_RIGHTS;
+        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(header).cast::<RawFd>(), fd);
+    }
+    // SAFETY: `message` points at live buffers for the duration of the call.
+    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &message, libc::MSG_NOSIGNAL) };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if sent as usize != bytes.len() {
+        return Err(io::Error::new(io::ErrorKind::WriteZero, "short handshake"));
+    }
+    Ok(())
+}
+
+/// Receives exactly `out.len()` bytes and the fd sent with them, if any.
+pub(crate) fn receive_with_fd(socket: &UnixStream, out: &mut [u8]) -> io::Result<Option<OwnedFd>> {
+    let mut iov = libc::iovec {
+        iov_base: out.as_mut_ptr().cast(),
+        iov_len: out.len(),
+    };
+    // SAFETY: a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: an all-zero msghdr is valid; the fields are set below.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &mut iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.as_mut_ptr().cast();
+    message.msg_controllen = space;
+    // SAFETY: `message` points at live buffers for the duration of the call.
+    let got = unsafe {
+        libc::recvmsg(
+            socket.as_raw_fd(),
+            &mut message,
+            libc::MSG_WAITALL | libc::MSG_CMSG_CLOEXEC,
+        )
+    };
+    if got < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if got as usize != out.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "short handshake",
+        ));
+    }
+    // SAFETY: walks the control buffer the kernel filled, as CMSG_* intend.
+    let fd = unsafe {
+        let header = libc::CMSG_FIRSTHDR(&message);
+        if header.is_null()
+            || (*header).cmsg_level != libc::SOL_SOCKET
+            || (*header).cmsg_type != libc::SCM_RIGHTS
+        {
+            None
+        } else {
+            let fd = std::ptr::read_unaligned(libc::CMSG_DATA(header).cast::<RawFd>());
+            Some(OwnedFd::from_raw_fd(fd))
+        }
+    };
+    Ok(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_cross_the_ring_in_order_through_wrap_around() {
+        let (producer, fd) = RingPair::create().unwrap();
+        let consumer = RingPair::open(&fd).unwrap();
+        let (socket, _other) = UnixStream::pair().unwrap();
+        let chunk: Vec<u8> = (0..=255u8).cycle().take(1_000_003).collect();
+        let mut got = Vec::new();
+        let mut buffer = vec![0u8; 65536];
+        for _ in 0..20 {
+            producer.send(&chunk, &socket).unwrap();
+            let mut round = 0;
+            while round < chunk.len() {
+                let n = consumer.receive(&mut buffer);
+                got.extend_from_slice(&buffer[..n]);
+                round += n;
+            }
+        }
+        assert_eq!(got.len(), chunk.len() * 20);
+        assert!(got.chunks(chunk.len()).all(|c| c == chunk.as_slice()));
+        assert!(!consumer.has_data());
+    }
+
+    #[test]
+    fn a_sleeping_consumer_gets_a_doorbell() {
+        let (producer, fd) = RingPair::create().unwrap();
+        let consumer = RingPair::open(&fd).unwrap();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        consumer.set_sleeping(true);
+        producer.send(b"hello", &ours).unwrap();
+        let mut byte = [0u8; 1];
+        use std::io::Read;
+        (&theirs).read_exact(&mut byte).unwrap();
+        consumer.set_sleeping(false);
+        let mut out = [0u8; 8];
+        assert_eq!(consumer.receive(&mut out), 5);
+        assert_eq!(&out[..5], b"hello");
+    }
+}
