@@ -26,6 +26,9 @@ use crate::verbs::{
     SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus, WorkCompletion,
 };
 
+/// SENDs and WRITEs up to this many bytes travel inside their descriptor.
+const EAGER_COPY_BYTES: u64 = 512;
+
 /// Who is on the other end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Peer {
@@ -767,6 +770,14 @@ impl QpShared {
             .find_map(|sge| self.check_local(sge, wr.op.writes_locally()).err())
         {
             local_error = Some(status);
+        } else if !wr.op.writes_locally() && total <= EAGER_COPY_BYTES {
+            // Small SENDs and WRITEs carry their bytes in the descriptor (read
+            // now, after the lkey checks): the responder then needs no
+            // process_vm_readv. The verbs contract already forbids changing
+            // the buffer before the completion, so when it is read is ours.
+            if let Ok(bytes) = memory::gather_own(&spans) {
+                inline = Some(bytes);
+            }
         }
         let request = Request {
             seq,
