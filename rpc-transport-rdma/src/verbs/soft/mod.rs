@@ -390,13 +390,17 @@ impl CqShared {
         sources.push(Arc::downgrade(qp));
     }
 
-    fn progress_sources(&self) {
+    fn progress_sources(&self, polling: bool) {
         let sources: Vec<Arc<qp::QpShared>> = lock(&self.sources)
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
         for qp in sources {
-            qp.progress();
+            if polling {
+                qp.progress_polled();
+            } else {
+                qp.progress();
+            }
         }
     }
 
@@ -434,10 +438,15 @@ impl CompletionQueue for SoftCq {
     }
 
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
-        if lock(&self.inner.state).entries.is_empty() {
+        let (empty, armed) = {
+            let state = lock(&self.inner.state);
+            (state.entries.is_empty(), state.armed.is_some())
+        };
+        if empty {
             // Nothing ready: do the work ourselves instead of waiting for the
-            // engine threads to wake (no lock held: progress completes into CQs).
-            self.inner.progress_sources();
+            // engine threads to wake (no lock held: progress completes into
+            // CQs). An armed CQ's last poll before sleeping is not "polling".
+            self.inner.progress_sources(!armed);
         }
         let mut state = lock(&self.inner.state);
         if state.overflowed {
@@ -457,6 +466,11 @@ impl CompletionQueue for SoftCq {
             return Err(VerbsError::InvalidArgument("CQ has no completion channel"));
         }
         lock(&self.inner.state).armed = Some(solicited_only);
+        // The caller stops polling and will sleep on the channel: producers
+        // must ring doorbells again so our engine thread wakes at once.
+        for qp in lock(&self.inner.sources).iter().filter_map(Weak::upgrade) {
+            qp.stop_polling();
+        }
         Ok(())
     }
 

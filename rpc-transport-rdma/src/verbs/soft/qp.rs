@@ -368,6 +368,12 @@ impl QpShared {
                 .map_or(std::time::Duration::from_millis(100), |at| {
                     at.saturating_duration_since(Instant::now())
                 });
+            // While a caller polls, producers skip doorbells: nap, don't sleep.
+            let timeout = if ring.polled_recently() {
+                timeout.min(super::ring::POLLED_ENGINE_NAP)
+            } else {
+                timeout
+            };
             let _ = waiter.set_read_timeout(Some(timeout.max(std::time::Duration::from_micros(1))));
             // Say we sleep, look once more, then sleep: a producer that
             // publishes after our look sees the flag and rings the doorbell.
@@ -386,6 +392,24 @@ impl QpShared {
     /// blocking, and fires a due RNR resend. Returns false once the QP is in
     /// ERROR. Called by the engine thread and by CQ polls (so a busy-polling
     /// caller needs no thread hop).
+    /// [`QpShared::progress`] on behalf of a caller polling a CQ: producers
+    /// may skip its doorbells for a while.
+    pub(crate) fn progress_polled(&self) -> bool {
+        if let Ok(guard) = self.reader.try_lock() {
+            if let Some((_, _, ring)) = guard.as_ref() {
+                ring.note_poll();
+            }
+        }
+        self.progress()
+    }
+
+    /// The caller that polled stopped (it armed the CQ to sleep).
+    pub(crate) fn stop_polling(&self) {
+        if let Some(ring) = self.lock().ring.as_ref() {
+            ring.stop_polling();
+        }
+    }
+
     pub(crate) fn progress(&self) -> bool {
         let mut guard = match self.reader.try_lock() {
             Ok(guard) => guard,

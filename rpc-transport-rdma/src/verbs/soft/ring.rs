@@ -18,8 +18,16 @@ use std::time::{Duration, Instant};
 
 /// Bytes of ring data per direction.
 pub(crate) const RING_BYTES: usize = 4 << 20;
-/// Control block before each direction's data: head, tail, sleeping, each on its own cache line.
-const CONTROL: usize = 192;
+/// Control block before each direction's data: head, tail, sleeping and
+/// the consumer's last poll time, each on its own cache line.
+const CONTROL: usize = 256;
+/// A consumer that polled this recently is taken to be polling still: the
+/// producer skips the doorbell (a system call and a thread wake-up).
+const POLL_GRACE_NS: u64 = 50_000;
+/// While its process polls, the engine thread sleeps at most this long, which
+/// bounds the wait of a message whose doorbell was skipped just as the
+/// polling stopped.
+pub(crate) const POLLED_ENGINE_NAP: Duration = Duration::from_millis(1);
 const HALF: usize = CONTROL + RING_BYTES;
 /// How long a producer waits for room before declaring the peer stuck.
 const FULL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -122,6 +130,11 @@ impl RingPair {
         unsafe { AtomicU32::from_ptr(self.control(half, 2).cast()) }
     }
 
+    fn polled_at(&self, half: usize) -> &AtomicU64 {
+        // SAFETY: an 8-byte aligned word of the shared mapping, only used atomically.
+        unsafe { AtomicU64::from_ptr(self.control(half, 3).cast()) }
+    }
+
     fn data(&self, half: usize) -> *mut u8 {
         // SAFETY: inside the mapping.
         unsafe { self.mapping.base.add(half * HALF + CONTROL) }
@@ -179,6 +192,10 @@ impl RingPair {
     }
 
     fn doorbell(&self, socket: &UnixStream) {
+        let polled_at = self.polled_at(self.tx).load(Ordering::Relaxed);
+        if monotonic_ns().saturating_sub(polled_at) < POLL_GRACE_NS {
+            return;
+        }
         if self.sleeping(self.tx).load(Ordering::SeqCst) != 0 {
             let byte = [1u8];
             // SAFETY: one readable byte; the fd belongs to `socket`. A full
@@ -222,11 +239,39 @@ impl RingPair {
         self.head(half).load(Ordering::SeqCst) != self.tail(half).load(Ordering::Relaxed)
     }
 
+    /// Records that a caller of this process is polling for our messages.
+    pub(crate) fn note_poll(&self) {
+        self.polled_at(self.rx())
+            .store(monotonic_ns(), Ordering::Relaxed);
+    }
+
+    /// Records that the polling caller stopped: doorbells are needed again.
+    pub(crate) fn stop_polling(&self) {
+        self.polled_at(self.rx()).store(0, Ordering::SeqCst);
+    }
+
+    /// True when a caller of this process polled recently (the engine then naps, not sleeps).
+    pub(crate) fn polled_recently(&self) -> bool {
+        let polled_at = self.polled_at(self.rx()).load(Ordering::Relaxed);
+        monotonic_ns().saturating_sub(polled_at) < 10 * 1_000_000
+    }
+
     /// Declares (or clears) that our consumer is about to sleep on the socket.
     pub(crate) fn set_sleeping(&self, sleeping: bool) {
         self.sleeping(self.rx())
             .store(u32::from(sleeping), Ordering::SeqCst);
     }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host.
+fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 /// Sends `bytes` and `fd` in one message (SCM_RIGHTS).
