@@ -388,19 +388,17 @@ impl QpShared {
         }
     }
 
-    /// Executes every request and response waiting on the wire, without
-    /// blocking, and fires a due RNR resend. Returns false once the QP is in
-    /// ERROR. Called by the engine thread and by CQ polls (so a busy-polling
-    /// caller needs no thread hop).
-    /// [`QpShared::progress`] on behalf of a caller polling a CQ: producers
-    /// may skip its doorbells for a while.
+    /// Progress on behalf of a caller polling a CQ: marks the process as
+    /// polling (producers skip doorbells for a while) and reads the ring
+    /// only; the socket (doorbells, EOF) is the engine thread's, which keeps
+    /// watching it. No system call per poll.
     pub(crate) fn progress_polled(&self) -> bool {
         if let Ok(guard) = self.reader.try_lock() {
             if let Some((_, _, ring)) = guard.as_ref() {
                 ring.note_poll();
             }
         }
-        self.progress()
+        self.progress_from(false)
     }
 
     /// The caller that polled stopped (it armed the CQ to sleep).
@@ -410,7 +408,15 @@ impl QpShared {
         }
     }
 
+    /// Executes every request and response waiting on the wire, without
+    /// blocking, and fires a due RNR resend. Returns false once the QP is in
+    /// ERROR. Called by the engine thread and by CQ polls (so a busy-polling
+    /// caller needs no thread hop).
     pub(crate) fn progress(&self) -> bool {
+        self.progress_from(true)
+    }
+
+    fn progress_from(&self, check_socket: bool) -> bool {
         let mut guard = match self.reader.try_lock() {
             Ok(guard) => guard,
             Err(std::sync::TryLockError::WouldBlock) => return self.lock().state != QpState::Error,
@@ -421,6 +427,7 @@ impl QpShared {
                 let outcome = reader.read(&mut RingStream {
                     ring,
                     socket: stream,
+                    check_socket,
                 });
                 let mut inner = self.lock();
                 match outcome {
@@ -1046,6 +1053,8 @@ impl QueuePair for SoftQp {
 struct RingStream<'a> {
     ring: &'a RingPair,
     socket: &'a UnixStream,
+    /// Also read the socket (doorbells, EOF) when the ring is empty.
+    check_socket: bool,
 }
 
 impl std::io::Read for RingStream<'_> {
@@ -1053,6 +1062,9 @@ impl std::io::Read for RingStream<'_> {
         let n = self.ring.receive(out);
         if n > 0 {
             return Ok(n);
+        }
+        if !self.check_socket {
+            return Err(std::io::ErrorKind::WouldBlock.into());
         }
         let mut doorbells = [0u8; 64];
         loop {
