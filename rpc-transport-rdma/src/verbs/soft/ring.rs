@@ -274,21 +274,32 @@ fn monotonic_ns() -> u64 {
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
+/// Room for one control message carrying one fd.
+fn fd_control_buffer() -> Vec<u8> {
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    vec![0u8; space]
+}
+
+/// A msghdr over one iovec and a control buffer (both must outlive its use).
+fn fd_message(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
+    // SAFETY: an all-zero msghdr is valid; the fields are set below.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.as_mut_ptr().cast();
+    message.msg_controllen = control.len();
+    message
+}
+
 /// Sends `bytes` and `fd` in one message (SCM_RIGHTS).
 pub(crate) fn send_with_fd(socket: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<()> {
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: an all-zero msghdr is valid; the fields are set below.
-    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-    message.msg_iov = &mut iov;
-    message.msg_iovlen = 1;
-    message.msg_control = control.as_mut_ptr().cast();
-    message.msg_controllen = space;
+    let mut control = fd_control_buffer();
+    let message = fd_message(&mut iov, &mut control);
     // SAFETY: the control buffer has room for one cmsg with one fd
     // (CMSG_SPACE above); the header pointer comes from CMSG_FIRSTHDR of it.
     unsafe {
@@ -315,15 +326,8 @@ pub(crate) fn receive_with_fd(socket: &UnixStream, out: &mut [u8]) -> io::Result
         iov_base: out.as_mut_ptr().cast(),
         iov_len: out.len(),
     };
-    // SAFETY: a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: an all-zero msghdr is valid; the fields are set below.
-    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-    message.msg_iov = &mut iov;
-    message.msg_iovlen = 1;
-    message.msg_control = control.as_mut_ptr().cast();
-    message.msg_controllen = space;
+    let mut control = fd_control_buffer();
+    let mut message = fd_message(&mut iov, &mut control);
     // SAFETY: `message` points at live buffers for the duration of the call.
     let got = unsafe {
         libc::recvmsg(
