@@ -1021,6 +1021,17 @@ pub fn wait_readable(fd: RawFd, timeout: Duration) -> std::io::Result<bool> {
     }
 }
 
+/// A verbs object handed to a provider as provider type `T`, or the error
+/// that says it belongs to another provider (`what`).
+pub(crate) fn own<'a, T: 'static>(
+    object: &'a dyn std::any::Any,
+    what: &'static str,
+) -> Result<&'a T, VerbsError> {
+    object
+        .downcast_ref::<T>()
+        .ok_or(VerbsError::InvalidArgument(what))
+}
+
 /// Every provider compiled into this build, soft first.
 pub fn providers() -> Vec<Arc<dyn Provider>> {
     #[allow(unused_mut)]

@@ -228,11 +228,10 @@ fn sockaddr(addr: SocketAddr) -> libc::sockaddr_storage {
 }
 
 fn ibv_qp(qp: &Arc<dyn QueuePair>) -> Result<&IbvQp, VerbsError> {
-    qp.as_any()
-        .downcast_ref::<IbvQp>()
-        .ok_or(VerbsError::InvalidArgument(
-            "rdma_cm connects only QPs of the ibverbs provider",
-        ))
+    crate::verbs::own(
+        qp.as_any(),
+        "rdma_cm connects only QPs of the ibverbs provider",
+    )
 }
 
 /// Moves `qp` to `state` with the attributes the cm id gives for it.

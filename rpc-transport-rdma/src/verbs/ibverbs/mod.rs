@@ -370,14 +370,12 @@ impl Context for IbvContext {
     ) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
         let channel = match channel {
             Some(channel) => Some(
-                channel
-                    .as_any()
-                    .downcast_ref::<IbvChannel>()
-                    .ok_or(VerbsError::InvalidArgument(
-                        "completion channel of another provider",
-                    ))?
-                    .inner
-                    .clone(),
+                super::own::<IbvChannel>(
+                    channel.as_any(),
+                    "completion channel of another provider",
+                )?
+                .inner
+                .clone(),
             ),
             None => None,
         };
@@ -473,17 +471,10 @@ impl ProtectionDomain for IbvPd {
 
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
         let cq_of = |cq: &Arc<dyn CompletionQueue>| {
-            cq.as_any()
-                .downcast_ref::<IbvCq>()
-                .map(|cq| cq.cq)
-                .ok_or(VerbsError::InvalidArgument("CQ of another provider"))
+            super::own::<IbvCq>(cq.as_any(), "CQ of another provider").map(|cq| cq.cq)
         };
         let srq = match &init.srq {
-            Some(srq) => srq
-                .as_any()
-                .downcast_ref::<IbvSrq>()
-                .map(|s| s.srq)
-                .ok_or(VerbsError::InvalidArgument("SRQ of another provider"))?,
+            Some(srq) => super::own::<IbvSrq>(srq.as_any(), "SRQ of another provider")?.srq,
             None => ptr::null_mut(),
         };
         // SAFETY: zeroed POD; every pointer set is a live verbs object.

@@ -241,14 +241,12 @@ impl Context for SoftContext {
         }
         let channel = match channel {
             Some(channel) => Some(
-                channel
-                    .as_any()
-                    .downcast_ref::<SoftChannel>()
-                    .ok_or(VerbsError::InvalidArgument(
-                        "completion channel of another provider",
-                    ))?
-                    .inner
-                    .clone(),
+                super::own::<SoftChannel>(
+                    channel.as_any(),
+                    "completion channel of another provider",
+                )?
+                .inner
+                .clone(),
             ),
             None => None,
         };

@@ -86,12 +86,8 @@ pub(crate) struct QpShared {
 }
 
 fn cq_of(cq: &Arc<dyn crate::verbs::CompletionQueue>) -> Result<Arc<CqShared>, VerbsError> {
-    cq.as_any()
-        .downcast_ref::<super::SoftCq>()
+    crate::verbs::own::<super::SoftCq>(cq.as_any(), "completion queue of another provider")
         .map(|cq| cq.inner.clone())
-        .ok_or(VerbsError::InvalidArgument(
-            "completion queue of another provider",
-        ))
 }
 
 pub(crate) fn create(
@@ -110,10 +106,7 @@ pub(crate) fn create(
     }
     let srq = match &init.srq {
         Some(srq) => {
-            let srq = srq
-                .as_any()
-                .downcast_ref::<super::SoftSrq>()
-                .ok_or(VerbsError::InvalidArgument("SRQ of another provider"))?
+            let srq = crate::verbs::own::<super::SoftSrq>(srq.as_any(), "SRQ of another provider")?
                 .inner
                 .clone();
             if srq.pd != pd {
