@@ -1,7 +1,7 @@
 //! Verbs-level microbenchmark of the soft provider, beside the machine's floors.
 //!
 //! ```text
-//! cargo run --release -p rdma-rpc-benches --bin verbs_pingpong [-- --rounds N]
+//! cargo run --release -p rdma-rpc-benches --bin verbs_pingpong [-- --rounds N] [--only busy|event]
 //! ```
 //! Two processes (this binary re-executes itself as the peer). Rows:
 //! 64 B SEND/RECV ping-pong round trip in event mode (completion channel) and
@@ -275,6 +275,7 @@ fn main() {
         return run_child(&args[1..]);
     }
     let mut rounds = 5000usize;
+    let mut only: Option<String> = None;
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
         match arg.as_str() {
@@ -284,8 +285,16 @@ fn main() {
                     .and_then(|v| v.parse().ok())
                     .expect("--rounds N")
             }
-            other => panic!("unknown argument {other}; use --rounds N"),
+            "--only" => only = iter.next().cloned(),
+            other => panic!("unknown argument {other}; use --rounds N [--only busy|event]"),
         }
+    }
+    if let Some(mode) = only.as_deref() {
+        // One soft row alone (for profiling it).
+        let run = soft_run(mode == "busy", rounds, false);
+        let (p50, p99) = p50_p99(&run.pingpong);
+        println!("soft SEND/RECV ping-pong, {mode} mode: p50 {p50:.2} µs, p99 {p99:.2} µs");
+        return;
     }
     eprintln!(
         "floors: TCP, eventfd, shared-memory spin ({rounds} rounds each), memcpy, process_vm_readv..."

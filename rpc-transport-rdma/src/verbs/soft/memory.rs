@@ -134,6 +134,47 @@ pub(crate) fn scatter_own(bytes: &[u8], spans: &[Span]) -> io::Result<()> {
     write_to(std::process::id(), &src, &truncate(spans, bytes.len()))
 }
 
+/// Copies `bytes` into our own memory `spans`, in order, with plain memory
+/// copies (no system call): the small-message fast path, for spans already
+/// checked against registered regions.
+///
+/// # Safety
+/// Every span must be writable memory of this process for its whole length,
+/// kept valid for the call (inside a registered region that cannot be
+/// deregistered meanwhile), and must not overlap `bytes`. The spans must hold
+/// at least `bytes.len()` bytes.
+pub(crate) unsafe fn copy_into_spans(bytes: &[u8], spans: &[Span]) {
+    let mut at = 0;
+    for &(addr, len) in spans {
+        let n = (len as usize).min(bytes.len() - at);
+        if n == 0 {
+            break;
+        }
+        // SAFETY: the caller vouches for [addr, addr + len) being valid for
+        // writes and disjoint from `bytes`; n ≤ len and n ≤ what is left.
+        unsafe { std::ptr::copy_nonoverlapping(bytes[at..].as_ptr(), addr as usize as *mut u8, n) };
+        at += n;
+    }
+    debug_assert_eq!(at, bytes.len(), "spans shorter than the bytes");
+}
+
+/// Appends the bytes of our own memory `spans` to `out`, with plain memory
+/// copies (no system call).
+///
+/// # Safety
+/// Every span must be readable memory of this process for its whole length,
+/// kept valid for the call (inside a registered region that cannot be
+/// deregistered meanwhile).
+pub(crate) unsafe fn copy_from_spans(spans: &[Span], out: &mut Vec<u8>) {
+    for &(addr, len) in spans {
+        // SAFETY: the caller vouches for [addr, addr + len) being valid for
+        // reads; `out` is a distinct allocation of ours.
+        let source =
+            unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) };
+        out.extend_from_slice(source);
+    }
+}
+
 /// The first `len` bytes of `spans`.
 pub(crate) fn truncate(spans: &[Span], mut len: usize) -> Vec<Span> {
     let mut out = Vec::with_capacity(spans.len());
@@ -163,6 +204,29 @@ mod tests {
         assert_eq!(&a[..], &src[..30]);
         assert_eq!(&b[..], &src[30..]);
         assert_eq!(gather_own(&remote).unwrap(), src);
+    }
+
+    #[test]
+    fn plain_copies_scatter_and_gather_across_uneven_spans() {
+        let src: Vec<u8> = (0..100u8).collect();
+        let mut a = [0u8; 30];
+        let mut b = [0u8; 80];
+        let spans = [(a.as_mut_ptr() as u64, 30), (b.as_mut_ptr() as u64, 80)];
+        // SAFETY: both spans are live local arrays, disjoint from `src`.
+        unsafe { copy_into_spans(&src, &spans) };
+        assert_eq!(&a[..], &src[..30]);
+        assert_eq!(&b[..70], &src[30..]);
+        assert_eq!(&b[70..], &[0u8; 10]);
+        let mut out = vec![9u8];
+        // SAFETY: both spans are live local arrays.
+        unsafe {
+            copy_from_spans(
+                &[(a.as_ptr() as u64, 30), (b.as_ptr() as u64, 70)],
+                &mut out,
+            )
+        };
+        assert_eq!(out[0], 9);
+        assert_eq!(&out[1..], &src[..]);
     }
 
     #[test]

@@ -129,12 +129,12 @@ impl ContextShared {
     }
 
     /// The region `key` names, if registered.
-    pub(crate) fn region(&self, key: u32) -> Option<MrEntry> {
-        self.mrs
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            .copied()
+    /// Runs `f` with the region table read-locked. A region `f` finds there
+    /// stays registered until `f` returns (deregistering takes the write
+    /// lock), so by the registration contract its memory stays valid and `f`
+    /// may copy into or out of it directly.
+    pub(crate) fn with_regions<R>(&self, f: impl FnOnce(&HashMap<u32, MrEntry>) -> R) -> R {
+        f(&self.mrs.read().unwrap_or_else(|p| p.into_inner()))
     }
 }
 
@@ -388,12 +388,12 @@ impl CqShared {
         sources.push(Arc::downgrade(qp));
     }
 
+    /// Progresses every QP that completes into this CQ. The source list
+    /// stays locked meanwhile (no allocation per poll): nothing that holds a
+    /// QP's or this CQ's other locks takes it.
     fn progress_sources(&self, polling: bool) {
-        let sources: Vec<Arc<qp::QpShared>> = lock(&self.sources)
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
-        for qp in sources {
+        let sources = lock(&self.sources);
+        for qp in sources.iter().filter_map(Weak::upgrade) {
             if polling {
                 qp.progress_polled();
             } else {
@@ -436,17 +436,17 @@ impl CompletionQueue for SoftCq {
     }
 
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
-        let (empty, armed) = {
-            let state = lock(&self.inner.state);
-            (state.entries.is_empty(), state.armed.is_some())
-        };
-        if empty {
-            // Nothing ready: do the work ourselves instead of waiting for the
-            // engine threads to wake (no lock held: progress completes into
-            // CQs). An armed CQ's last poll before sleeping is not "polling".
-            self.inner.progress_sources(!armed);
-        }
         let mut state = lock(&self.inner.state);
+        if state.entries.is_empty() && !state.overflowed {
+            // Nothing ready: do the work ourselves instead of waiting for the
+            // engine threads to wake (without the state lock: progress
+            // completes into CQs). An armed CQ's last poll before sleeping is
+            // not "polling".
+            let armed = state.armed.is_some();
+            drop(state);
+            self.inner.progress_sources(!armed);
+            state = lock(&self.inner.state);
+        }
         if state.overflowed {
             return Err(VerbsError::QueueFull(
                 "completion queue (it overflowed; completions were lost)",

@@ -7,20 +7,21 @@
 
 use std::collections::VecDeque;
 
+use std::collections::HashMap;
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
-use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use super::memory::{self, Span};
 use super::ring::RingPair;
 use super::wire::{
-    self, Message, MessageReader, Outcome, ReadOutcome, Request, RequestOp, Response,
+    self, Encode, Message, MessageReader, Outcome, ReadOutcome, Request, RequestOp, Response,
 };
-use super::{ContextShared, CqShared, HANDSHAKE_LEN, SrqShared, lock, rendezvous_name};
+use super::{ContextShared, CqShared, HANDSHAKE_LEN, MrEntry, SrqShared, lock, rendezvous_name};
 use crate::verbs::{
     AccessFlags, ConnectOptions, PostError, QpAddress, QpCaps, QpInit, QpState, QueuePair, RecvWr,
     SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus, WorkCompletion,
@@ -83,6 +84,13 @@ pub(crate) struct QpShared {
     reader: Mutex<Option<(UnixStream, MessageReader, Arc<RingPair>)>>,
     /// Bumped on every attach so a stale engine thread knows to stop.
     generation: AtomicU64,
+    /// The rings, once attached: a polling caller looks at them without a lock.
+    polled_ring: OnceLock<Arc<RingPair>>,
+    /// An RNR resend is scheduled (mirrors `rnr_resend_at.is_some()` for the
+    /// lock-free look of a polling caller).
+    rnr_pending: AtomicBool,
+    /// Responses a polling caller left unwritten (see `progress_polled`).
+    responses_pending: AtomicBool,
 }
 
 fn cq_of(cq: &Arc<dyn crate::verbs::CompletionQueue>) -> Result<Arc<CqShared>, VerbsError> {
@@ -144,6 +152,9 @@ pub(crate) fn create(
         }),
         reader: Mutex::new(None),
         generation: AtomicU64::new(0),
+        polled_ring: OnceLock::new(),
+        rnr_pending: AtomicBool::new(false),
+        responses_pending: AtomicBool::new(false),
         context: context.clone(),
     });
     lock(&context.qps).insert(qp_num, Arc::downgrade(&shared));
@@ -193,9 +204,14 @@ impl QpShared {
         }
     }
 
-    /// Checks one local SGE against the context's regions.
-    fn check_local(&self, sge: &Sge, need_write: bool) -> Result<(), WcStatus> {
-        let region = self.context.region(sge.lkey).ok_or(WcStatus::LocProtErr)?;
+    /// Checks one local SGE against the context's region table (locked by the caller).
+    fn check_local(
+        &self,
+        regions: &HashMap<u32, MrEntry>,
+        sge: &Sge,
+        need_write: bool,
+    ) -> Result<(), WcStatus> {
+        let region = regions.get(&sge.lkey).ok_or(WcStatus::LocProtErr)?;
         if region.pd != self.pd || !region.contains(sge.addr, u64::from(sge.length)) {
             return Err(WcStatus::LocProtErr);
         }
@@ -213,7 +229,20 @@ impl QpShared {
         len: u64,
         need: AccessFlags,
     ) -> Result<(), Outcome> {
-        let region = self.context.region(rkey).ok_or(Outcome::RemoteAccess)?;
+        self.context
+            .with_regions(|regions| self.check_remote_in(regions, rkey, addr, len, need))
+    }
+
+    /// [`QpShared::check_remote`] against a region table already locked.
+    fn check_remote_in(
+        &self,
+        regions: &HashMap<u32, MrEntry>,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<(), Outcome> {
+        let region = regions.get(&rkey).ok_or(Outcome::RemoteAccess)?;
         if region.pd != self.pd || !region.contains(addr, len) || !region.access.contains(need) {
             return Err(Outcome::RemoteAccess);
         }
@@ -244,6 +273,7 @@ impl QpShared {
         inner.peer = Some(peer);
         inner.writer = Some(writer);
         inner.ring = Some(ring.clone());
+        let _ = self.polled_ring.set(ring.clone());
         *lock(&self.reader) = Some((stream, MessageReader::new(), ring.clone()));
         let generation = self.generation.fetch_add(1, AtomicOrdering::SeqCst) + 1;
         let qp = self.clone();
@@ -264,27 +294,25 @@ impl QpShared {
         if inner.rnr_resend_at.is_some() || !matches!(inner.state, QpState::Rts) {
             return;
         }
-        let requests: Vec<Message> = inner
-            .outstanding
-            .iter()
-            .take_while(|o| o.local_error.is_none())
-            .map(|o| Message::Request(o.request.clone()))
-            .collect();
-        for message in requests {
-            if !self.write(inner, &message) {
-                return;
-            }
+        if inner.writer.is_none() {
+            return;
+        }
+        let QpInner {
+            outstanding,
+            unwritten,
+            ..
+        } = inner;
+        for o in outstanding.iter().take_while(|o| o.local_error.is_none()) {
+            o.request.encode_into(unwritten);
         }
         self.flush(inner);
     }
 
     /// Queues a message for the peer; [`QpShared::flush`] writes the batch.
-    fn write(&self, inner: &mut QpInner, message: &Message) -> bool {
-        if inner.writer.is_none() {
-            return false;
+    fn write(&self, inner: &mut QpInner, message: &impl Encode) {
+        if inner.writer.is_some() {
+            message.encode_into(&mut inner.unwritten);
         }
-        inner.unwritten.extend_from_slice(&message.encode());
-        true
     }
 
     /// Writes the queued messages in one go; on failure the QP goes to ERROR.
@@ -292,6 +320,7 @@ impl QpShared {
         if inner.unwritten.is_empty() {
             return;
         }
+        self.responses_pending.store(false, AtomicOrdering::Relaxed);
         let batch = std::mem::take(&mut inner.unwritten);
         let (Some(writer), Some(ring)) = (inner.writer.as_ref(), inner.ring.as_ref()) else {
             return;
@@ -314,6 +343,7 @@ impl QpShared {
         }
         inner.state = QpState::Error;
         inner.rnr_resend_at = None;
+        self.rnr_pending.store(false, AtomicOrdering::Relaxed);
         // Messages already queued (e.g. the NAK that explains this error)
         // still go out, best effort, before the wire closes.
         let unwritten = std::mem::take(&mut inner.unwritten);
@@ -361,20 +391,23 @@ impl QpShared {
                 .map_or(std::time::Duration::from_millis(100), |at| {
                     at.saturating_duration_since(Instant::now())
                 });
-            // While a caller polls, producers skip doorbells: nap, don't sleep.
-            let timeout = if ring.polled_recently() {
-                timeout.min(super::ring::POLLED_ENGINE_NAP)
-            } else {
-                timeout
-            };
-            let _ = waiter.set_read_timeout(Some(timeout.max(std::time::Duration::from_micros(1))));
-            // Say we sleep, look once more, then sleep: a producer that
-            // publishes after our look sees the flag and rings the doorbell.
-            ring.set_sleeping(true);
-            if !ring.has_data() {
+            // While a caller polls it reads the ring itself: nap with the
+            // sleeping flag clear (producers ring no doorbell), don't sleep.
+            if ring.polled_recently() {
+                let nap = timeout.min(super::ring::POLLED_ENGINE_NAP);
+                let _ = waiter.set_read_timeout(Some(nap.max(std::time::Duration::from_micros(1))));
                 wire::wait_for_data(&waiter);
+            } else {
+                let _ =
+                    waiter.set_read_timeout(Some(timeout.max(std::time::Duration::from_micros(1))));
+                // Say we sleep, look once more, then sleep: a producer that
+                // publishes after our look sees the flag and rings the doorbell.
+                ring.set_sleeping(true);
+                if !ring.has_data() {
+                    wire::wait_for_data(&waiter);
+                }
+                ring.set_sleeping(false);
             }
-            ring.set_sleeping(false);
             if self.generation.load(AtomicOrdering::SeqCst) != generation || !self.progress() {
                 return;
             }
@@ -382,23 +415,33 @@ impl QpShared {
     }
 
     /// Progress on behalf of a caller polling a CQ: marks the process as
-    /// polling (producers skip doorbells for a while) and reads the ring
+    /// polling (its engine thread then naps without asking for doorbells),
+    /// writes the acknowledgements the previous poll left, and reads the ring
     /// only; the socket (doorbells, EOF) is the engine thread's, which keeps
     /// watching it. No system call per poll.
-    pub(crate) fn progress_polled(&self) -> bool {
-        if let Ok(guard) = self.reader.try_lock() {
-            if let Some((_, _, ring)) = guard.as_ref() {
-                ring.note_poll();
-            }
+    ///
+    /// The common case, nothing arrived, nothing to acknowledge and no RNR
+    /// timer pending, takes no lock: a few atomic loads.
+    pub(crate) fn progress_polled(&self) {
+        let Some(ring) = self.polled_ring.get() else {
+            return;
+        };
+        ring.note_poll();
+        if self.responses_pending.load(AtomicOrdering::Relaxed) {
+            self.flush(&mut self.lock());
         }
-        self.progress_from(false)
+        if ring.has_data() || self.rnr_pending.load(AtomicOrdering::Relaxed) {
+            self.progress_from(false);
+        }
     }
 
     /// The caller that polled stopped (it armed the CQ to sleep).
     pub(crate) fn stop_polling(&self) {
-        if let Some(ring) = self.lock().ring.as_ref() {
+        let mut inner = self.lock();
+        if let Some(ring) = inner.ring.as_ref() {
             ring.stop_polling();
         }
+        self.flush(&mut inner);
     }
 
     /// Executes every request and response waiting on the wire, without
@@ -431,8 +474,16 @@ impl QpShared {
                         self.on_response(&mut inner, response)
                     }
                     Ok(ReadOutcome::TimedOut) => {
-                        // The wire is drained: acknowledge the whole batch at once.
-                        self.flush(&mut inner);
+                        // The wire is drained: acknowledge the whole batch at
+                        // once. A polling caller leaves the acknowledgements
+                        // for its next post_send (one ring write for both) or
+                        // its next poll, whichever comes first, so its
+                        // completions reach it one ring write sooner.
+                        if check_socket {
+                            self.flush(&mut inner);
+                        } else if !inner.unwritten.is_empty() {
+                            self.responses_pending.store(true, AtomicOrdering::Relaxed);
+                        }
                         break;
                     }
                     Ok(ReadOutcome::Closed) | Err(_) => {
@@ -453,6 +504,7 @@ impl QpShared {
         let mut inner = self.lock();
         if inner.rnr_resend_at.is_some_and(|at| Instant::now() >= at) {
             inner.rnr_resend_at = None;
+            self.rnr_pending.store(false, AtomicOrdering::Relaxed);
             self.send_unsent(&mut inner);
         }
         inner.state != QpState::Error
@@ -480,7 +532,7 @@ impl QpShared {
             Outcome::Ack | Outcome::AtomicAck(_) => inner.expected_seq += 1,
             Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation => {}
         }
-        self.write(inner, &Message::Response(Response { seq, outcome }));
+        self.write(inner, &Response { seq, outcome });
         if matches!(
             outcome,
             Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation
@@ -501,14 +553,6 @@ impl QpShared {
         inner.peer.map_or(0, |peer| peer.pid)
     }
 
-    /// Copies the request's data (inline or from the initiator's memory) into `dst` (ours).
-    fn pull_into(inner: &QpInner, request: &Request, dst: &[Span]) -> std::io::Result<()> {
-        match &request.inline {
-            Some(bytes) => memory::scatter_own(bytes, dst),
-            None => memory::read_from(Self::peer_pid(inner), &request.spans, dst),
-        }
-    }
-
     fn execute(&self, inner: &mut QpInner, request: Request) -> Outcome {
         let len = request.len();
         match request.op {
@@ -517,31 +561,45 @@ impl QpShared {
                     return Outcome::RnrNak;
                 };
                 let capacity: usize = recv.sg_list.iter().map(|s| s.length as usize).sum();
-                let local_ok = recv
-                    .sg_list
-                    .iter()
-                    .all(|sge| self.check_local(sge, true).is_ok());
-                if !local_ok {
-                    self.recv_cq.push(
-                        self.completion(recv.wr_id, WcStatus::LocProtErr, WcOpcode::Recv, 0, None),
-                        false,
-                    );
-                    return Outcome::RemoteOperation;
-                }
-                if capacity < len {
-                    self.recv_cq.push(
-                        self.completion(recv.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, 0, None),
-                        false,
-                    );
-                    return Outcome::RemoteInvalid;
-                }
                 let spans: Vec<Span> = recv.sg_list.iter().map(|s| (s.addr, s.length)).collect();
-                if Self::pull_into(inner, &request, &memory::truncate(&spans, len)).is_err() {
+                // Checks, and for bytes carried in the descriptor the copy
+                // itself, under one look at the region table.
+                let checked = self.context.with_regions(|regions| {
+                    let local_ok = recv
+                        .sg_list
+                        .iter()
+                        .all(|sge| self.check_local(regions, sge, true).is_ok());
+                    if !local_ok {
+                        return Err((WcStatus::LocProtErr, Outcome::RemoteOperation));
+                    }
+                    if capacity < len {
+                        return Err((WcStatus::LocLenErr, Outcome::RemoteInvalid));
+                    }
+                    if let Some(bytes) = &request.inline {
+                        // SAFETY: every receive SGE lies in a region of ours
+                        // with LOCAL_WRITE (checked just above), registered
+                        // until `with_regions` returns; they hold ≥ len
+                        // bytes; `bytes` is the decoded descriptor's own
+                        // allocation.
+                        unsafe { memory::copy_into_spans(bytes, &spans) };
+                    }
+                    Ok(())
+                });
+                let pulled = checked.and_then(|()| match request.inline {
+                    Some(_) => Ok(()),
+                    None => memory::read_from(
+                        Self::peer_pid(inner),
+                        &request.spans,
+                        &memory::truncate(&spans, len),
+                    )
+                    .map_err(|_| (WcStatus::LocProtErr, Outcome::RemoteOperation)),
+                });
+                if let Err((status, outcome)) = pulled {
                     self.recv_cq.push(
-                        self.completion(recv.wr_id, WcStatus::LocProtErr, WcOpcode::Recv, 0, None),
+                        self.completion(recv.wr_id, status, WcOpcode::Recv, 0, None),
                         false,
                     );
-                    return Outcome::RemoteOperation;
+                    return outcome;
                 }
                 let completion = self.completion(
                     recv.wr_id,
@@ -558,20 +616,35 @@ impl QpShared {
                 rkey,
                 imm,
             } => {
-                if let Err(outcome) =
-                    self.check_remote(rkey, remote_addr, len as u64, AccessFlags::REMOTE_WRITE)
-                {
-                    return outcome;
-                }
-                let recv = match imm {
-                    Some(_) => match self.take_receive(inner) {
-                        Some(recv) => Some(recv),
-                        None => return Outcome::RnrNak,
-                    },
-                    None => None,
+                let target = [(remote_addr, len as u32)];
+                let checked = self.context.with_regions(|regions| {
+                    self.check_remote_in(
+                        regions,
+                        rkey,
+                        remote_addr,
+                        len as u64,
+                        AccessFlags::REMOTE_WRITE,
+                    )?;
+                    let recv = match imm {
+                        Some(_) => Some(self.take_receive(inner).ok_or(Outcome::RnrNak)?),
+                        None => None,
+                    };
+                    if let Some(bytes) = &request.inline {
+                        // SAFETY: the target lies in a region of ours with
+                        // REMOTE_WRITE (checked just above), registered until
+                        // `with_regions` returns; `bytes` is the decoded
+                        // descriptor's own allocation.
+                        unsafe { memory::copy_into_spans(bytes, &target) };
+                    }
+                    Ok(recv)
+                });
+                let recv = match checked {
+                    Ok(recv) => recv,
+                    Err(outcome) => return outcome,
                 };
-                if len > 0
-                    && Self::pull_into(inner, &request, &[(remote_addr, len as u32)]).is_err()
+                if request.inline.is_none()
+                    && len > 0
+                    && memory::read_from(Self::peer_pid(inner), &request.spans, &target).is_err()
                 {
                     return Outcome::RemoteOperation;
                 }
@@ -694,6 +767,7 @@ impl QpShared {
                         inner.rnr_retries_left -= 1;
                     }
                     inner.rnr_resend_at = Some(Instant::now() + inner.options.rnr_timer);
+                    self.rnr_pending.store(true, AtomicOrdering::Relaxed);
                 } else {
                     self.enter_error(inner, Some(WcStatus::RnrRetryExcErr));
                 }
@@ -788,20 +862,25 @@ impl QpShared {
                 Ok(bytes) => inline = Some(bytes),
                 Err(_) => local_error = Some(WcStatus::LocProtErr),
             }
-        } else if let Some(status) = wr
-            .sg_list
-            .iter()
-            .find_map(|sge| self.check_local(sge, wr.op.writes_locally()).err())
-        {
-            local_error = Some(status);
-        } else if !wr.op.writes_locally() && total <= EAGER_COPY_BYTES {
+        } else {
             // Small SENDs and WRITEs carry their bytes in the descriptor (read
             // now, after the lkey checks): the responder then needs no
             // process_vm_readv. The verbs contract already forbids changing
             // the buffer before the completion, so when it is read is ours.
-            if let Ok(bytes) = memory::gather_own(&spans) {
-                inline = Some(bytes);
-            }
+            let eager = !wr.op.writes_locally() && total <= EAGER_COPY_BYTES;
+            self.context.with_regions(|regions| {
+                local_error = wr
+                    .sg_list
+                    .iter()
+                    .find_map(|sge| self.check_local(regions, sge, wr.op.writes_locally()).err());
+                if local_error.is_none() && eager {
+                    let mut bytes = Vec::with_capacity(total as usize);
+                    // SAFETY: every SGE lies in a region of ours (checked just
+                    // above), registered until `with_regions` returns.
+                    unsafe { memory::copy_from_spans(&spans, &mut bytes) };
+                    inline = Some(bytes);
+                }
+            });
         }
         let request = Request {
             seq,
@@ -984,16 +1063,16 @@ impl QueuePair for SoftQp {
             let sendable = local_error.is_none()
                 && inner.rnr_resend_at.is_none()
                 && inner.outstanding.iter().all(|o| o.local_error.is_none());
-            let message = Message::Request(request.clone());
+            if sendable {
+                shared.write(&mut inner, &request);
+            }
             inner.outstanding.push_back(Outstanding {
                 wr,
                 seq,
                 request,
                 local_error,
             });
-            if sendable {
-                shared.write(&mut inner, &message);
-            } else {
+            if !sendable {
                 shared.retire_local_errors(&mut inner);
             }
         }

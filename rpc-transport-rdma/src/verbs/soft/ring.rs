@@ -9,6 +9,13 @@
 //! flag set after publishing writes one byte there. Both sides use SeqCst on
 //! the flag and the head index, so one of them always sees the other (no lost
 //! wake-up).
+//!
+//! While a caller of the consuming process polls (it reads the ring itself),
+//! that process's engine thread does not declare itself asleep: it naps at
+//! most [`POLLED_ENGINE_NAP`] with the flag clear, so producers ring no
+//! doorbell (no system call, no thread woken to compete with the poller).
+//! When the polling stops, the engine's next nap ends within that bound and
+//! it goes back to sleeping with the flag set.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -18,15 +25,14 @@ use std::time::{Duration, Instant};
 
 /// Bytes of ring data per direction.
 pub(crate) const RING_BYTES: usize = 4 << 20;
-/// Control block before each direction's data: head, tail, sleeping and
-/// the consumer's last poll time, each on its own cache line.
+/// Control block before each direction's data: head, tail and sleeping,
+/// each on its own cache line.
 const CONTROL: usize = 256;
-/// A consumer that polled this recently is taken to be polling still: the
-/// producer skips the doorbell (a system call and a thread wake-up).
-const POLL_GRACE_NS: u64 = 50_000;
-/// While its process polls, the engine thread sleeps at most this long, which
-/// bounds the wait of a message whose doorbell was skipped just as the
-/// polling stopped.
+/// A caller that polled this recently is taken to be polling still.
+const POLL_GRACE_NS: u64 = 100_000;
+/// While its process polls, the engine thread naps at most this long (with
+/// the sleeping flag clear), which bounds the wait of a message that arrives
+/// just as the polling stops.
 pub(crate) const POLLED_ENGINE_NAP: Duration = Duration::from_millis(1);
 const HALF: usize = CONTROL + RING_BYTES;
 /// How long a producer waits for room before declaring the peer stuck.
@@ -57,6 +63,12 @@ pub(crate) struct RingPair {
     mapping: Mapping,
     /// Which half we produce into (0: dialer → acceptor).
     tx: usize,
+    /// The producer's last look at the consumer's tail (process-local): room
+    /// is known without touching the consumer's cache line until it runs out.
+    seen_tail: AtomicU64,
+    /// When a caller of this process last polled our side (process-local;
+    /// 0: not polling).
+    polled_at: AtomicU64,
 }
 
 impl std::fmt::Debug for RingPair {
@@ -99,15 +111,21 @@ impl RingPair {
             return Err(io::Error::last_os_error());
         }
         let mapping = map(fd.as_raw_fd())?;
-        Ok((RingPair { mapping, tx: 0 }, fd))
+        Ok((RingPair::new(mapping, 0), fd))
     }
 
     /// Maps the shared memory the dialer passed (accepting side).
     pub(crate) fn open(fd: &OwnedFd) -> io::Result<RingPair> {
-        Ok(RingPair {
-            mapping: map(fd.as_raw_fd())?,
-            tx: 1,
-        })
+        Ok(RingPair::new(map(fd.as_raw_fd())?, 1))
+    }
+
+    fn new(mapping: Mapping, tx: usize) -> RingPair {
+        RingPair {
+            mapping,
+            tx,
+            seen_tail: AtomicU64::new(0),
+            polled_at: AtomicU64::new(0),
+        }
     }
 
     fn control(&self, half: usize, slot: usize) -> *mut u8 {
@@ -130,11 +148,6 @@ impl RingPair {
         unsafe { AtomicU32::from_ptr(self.control(half, 2).cast()) }
     }
 
-    fn polled_at(&self, half: usize) -> &AtomicU64 {
-        // SAFETY: an 8-byte aligned word of the shared mapping, only used atomically.
-        unsafe { AtomicU64::from_ptr(self.control(half, 3).cast()) }
-    }
-
     fn data(&self, half: usize) -> *mut u8 {
         // SAFETY: inside the mapping.
         unsafe { self.mapping.base.add(half * HALF + CONTROL) }
@@ -152,7 +165,11 @@ impl RingPair {
         let deadline = Instant::now() + FULL_TIMEOUT;
         while written < bytes.len() {
             let head = self.head(half).load(Ordering::Relaxed);
-            let tail = self.tail(half).load(Ordering::Acquire);
+            let mut tail = self.seen_tail.load(Ordering::Relaxed);
+            if RING_BYTES - ((head - tail) as usize) < bytes.len() - written {
+                tail = self.tail(half).load(Ordering::Acquire);
+                self.seen_tail.store(tail, Ordering::Relaxed);
+            }
             let room = RING_BYTES - (head - tail) as usize;
             if room == 0 {
                 // Wake the consumer if it sleeps, then wait for it to drain.
@@ -192,10 +209,6 @@ impl RingPair {
     }
 
     fn doorbell(&self, socket: &UnixStream) {
-        let polled_at = self.polled_at(self.tx).load(Ordering::Relaxed);
-        if monotonic_ns().saturating_sub(polled_at) < POLL_GRACE_NS {
-            return;
-        }
         if self.sleeping(self.tx).load(Ordering::SeqCst) != 0 {
             let byte = [1u8];
             // SAFETY: one readable byte; the fd belongs to `socket`. A full
@@ -241,19 +254,19 @@ impl RingPair {
 
     /// Records that a caller of this process is polling for our messages.
     pub(crate) fn note_poll(&self) {
-        self.polled_at(self.rx())
-            .store(monotonic_ns(), Ordering::Relaxed);
+        self.polled_at.store(monotonic_ns(), Ordering::Relaxed);
     }
 
-    /// Records that the polling caller stopped: doorbells are needed again.
+    /// Records that the polling caller stopped (it is about to sleep).
     pub(crate) fn stop_polling(&self) {
-        self.polled_at(self.rx()).store(0, Ordering::SeqCst);
+        self.polled_at.store(0, Ordering::Relaxed);
     }
 
-    /// True when a caller of this process polled recently (the engine then naps, not sleeps).
+    /// True when a caller of this process polled within the grace period
+    /// (the engine then naps with the sleeping flag clear).
     pub(crate) fn polled_recently(&self) -> bool {
-        let polled_at = self.polled_at(self.rx()).load(Ordering::Relaxed);
-        monotonic_ns().saturating_sub(polled_at) < 10 * 1_000_000
+        let polled_at = self.polled_at.load(Ordering::Relaxed);
+        monotonic_ns().saturating_sub(polled_at) < POLL_GRACE_NS
     }
 
     /// Declares (or clears) that our consumer is about to sleep on the socket.

@@ -95,77 +95,101 @@ fn put_opt_u32(out: &mut Vec<u8>, value: Option<u32>) {
     out.extend_from_slice(&value.unwrap_or(0).to_le_bytes());
 }
 
-impl Message {
-    /// Length-prefixed encoding.
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = vec![0u8; 4];
-        match self {
-            Message::Request(request) => {
-                out.push(REQUEST);
-                out.extend_from_slice(&request.seq.to_le_bytes());
-                out.push(request.solicited as u8);
-                let (kind, a, b, c, d): (u8, u64, u32, u64, u64) = match request.op {
-                    RequestOp::Send { .. } => (1, 0, 0, 0, 0),
-                    RequestOp::Write {
-                        remote_addr, rkey, ..
-                    } => (2, remote_addr, rkey, 0, 0),
-                    RequestOp::Read { remote_addr, rkey } => (3, remote_addr, rkey, 0, 0),
-                    RequestOp::CompareSwap {
-                        remote_addr,
-                        rkey,
-                        compare,
-                        swap,
-                    } => (4, remote_addr, rkey, compare, swap),
-                    RequestOp::FetchAdd {
-                        remote_addr,
-                        rkey,
-                        add,
-                    } => (5, remote_addr, rkey, add, 0),
-                };
-                let imm = match request.op {
-                    RequestOp::Send { imm } | RequestOp::Write { imm, .. } => imm,
-                    _ => None,
-                };
-                out.push(kind);
-                put_opt_u32(&mut out, imm);
-                out.extend_from_slice(&a.to_le_bytes());
-                out.extend_from_slice(&b.to_le_bytes());
-                out.extend_from_slice(&c.to_le_bytes());
-                out.extend_from_slice(&d.to_le_bytes());
-                out.extend_from_slice(&(request.spans.len() as u32).to_le_bytes());
-                for (addr, len) in &request.spans {
-                    out.extend_from_slice(&addr.to_le_bytes());
-                    out.extend_from_slice(&len.to_le_bytes());
-                }
-                match &request.inline {
-                    Some(bytes) => {
-                        out.push(1);
-                        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-                        out.extend_from_slice(bytes);
-                    }
-                    None => out.push(0),
-                }
-            }
-            Message::Response(response) => {
-                out.push(RESPONSE);
-                out.extend_from_slice(&response.seq.to_le_bytes());
-                let (code, value) = match response.outcome {
-                    Outcome::Ack => (0u8, 0u64),
-                    Outcome::AtomicAck(old) => (1, old),
-                    Outcome::RnrNak => (2, 0),
-                    Outcome::RemoteAccess => (3, 0),
-                    Outcome::RemoteInvalid => (4, 0),
-                    Outcome::RemoteOperation => (5, 0),
-                };
-                out.push(code);
-                out.extend_from_slice(&value.to_le_bytes());
-            }
-        }
-        let len = (out.len() - 4) as u32;
-        out[..4].copy_from_slice(&len.to_le_bytes());
-        out
-    }
+/// Appends a length-prefixed encoding to a buffer (no allocation of its own).
+pub(crate) trait Encode {
+    fn encode_into(&self, out: &mut Vec<u8>);
+}
 
+/// Writes the 4-byte length placeholder, runs `body`, then fills it in.
+fn framed(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
+    let at = out.len();
+    out.extend_from_slice(&[0u8; 4]);
+    body(out);
+    let len = (out.len() - at - 4) as u32;
+    out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+}
+
+impl Encode for Request {
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        let request = self;
+        framed(out, |out| {
+            out.push(REQUEST);
+            out.extend_from_slice(&request.seq.to_le_bytes());
+            out.push(request.solicited as u8);
+            let (kind, a, b, c, d): (u8, u64, u32, u64, u64) = match request.op {
+                RequestOp::Send { .. } => (1, 0, 0, 0, 0),
+                RequestOp::Write {
+                    remote_addr, rkey, ..
+                } => (2, remote_addr, rkey, 0, 0),
+                RequestOp::Read { remote_addr, rkey } => (3, remote_addr, rkey, 0, 0),
+                RequestOp::CompareSwap {
+                    remote_addr,
+                    rkey,
+                    compare,
+                    swap,
+                } => (4, remote_addr, rkey, compare, swap),
+                RequestOp::FetchAdd {
+                    remote_addr,
+                    rkey,
+                    add,
+                } => (5, remote_addr, rkey, add, 0),
+            };
+            let imm = match request.op {
+                RequestOp::Send { imm } | RequestOp::Write { imm, .. } => imm,
+                _ => None,
+            };
+            out.push(kind);
+            put_opt_u32(out, imm);
+            out.extend_from_slice(&a.to_le_bytes());
+            out.extend_from_slice(&b.to_le_bytes());
+            out.extend_from_slice(&c.to_le_bytes());
+            out.extend_from_slice(&d.to_le_bytes());
+            out.extend_from_slice(&(request.spans.len() as u32).to_le_bytes());
+            for (addr, len) in &request.spans {
+                out.extend_from_slice(&addr.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
+            match &request.inline {
+                Some(bytes) => {
+                    out.push(1);
+                    out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+                    out.extend_from_slice(bytes);
+                }
+                None => out.push(0),
+            }
+        });
+    }
+}
+
+impl Encode for Response {
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        framed(out, |out| {
+            out.push(RESPONSE);
+            out.extend_from_slice(&self.seq.to_le_bytes());
+            let (code, value) = match self.outcome {
+                Outcome::Ack => (0u8, 0u64),
+                Outcome::AtomicAck(old) => (1, old),
+                Outcome::RnrNak => (2, 0),
+                Outcome::RemoteAccess => (3, 0),
+                Outcome::RemoteInvalid => (4, 0),
+                Outcome::RemoteOperation => (5, 0),
+            };
+            out.push(code);
+            out.extend_from_slice(&value.to_le_bytes());
+        });
+    }
+}
+
+impl Encode for Message {
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        match self {
+            Message::Request(request) => request.encode_into(out),
+            Message::Response(response) => response.encode_into(out),
+        }
+    }
+}
+
+impl Message {
     fn decode(body: &[u8]) -> io::Result<Message> {
         let bad = || {
             io::Error::new(
@@ -281,6 +305,8 @@ impl<'a> Cursor<'a> {
 /// time-outs in the middle of a message.
 pub(crate) struct MessageReader {
     buf: Vec<u8>,
+    /// What one read lands in (kept, so a read does not zero a fresh one).
+    chunk: Box<[u8]>,
     /// Where the next message starts in `buf` (consumed bytes are dropped in
     /// bulk, not one message at a time).
     start: usize,
@@ -299,6 +325,7 @@ impl MessageReader {
     pub(crate) fn new() -> MessageReader {
         MessageReader {
             buf: Vec::with_capacity(4096),
+            chunk: vec![0u8; 8192].into_boxed_slice(),
             start: 0,
         }
     }
@@ -333,15 +360,14 @@ impl MessageReader {
             if let Some(message) = self.take_message()? {
                 return Ok(ReadOutcome::Message(message));
             }
-            let mut chunk = [0u8; 8192];
-            match stream.read(&mut chunk) {
+            match stream.read(&mut self.chunk) {
                 Ok(0) => return Ok(ReadOutcome::Closed),
                 Ok(n) => {
                     if self.start > 0 {
                         self.buf.drain(..self.start);
                         self.start = 0;
                     }
-                    self.buf.extend_from_slice(&chunk[..n]);
+                    self.buf.extend_from_slice(&self.chunk[..n]);
                 }
                 Err(error)
                     if matches!(
@@ -450,7 +476,10 @@ mod tests {
                 outcome: Outcome::RnrNak,
             }),
         ];
-        let bytes: Vec<u8> = messages.iter().flat_map(Message::encode).collect();
+        let mut bytes = Vec::new();
+        for message in &messages {
+            message.encode_into(&mut bytes);
+        }
         // Feed one byte at a time.
         struct Dribble<'a>(&'a [u8]);
         impl Read for Dribble<'_> {
