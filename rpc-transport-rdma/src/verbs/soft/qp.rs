@@ -57,6 +57,9 @@ struct QpInner {
     ring: Option<Arc<RingPair>>,
     /// Messages encoded but not yet written: one write per batch, not per message.
     unwritten: Vec<u8>,
+    /// Something in `unwritten` needs the peer awake (a request, a NAK, an
+    /// acknowledgement the initiator asked for).
+    unwritten_wakes: bool,
     next_seq: u64,
     outstanding: VecDeque<Outstanding>,
     recv_queue: VecDeque<RecvWr>,
@@ -142,6 +145,7 @@ pub(crate) fn create(
             writer: None,
             ring: None,
             unwritten: Vec::new(),
+            unwritten_wakes: false,
             next_seq: 0,
             outstanding: VecDeque::new(),
             recv_queue: VecDeque::new(),
@@ -300,18 +304,22 @@ impl QpShared {
         let QpInner {
             outstanding,
             unwritten,
+            unwritten_wakes,
             ..
         } = inner;
         for o in outstanding.iter().take_while(|o| o.local_error.is_none()) {
             o.request.encode_into(unwritten);
+            *unwritten_wakes = true;
         }
         self.flush(inner);
     }
 
     /// Queues a message for the peer; [`QpShared::flush`] writes the batch.
-    fn write(&self, inner: &mut QpInner, message: &impl Encode) {
+    /// `wake`: the peer must not sleep through this message.
+    fn write(&self, inner: &mut QpInner, message: &impl Encode, wake: bool) {
         if inner.writer.is_some() {
             message.encode_into(&mut inner.unwritten);
+            inner.unwritten_wakes |= wake;
         }
     }
 
@@ -322,10 +330,11 @@ impl QpShared {
         }
         self.responses_pending.store(false, AtomicOrdering::Relaxed);
         let batch = std::mem::take(&mut inner.unwritten);
+        let wake = std::mem::take(&mut inner.unwritten_wakes);
         let (Some(writer), Some(ring)) = (inner.writer.as_ref(), inner.ring.as_ref()) else {
             return;
         };
-        if ring.send(&batch, writer).is_err() {
+        if ring.send(&batch, writer, wake).is_err() {
             self.enter_error(inner, Some(WcStatus::RetryExcErr));
         } else {
             // Keep the allocation for the next batch.
@@ -352,7 +361,7 @@ impl QpShared {
             inner.writer.as_ref(),
             inner.ring.as_ref(),
         ) {
-            let _ = ring.send(&unwritten, writer);
+            let _ = ring.send(&unwritten, writer, true);
         }
         for (i, outstanding) in inner.outstanding.drain(..).enumerate() {
             let status = match (i, first) {
@@ -384,22 +393,39 @@ impl QpShared {
     /// The engine thread: sleeps until the wire is readable (or an RNR timer
     /// is due), then progresses the QP.
     fn engine(self: Arc<Self>, waiter: UnixStream, ring: Arc<RingPair>, generation: u64) {
+        // The socket's read time-out, set only when it changes (a system call).
+        let mut read_timeout = None;
+        let mut set_timeout = |timeout: std::time::Duration| {
+            let timeout = timeout.max(std::time::Duration::from_micros(1));
+            if read_timeout != Some(timeout) {
+                let _ = waiter.set_read_timeout(Some(timeout));
+                read_timeout = Some(timeout);
+            }
+        };
         loop {
-            let timeout = self
-                .lock()
-                .rnr_resend_at
-                .map_or(std::time::Duration::from_millis(100), |at| {
-                    at.saturating_duration_since(Instant::now())
-                });
+            let rnr_due = self.lock().rnr_resend_at;
             // While a caller polls it reads the ring itself: nap with the
-            // sleeping flag clear (producers ring no doorbell), don't sleep.
-            if ring.polled_recently() {
-                let nap = timeout.min(super::ring::POLLED_ENGINE_NAP);
-                let _ = waiter.set_read_timeout(Some(nap.max(std::time::Duration::from_micros(1))));
+            // sleeping flag clear (no doorbells), don't sleep. The second look
+            // catches a caller that stopped (and set the flag for us) between
+            // the first look and the clearing.
+            let polled = ring.polled_recently() && {
+                ring.set_sleeping(false);
+                ring.polled_recently()
+            };
+            if polled {
+                let nap = rnr_due.map_or(super::ring::POLLED_ENGINE_NAP, |at| {
+                    at.saturating_duration_since(Instant::now())
+                        .min(super::ring::POLLED_ENGINE_NAP)
+                });
+                set_timeout(nap);
                 wire::wait_for_data(&waiter);
             } else {
-                let _ =
-                    waiter.set_read_timeout(Some(timeout.max(std::time::Duration::from_micros(1))));
+                // Rounded to whole milliseconds, so the time-out rarely changes.
+                let timeout = rnr_due.map_or(std::time::Duration::from_millis(100), |at| {
+                    let left = at.saturating_duration_since(Instant::now());
+                    std::time::Duration::from_millis(left.as_millis() as u64 + 1)
+                });
+                set_timeout(timeout);
                 // Say we sleep, look once more, then sleep: a producer that
                 // publishes after our look sees the flag and rings the doorbell.
                 ring.set_sleeping(true);
@@ -459,12 +485,16 @@ impl QpShared {
             Err(std::sync::TryLockError::Poisoned(poison)) => poison.into_inner(),
         };
         if let Some((stream, reader, ring)) = guard.as_mut() {
+            // Doorbells first, so that once the ring is read (and completions
+            // raised, waking their waiter) no system call is left in this
+            // pass. After EOF the ring is still read: whatever the peer
+            // published before it went is ours.
+            let peer_gone = check_socket && drain_doorbells(stream);
             loop {
-                let outcome = reader.read(&mut RingStream {
-                    ring,
-                    socket: stream,
-                    check_socket,
-                });
+                let outcome = match reader.read(&mut RingReader(ring)) {
+                    Ok(ReadOutcome::TimedOut) if peer_gone => Ok(ReadOutcome::Closed),
+                    outcome => outcome,
+                };
                 let mut inner = self.lock();
                 match outcome {
                     Ok(ReadOutcome::Message(Message::Request(request))) => {
@@ -526,13 +556,15 @@ impl QpShared {
             return;
         }
         let seq = request.seq;
+        let request_wants_ack = request.ack_wanted;
         let outcome = self.execute(inner, request);
         match outcome {
             Outcome::RnrNak => {}
             Outcome::Ack | Outcome::AtomicAck(_) => inner.expected_seq += 1,
             Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation => {}
         }
-        self.write(inner, &Response { seq, outcome });
+        let wake = request_wants_ack || !matches!(outcome, Outcome::Ack | Outcome::AtomicAck(_));
+        self.write(inner, &Response { seq, outcome }, wake);
         if matches!(
             outcome,
             Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation
@@ -886,6 +918,7 @@ impl QpShared {
             seq,
             op,
             solicited: wr.solicited,
+            ack_wanted: wr.signaled || self.sq_sig_all,
             spans: if inline.is_some() { vec![] } else { spans },
             inline,
         };
@@ -1055,16 +1088,20 @@ impl QueuePair for SoftQp {
                 return reject(VerbsError::QueueFull("send queue"), wr, wrs);
             }
             let seq = inner.next_seq;
-            let (request, local_error) = match shared.build_request(&wr, seq) {
+            let (mut request, local_error) = match shared.build_request(&wr, seq) {
                 Ok(built) => built,
                 Err(error) => return reject(error, wr, wrs),
             };
+            // Unsignaled requests are acknowledged lazily, unless the send
+            // queue is filling up and needs its slots back.
+            request.ack_wanted |=
+                2 * (inner.outstanding.len() + 1) >= shared.caps.max_send_wr as usize;
             inner.next_seq += 1;
             let sendable = local_error.is_none()
                 && inner.rnr_resend_at.is_none()
                 && inner.outstanding.iter().all(|o| o.local_error.is_none());
             if sendable {
-                shared.write(&mut inner, &request);
+                shared.write(&mut inner, &request, true);
             }
             inner.outstanding.push_back(Outstanding {
                 wr,
@@ -1120,36 +1157,30 @@ impl QueuePair for SoftQp {
     }
 }
 
-/// What the wire reader reads: the ring first; the socket only for doorbell
-/// bytes (dropped) and EOF.
-struct RingStream<'a> {
-    ring: &'a RingPair,
-    socket: &'a UnixStream,
-    /// Also read the socket (doorbells, EOF) when the ring is empty.
-    check_socket: bool,
+/// What the wire reader reads: the ring (WouldBlock when it is empty).
+struct RingReader<'a>(&'a RingPair);
+
+impl std::io::Read for RingReader<'_> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        match self.0.receive(out) {
+            0 => Err(std::io::ErrorKind::WouldBlock.into()),
+            n => Ok(n),
+        }
+    }
 }
 
-impl std::io::Read for RingStream<'_> {
-    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.ring.receive(out);
-        if n > 0 {
-            return Ok(n);
-        }
-        if !self.check_socket {
-            return Err(std::io::ErrorKind::WouldBlock.into());
-        }
-        let mut doorbells = [0u8; 64];
-        loop {
-            match wire::NonBlocking(self.socket).read(&mut doorbells) {
-                // EOF: whatever the peer published before it went is still ours.
-                Ok(0) => return Ok(self.ring.receive(out)),
-                Ok(_) => continue,
-                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                    let n = self.ring.receive(out);
-                    return if n > 0 { Ok(n) } else { Err(error) };
-                }
-                Err(error) => return Err(error),
-            }
+/// Reads and drops the doorbell bytes waiting on the socket; true when the
+/// peer closed it (or it failed).
+fn drain_doorbells(socket: &UnixStream) -> bool {
+    use std::io::Read;
+    let mut doorbells = [0u8; 64];
+    loop {
+        match wire::NonBlocking(socket).read(&mut doorbells) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return true,
         }
     }
 }

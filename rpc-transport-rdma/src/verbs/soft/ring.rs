@@ -158,8 +158,10 @@ impl RingPair {
     }
 
     /// Appends `bytes` (the caller is the only producer), waiting while the
-    /// ring is full; then rings the doorbell on `socket` if the consumer sleeps.
-    pub(crate) fn send(&self, bytes: &[u8], socket: &UnixStream) -> io::Result<()> {
+    /// ring is full; then, when `wake`, rings the doorbell on `socket` if the
+    /// consumer sleeps. Without `wake` the bytes wait for the consumer's next
+    /// look (it is woken for a full ring all the same).
+    pub(crate) fn send(&self, bytes: &[u8], socket: &UnixStream, wake: bool) -> io::Result<()> {
         let half = self.tx;
         let mut written = 0;
         let deadline = Instant::now() + FULL_TIMEOUT;
@@ -201,10 +203,19 @@ impl RingPair {
                     n - first,
                 );
             }
-            self.head(half).store(head + n as u64, Ordering::SeqCst);
+            // SeqCst orders the store before the `sleeping` check (no lost
+            // wake-up); without a doorbell to decide, Release publishes.
+            let order = if wake {
+                Ordering::SeqCst
+            } else {
+                Ordering::Release
+            };
+            self.head(half).store(head + n as u64, order);
             written += n;
         }
-        self.doorbell(socket);
+        if wake {
+            self.doorbell(socket);
+        }
         Ok(())
     }
 
@@ -257,15 +268,20 @@ impl RingPair {
         self.polled_at.store(monotonic_ns(), Ordering::Relaxed);
     }
 
-    /// Records that the polling caller stopped (it is about to sleep).
+    /// Records that the polling caller stopped (it is about to sleep) and
+    /// asks producers for doorbells at once, on the engine's behalf (it may
+    /// be napping with the flag clear). The caller looks at the ring once
+    /// more after this (its last poll before sleeping), which covers what was
+    /// published before the flag.
     pub(crate) fn stop_polling(&self) {
-        self.polled_at.store(0, Ordering::Relaxed);
+        self.polled_at.store(0, Ordering::SeqCst);
+        self.set_sleeping(true);
     }
 
     /// True when a caller of this process polled within the grace period
     /// (the engine then naps with the sleeping flag clear).
     pub(crate) fn polled_recently(&self) -> bool {
-        let polled_at = self.polled_at.load(Ordering::Relaxed);
+        let polled_at = self.polled_at.load(Ordering::SeqCst);
         monotonic_ns().saturating_sub(polled_at) < POLL_GRACE_NS
     }
 
@@ -387,7 +403,7 @@ mod tests {
         let mut got = Vec::new();
         let mut buffer = vec![0u8; 65536];
         for _ in 0..20 {
-            producer.send(&chunk, &socket).unwrap();
+            producer.send(&chunk, &socket, true).unwrap();
             let mut round = 0;
             while round < chunk.len() {
                 let n = consumer.receive(&mut buffer);
@@ -406,7 +422,7 @@ mod tests {
         let consumer = RingPair::open(&fd).unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
         consumer.set_sleeping(true);
-        producer.send(b"hello", &ours).unwrap();
+        producer.send(b"hello", &ours, true).unwrap();
         let mut byte = [0u8; 1];
         use std::io::Read;
         (&theirs).read_exact(&mut byte).unwrap();

@@ -13,6 +13,11 @@ pub(crate) struct Request {
     pub(crate) seq: u64,
     pub(crate) op: RequestOp,
     pub(crate) solicited: bool,
+    /// The initiator wants the acknowledgement promptly (the work request is
+    /// signaled, or its send queue fills up): the responder rings the
+    /// doorbell for it. Other acknowledgements wait in the ring until the
+    /// initiator next looks, as a sleeping initiator has nothing to complete.
+    pub(crate) ack_wanted: bool,
     /// The initiator's memory: the data source of sends and writes, the
     /// destination of reads. Empty for inline sends.
     pub(crate) spans: Vec<Span>,
@@ -115,7 +120,7 @@ impl Encode for Request {
         framed(out, |out| {
             out.push(REQUEST);
             out.extend_from_slice(&request.seq.to_le_bytes());
-            out.push(request.solicited as u8);
+            out.push(u8::from(request.solicited) | (u8::from(request.ack_wanted) << 1));
             let (kind, a, b, c, d): (u8, u64, u32, u64, u64) = match request.op {
                 RequestOp::Send { .. } => (1, 0, 0, 0, 0),
                 RequestOp::Write {
@@ -201,7 +206,8 @@ impl Message {
         match cursor.u8().ok_or_else(bad)? {
             REQUEST => {
                 let seq = cursor.u64().ok_or_else(bad)?;
-                let solicited = cursor.u8().ok_or_else(bad)? != 0;
+                let flags = cursor.u8().ok_or_else(bad)?;
+                let (solicited, ack_wanted) = (flags & 1 != 0, flags & 2 != 0);
                 let kind = cursor.u8().ok_or_else(bad)?;
                 let has_imm = cursor.u8().ok_or_else(bad)? != 0;
                 let imm_value = cursor.u32().ok_or_else(bad)?;
@@ -253,6 +259,7 @@ impl Message {
                     seq,
                     op,
                     solicited,
+                    ack_wanted,
                     spans,
                     inline,
                 }))
@@ -445,6 +452,7 @@ mod tests {
                     imm: Some(9),
                 },
                 solicited: true,
+                ack_wanted: false,
                 spans: vec![(0x2000, 16), (0x3000, 8)],
                 inline: None,
             }),
@@ -452,6 +460,7 @@ mod tests {
                 seq: 2,
                 op: RequestOp::Send { imm: None },
                 solicited: false,
+                ack_wanted: true,
                 spans: vec![],
                 inline: Some(b"tiny".to_vec()),
             }),
@@ -464,6 +473,7 @@ mod tests {
                     swap: 3,
                 },
                 solicited: false,
+                ack_wanted: true,
                 spans: vec![(0x10, 8)],
                 inline: None,
             }),
