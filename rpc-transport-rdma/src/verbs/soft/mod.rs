@@ -25,6 +25,7 @@
 mod memory;
 mod qp;
 mod ring;
+mod wake;
 mod wire;
 
 use std::any::Any;
@@ -152,8 +153,9 @@ pub(crate) fn rendezvous_name(pid: u32, context: u64) -> Vec<u8> {
     format!("rdma-rpc-soft.{pid}.{context}").into_bytes()
 }
 
-/// Handshake a dialing QP sends: target qpn, own qpn, own pid, own context.
-pub(crate) const HANDSHAKE_LEN: usize = 20;
+/// Handshake a dialing QP sends: target qpn, own qpn, own pid, own context,
+/// waker flags (with the ring's fd and its channels' eventfds).
+pub(crate) const HANDSHAKE_LEN: usize = 21;
 
 fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
     for stream in listener.incoming() {
@@ -163,12 +165,15 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
         let Ok(mut stream) = stream else { continue };
         let mut handshake = [0u8; HANDSHAKE_LEN];
         // The dialer sends the shared-memory rings' fd with the handshake.
-        let ring = match ring::receive_with_fd(&stream, &mut handshake) {
-            Ok(Some(fd)) => match ring::RingPair::open(&fd) {
-                Ok(ring) => ring,
-                Err(_) => continue,
-            },
-            _ => continue,
+        let Ok(fds) = ring::receive_with_fds(&stream, &mut handshake) else {
+            continue;
+        };
+        let mut fds = fds.into_iter();
+        let Some(Ok(ring)) = fds.next().map(|fd| ring::RingPair::open(&fd)) else {
+            continue;
+        };
+        let Ok(wakers) = wake::PeerWakers::from_set_up(handshake[20], &mut fds) else {
+            continue;
         };
         let u32_at = |at: usize| u32::from_le_bytes(handshake[at..at + 4].try_into().expect("4"));
         let (target, peer_qp_num, peer_pid) = (u32_at(0), u32_at(4), u32_at(8));
@@ -184,6 +189,7 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
                     qp_num: peer_qp_num,
                 },
                 false,
+                wakers,
             ),
             None => {
                 let _ = stream.write_all(&[0]);
@@ -251,15 +257,24 @@ impl Context for SoftContext {
             None => None,
         };
         let id = self.shared.next_cq_id.fetch_add(1, Ordering::Relaxed);
-        Ok(Arc::new(SoftCq {
-            inner: Arc::new(CqShared {
-                id,
-                capacity,
-                state: Mutex::default(),
-                channel,
-                sources: Mutex::default(),
-            }),
-        }))
+        let arm = match channel {
+            Some(_) => Some(wake::ArmWord::create()?),
+            None => None,
+        };
+        let inner = Arc::new(CqShared {
+            id,
+            capacity,
+            state: Mutex::default(),
+            channel,
+            arm,
+            sources: Mutex::default(),
+        });
+        if let Some(channel) = &inner.channel {
+            let mut cqs = lock(&channel.cqs);
+            cqs.retain(|cq| cq.strong_count() > 0);
+            cqs.push(Arc::downgrade(&inner));
+        }
+        Ok(Arc::new(SoftCq { inner }))
     }
 }
 
@@ -366,8 +381,6 @@ impl Drop for SoftMr {
 #[derive(Default)]
 struct CqState {
     entries: VecDeque<WorkCompletion>,
-    /// Armed: `Some(solicited_only)`.
-    armed: Option<bool>,
     overflowed: bool,
 }
 
@@ -377,6 +390,8 @@ pub(crate) struct CqShared {
     capacity: u32,
     state: Mutex<CqState>,
     channel: Option<Arc<ChannelShared>>,
+    /// The arm, shared with peer processes (with a channel only).
+    arm: Option<wake::ArmWord>,
     /// QPs that complete into this CQ: an empty poll progresses them.
     sources: Mutex<Vec<Weak<qp::QpShared>>>,
 }
@@ -402,6 +417,22 @@ impl CqShared {
         }
     }
 
+    /// What a peer needs to wake a caller sleeping on this CQ: the arm
+    /// word's memfd and the channel's eventfd (with a channel only).
+    pub(crate) fn wake_fds(&self) -> Option<[RawFd; 2]> {
+        match (&self.arm, &self.channel) {
+            (Some(arm), Some(channel)) => Some([arm.fd(), channel.eventfd.as_raw_fd()]),
+            _ => None,
+        }
+    }
+
+    /// True while armed (not fired, nor claimed by a peer).
+    fn is_armed(&self) -> bool {
+        self.arm
+            .as_ref()
+            .is_some_and(|arm| matches!(arm.state(), wake::ARMED_ANY | wake::ARMED_SOLICITED))
+    }
+
     /// Adds a completion; raises the channel event if the CQ is armed for it.
     pub(crate) fn push(&self, completion: WorkCompletion, solicited: bool) {
         let mut state = lock(&self.state);
@@ -412,14 +443,8 @@ impl CqShared {
         }
         state.entries.push_back(completion);
         let is_error = completion.status != super::WcStatus::Success;
-        let fire = match state.armed {
-            Some(true) => solicited || is_error,
-            Some(false) => true,
-            None => false,
-        };
-        if fire {
-            state.armed = None;
-            if let Some(channel) = &self.channel {
+        if let (Some(arm), Some(channel)) = (&self.arm, &self.channel) {
+            if arm.fire(solicited || is_error, wake::DISARMED) {
                 channel.raise(self.id);
             }
         }
@@ -442,7 +467,7 @@ impl CompletionQueue for SoftCq {
             // engine threads to wake (without the state lock: progress
             // completes into CQs). An armed CQ's last poll before sleeping is
             // not "polling".
-            let armed = state.armed.is_some();
+            let armed = self.inner.is_armed();
             drop(state);
             self.inner.progress_sources(!armed);
             state = lock(&self.inner.state);
@@ -463,9 +488,12 @@ impl CompletionQueue for SoftCq {
         if self.inner.channel.is_none() {
             return Err(VerbsError::InvalidArgument("CQ has no completion channel"));
         }
-        lock(&self.inner.state).armed = Some(solicited_only);
-        // The caller stops polling and will sleep on the channel: producers
-        // must ring doorbells again so our engine thread wakes at once.
+        if let Some(arm) = &self.inner.arm {
+            arm.arm(solicited_only);
+        }
+        // The caller stops polling and will sleep on the channel: peers take
+        // the arm and wake it directly for completions of this CQ, and ring
+        // doorbells (our engine) for the rest.
         for qp in lock(&self.inner.sources).iter().filter_map(Weak::upgrade) {
             qp.stop_polling();
         }
@@ -482,15 +510,26 @@ impl CompletionQueue for SoftCq {
 }
 
 /// Completion channel internals: an eventfd and the queue of CQ ids with events.
+///
+/// The eventfd counts in semaphore mode, one per event waiting: our threads
+/// add one when a CQ fires here (queued in `events`), peer processes when
+/// they take the arm of one of our CQs (see `wake`).
 pub(crate) struct ChannelShared {
     eventfd: OwnedFd,
     events: Mutex<VecDeque<u32>>,
+    /// The CQs that report here (a peer-claimed event is found in their arm).
+    cqs: Mutex<Vec<Weak<CqShared>>>,
 }
 
 impl ChannelShared {
     fn new() -> Result<ChannelShared, VerbsError> {
         // SAFETY: eventfd takes no pointers; a negative return is an error.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::eventfd(
+                0,
+                libc::EFD_NONBLOCK | libc::EFD_CLOEXEC | libc::EFD_SEMAPHORE,
+            )
+        };
         if fd < 0 {
             return Err(std::io::Error::last_os_error().into());
         }
@@ -499,15 +538,28 @@ impl ChannelShared {
         Ok(ChannelShared {
             eventfd,
             events: Mutex::default(),
+            cqs: Mutex::default(),
         })
     }
 
     fn raise(&self, cq_id: u32) {
-        let mut events = lock(&self.events);
-        events.push_back(cq_id);
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
-        let _ = unsafe { libc::write(self.eventfd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        lock(&self.events).push_back(cq_id);
+        wake::signal_eventfd(self.eventfd.as_raw_fd());
+    }
+
+    /// Takes one count off the eventfd; false when it is zero (no event).
+    fn take_count(&self) -> bool {
+        let mut counter: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from our own non-blocking
+        // semaphore eventfd (subtracts one, or fails with EAGAIN at zero).
+        let got = unsafe {
+            libc::read(
+                self.eventfd.as_raw_fd(),
+                (&mut counter as *mut u64).cast(),
+                8,
+            )
+        };
+        got == 8
     }
 }
 
@@ -520,22 +572,23 @@ impl CompletionChannel for SoftChannel {
         self.inner.eventfd.as_raw_fd()
     }
 
+    /// One count off the eventfd, then the event it stands for: a queued
+    /// one, or an arm a peer claimed. Every event is recorded before its
+    /// count is added, so a count taken always finds one.
     fn get_event(&self) -> Result<Option<u32>, VerbsError> {
-        let mut events = lock(&self.inner.events);
-        let event = events.pop_front();
-        if events.is_empty() {
-            let mut counter: u64 = 0;
-            // SAFETY: reads 8 bytes into a live u64 from our own non-blocking
-            // eventfd; EAGAIN (nothing to reset) is fine.
-            let _ = unsafe {
-                libc::read(
-                    self.inner.eventfd.as_raw_fd(),
-                    (&mut counter as *mut u64).cast(),
-                    8,
-                )
-            };
+        if !self.inner.take_count() {
+            return Ok(None);
         }
-        Ok(event)
+        if let Some(event) = lock(&self.inner.events).pop_front() {
+            return Ok(Some(event));
+        }
+        let cqs = lock(&self.inner.cqs);
+        let claimed = cqs
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|cq| cq.arm.as_ref().is_some_and(wake::ArmWord::take_claimed));
+        // None only if the claimed CQ was destroyed meanwhile.
+        Ok(claimed.map(|cq| cq.id))
     }
 
     fn ack_events(&self, _cq_id: u32, _count: u32) {}

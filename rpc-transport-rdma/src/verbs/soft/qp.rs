@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 
 use std::collections::HashMap;
 use std::net::Shutdown;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use super::memory::{self, Span};
 use super::ring::RingPair;
+use super::wake::{PeerWakers, WAKER_RECV, WAKER_SEND, WAKER_SEND_IS_RECV, need};
 use super::wire::{
     self, Encode, Message, MessageReader, Outcome, ReadOutcome, Request, RequestOp, Response,
 };
@@ -57,9 +58,9 @@ struct QpInner {
     ring: Option<Arc<RingPair>>,
     /// Messages encoded but not yet written: one write per batch, not per message.
     unwritten: Vec<u8>,
-    /// Something in `unwritten` needs the peer awake (a request, a NAK, an
-    /// acknowledgement the initiator asked for).
-    unwritten_wakes: bool,
+    /// What `unwritten` needs from the peer (`need` bits; 0: nothing urgent,
+    /// no wake-up).
+    unwritten_needs: u32,
     next_seq: u64,
     outstanding: VecDeque<Outstanding>,
     recv_queue: VecDeque<RecvWr>,
@@ -94,6 +95,8 @@ pub(crate) struct QpShared {
     rnr_pending: AtomicBool,
     /// Responses a polling caller left unwritten (see `progress_polled`).
     responses_pending: AtomicBool,
+    /// The peer's completion-channel eventfds, once attached.
+    peer_wakers: OnceLock<PeerWakers>,
 }
 
 fn cq_of(cq: &Arc<dyn crate::verbs::CompletionQueue>) -> Result<Arc<CqShared>, VerbsError> {
@@ -145,7 +148,7 @@ pub(crate) fn create(
             writer: None,
             ring: None,
             unwritten: Vec::new(),
-            unwritten_wakes: false,
+            unwritten_needs: 0,
             next_seq: 0,
             outstanding: VecDeque::new(),
             recv_queue: VecDeque::new(),
@@ -159,6 +162,7 @@ pub(crate) fn create(
         polled_ring: OnceLock::new(),
         rnr_pending: AtomicBool::new(false),
         responses_pending: AtomicBool::new(false),
+        peer_wakers: OnceLock::new(),
         context: context.clone(),
     });
     lock(&context.qps).insert(qp_num, Arc::downgrade(&shared));
@@ -260,6 +264,7 @@ impl QpShared {
         ring: RingPair,
         peer: Peer,
         dialed: bool,
+        wakers: PeerWakers,
     ) {
         let mut inner = self.lock();
         let accepted = match inner.peer {
@@ -273,6 +278,16 @@ impl QpShared {
         let (Ok(writer), Ok(waiter)) = (stream.try_clone(), stream.try_clone()) else {
             return;
         };
+        if !dialed {
+            // The reply to the dialer's handshake, before anything else on
+            // the socket: accepted, and our channels' eventfds.
+            let (flags, fds) = self.wake_fds();
+            if super::ring::send_with_fds(&stream, &[1, flags], &fds).is_err() {
+                let _ = stream.shutdown(Shutdown::Both);
+                return;
+            }
+        }
+        let _ = self.peer_wakers.set(wakers);
         let ring = Arc::new(ring);
         inner.peer = Some(peer);
         inner.writer = Some(writer);
@@ -292,6 +307,42 @@ impl QpShared {
         self.send_unsent(&mut inner);
     }
 
+    /// Set-up flags and the eventfds of this QP's completion channels, for
+    /// the peer's [`PeerWakers`].
+    pub(crate) fn wake_fds(&self) -> (u8, Vec<RawFd>) {
+        let recv = self.recv_cq.wake_fds();
+        let mut flags = 0;
+        let mut fds = Vec::new();
+        if let Some(pair) = recv {
+            flags |= WAKER_RECV;
+            fds.extend(pair);
+        }
+        if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            if recv.is_some() {
+                flags |= WAKER_SEND_IS_RECV;
+            }
+        } else if let Some(pair) = self.send_cq.wake_fds() {
+            flags |= WAKER_SEND;
+            fds.extend(pair);
+        }
+        (flags, fds)
+    }
+
+    /// The `need` bits of a request: a receive completion at the peer, or
+    /// engine work there.
+    fn request_needs(request: &Request) -> u32 {
+        match request.op {
+            RequestOp::Send { .. } | RequestOp::Write { imm: Some(_), .. } => {
+                if request.solicited {
+                    need::RECV_SOLICITED
+                } else {
+                    need::RECV_UNSOLICITED
+                }
+            }
+            _ => need::ENGINE,
+        }
+    }
+
     /// Sends every outstanding request up to the first local error (after
     /// attach, or when the RNR timer expires).
     fn send_unsent(&self, inner: &mut QpInner) {
@@ -304,22 +355,23 @@ impl QpShared {
         let QpInner {
             outstanding,
             unwritten,
-            unwritten_wakes,
+            unwritten_needs,
             ..
         } = inner;
         for o in outstanding.iter().take_while(|o| o.local_error.is_none()) {
             o.request.encode_into(unwritten);
-            *unwritten_wakes = true;
+            *unwritten_needs |= Self::request_needs(&o.request);
         }
         self.flush(inner);
     }
 
     /// Queues a message for the peer; [`QpShared::flush`] writes the batch.
-    /// `wake`: the peer must not sleep through this message.
-    fn write(&self, inner: &mut QpInner, message: &impl Encode, wake: bool) {
+    /// `needs`: what the message needs from the peer (`need` bits; 0: it
+    /// may wait for the peer's next look).
+    fn write(&self, inner: &mut QpInner, message: &impl Encode, needs: u32) {
         if inner.writer.is_some() {
             message.encode_into(&mut inner.unwritten);
-            inner.unwritten_wakes |= wake;
+            inner.unwritten_needs |= needs;
         }
     }
 
@@ -330,11 +382,13 @@ impl QpShared {
         }
         self.responses_pending.store(false, AtomicOrdering::Relaxed);
         let batch = std::mem::take(&mut inner.unwritten);
-        let wake = std::mem::take(&mut inner.unwritten_wakes);
+        let needs = std::mem::take(&mut inner.unwritten_needs);
         let (Some(writer), Some(ring)) = (inner.writer.as_ref(), inner.ring.as_ref()) else {
             return;
         };
-        if ring.send(&batch, writer, wake).is_err() {
+        let wakers = self.peer_wakers.get();
+        let direct = || wakers.is_some_and(|wakers| wakers.wake(needs));
+        if ring.send(&batch, writer, needs != 0, direct).is_err() {
             self.enter_error(inner, Some(WcStatus::RetryExcErr));
         } else {
             // Keep the allocation for the next batch.
@@ -361,7 +415,7 @@ impl QpShared {
             inner.writer.as_ref(),
             inner.ring.as_ref(),
         ) {
-            let _ = ring.send(&unwritten, writer, true);
+            let _ = ring.send(&unwritten, writer, true, || false);
         }
         for (i, outstanding) in inner.outstanding.drain(..).enumerate() {
             let status = match (i, first) {
@@ -461,7 +515,8 @@ impl QpShared {
         }
     }
 
-    /// The caller that polled stopped (it armed the CQ to sleep).
+    /// The caller that polled stopped (it armed a CQ to sleep): asks for
+    /// doorbells again and writes the acknowledgements left pending.
     pub(crate) fn stop_polling(&self) {
         let mut inner = self.lock();
         if let Some(ring) = inner.ring.as_ref() {
@@ -563,8 +618,16 @@ impl QpShared {
             Outcome::Ack | Outcome::AtomicAck(_) => inner.expected_seq += 1,
             Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation => {}
         }
-        let wake = request_wants_ack || !matches!(outcome, Outcome::Ack | Outcome::AtomicAck(_));
-        self.write(inner, &Response { seq, outcome }, wake);
+        let needs = match outcome {
+            Outcome::Ack | Outcome::AtomicAck(_) if request_wants_ack => need::SEND_OK,
+            Outcome::Ack | Outcome::AtomicAck(_) => 0,
+            // The initiator's engine keeps the RNR timer.
+            Outcome::RnrNak => need::ENGINE,
+            Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation => {
+                need::SEND_ERROR
+            }
+        };
+        self.write(inner, &Response { seq, outcome }, needs);
         if matches!(
             outcome,
             Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation
@@ -1029,10 +1092,26 @@ impl QueuePair for SoftQp {
             handshake.extend_from_slice(&self.shared.qp_num.to_le_bytes());
             handshake.extend_from_slice(&me.0.to_le_bytes());
             handshake.extend_from_slice(&me.1.to_le_bytes());
+            let (flags, wake_fds) = self.shared.wake_fds();
+            handshake.push(flags);
             let (ring, fd) = RingPair::create()?;
-            super::ring::send_with_fd(&stream, &handshake, fd.as_raw_fd())?;
+            let mut fds = vec![fd.as_raw_fd()];
+            fds.extend(wake_fds);
+            super::ring::send_with_fds(&stream, &handshake, &fds)?;
             drop(fd);
-            self.shared.attach(stream, ring, peer, true);
+            // The acceptor's reply: accepted, and its channels' eventfds. A
+            // refusal (or silence) leaves no wakers; the engine then sees the
+            // socket close and the QP fails as before.
+            stream.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+            let mut reply = [0u8; 2];
+            let wakers = match super::ring::receive_with_fds(&stream, &mut reply) {
+                Ok(fds) if reply[0] == 1 => {
+                    PeerWakers::from_set_up(reply[1], &mut fds.into_iter()).unwrap_or_default()
+                }
+                _ => PeerWakers::default(),
+            };
+            stream.set_read_timeout(None)?;
+            self.shared.attach(stream, ring, peer, true, wakers);
         }
         Ok(())
     }
@@ -1101,7 +1180,7 @@ impl QueuePair for SoftQp {
                 && inner.rnr_resend_at.is_none()
                 && inner.outstanding.iter().all(|o| o.local_error.is_none());
             if sendable {
-                shared.write(&mut inner, &request, true);
+                shared.write(&mut inner, &request, QpShared::request_needs(&request));
             }
             inner.outstanding.push_back(Outstanding {
                 wr,

@@ -16,6 +16,10 @@
 //! doorbell (no system call, no thread woken to compete with the poller).
 //! When the polling stops, the engine's next nap ends within that bound and
 //! it goes back to sleeping with the flag set.
+//!
+//! A producer whose batch only causes completions in armed CQs of the
+//! consumer wakes the consumer's sleeping caller directly instead (see
+//! `wake`); the doorbell is for the consumer's engine thread.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -158,10 +162,17 @@ impl RingPair {
     }
 
     /// Appends `bytes` (the caller is the only producer), waiting while the
-    /// ring is full; then, when `wake`, rings the doorbell on `socket` if the
-    /// consumer sleeps. Without `wake` the bytes wait for the consumer's next
+    /// ring is full; then, when `wake`, wakes the consumer: `direct` wakes
+    /// its sleeping caller if that covers the batch (returns true), otherwise
+    /// the doorbell rings on `socket` if the consumer's engine sleeps. Without `wake` the bytes wait for the consumer's next
     /// look (it is woken for a full ring all the same).
-    pub(crate) fn send(&self, bytes: &[u8], socket: &UnixStream, wake: bool) -> io::Result<()> {
+    pub(crate) fn send(
+        &self,
+        bytes: &[u8],
+        socket: &UnixStream,
+        wake: bool,
+        direct: impl FnOnce() -> bool,
+    ) -> io::Result<()> {
         let half = self.tx;
         let mut written = 0;
         let deadline = Instant::now() + FULL_TIMEOUT;
@@ -213,7 +224,7 @@ impl RingPair {
             self.head(half).store(head + n as u64, order);
             written += n;
         }
-        if wake {
+        if wake && !direct() {
             self.doorbell(socket);
         }
         Ok(())
@@ -303,11 +314,14 @@ fn monotonic_ns() -> u64 {
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
-/// Room for one control message carrying one fd.
+/// Most fds one set-up message carries.
+pub(crate) const MAX_FDS: usize = 8;
+
+/// Room for one control message carrying up to [`MAX_FDS`] fds.
 fn fd_control_buffer() -> Vec<u8> {
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    vec![0u8; space]
+    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) };
+    vec![0u8; space as usize]
 }
 
 /// A msghdr over one iovec and a control buffer (both must outlive its use).
@@ -321,22 +335,34 @@ fn fd_message(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
     message
 }
 
-/// Sends `bytes` and `fd` in one message (SCM_RIGHTS).
-pub(crate) fn send_with_fd(socket: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<()> {
+/// Sends `bytes` and `fds` (at most [`MAX_FDS`]) in one message (SCM_RIGHTS).
+pub(crate) fn send_with_fds(socket: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    assert!(fds.len() <= MAX_FDS, "at most MAX_FDS fds");
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
     let mut control = fd_control_buffer();
-    let message = fd_message(&mut iov, &mut control);
-    // SAFETY: the control buffer has room for one cmsg with one fd
-    // (CMSG_SPACE above); the header pointer comes from CMSG_FIRSTHDR of it.
-    unsafe {
-        let header = libc::CMSG_FIRSTHDR(&message);
-        (*header).cmsg_level = libc::SOL_SOCKET;
-        (*header).cmsg_type = libc::SCM_RIGHTS;
-        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(header).cast::<RawFd>(), fd);
+    let mut message = fd_message(&mut iov, &mut control);
+    if fds.is_empty() {
+        message.msg_control = std::ptr::null_mut();
+        message.msg_controllen = 0;
+    } else {
+        let data_len = std::mem::size_of_val(fds) as u32;
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        message.msg_controllen = unsafe { libc::CMSG_SPACE(data_len) } as usize;
+        // SAFETY: the control buffer has room for one cmsg with MAX_FDS fds
+        // (CMSG_SPACE above); the header pointer comes from CMSG_FIRSTHDR of it.
+        unsafe {
+            let header = libc::CMSG_FIRSTHDR(&message);
+            (*header).cmsg_level = libc::SOL_SOCKET;
+            (*header).cmsg_type = libc::SCM_RIGHTS;
+            (*header).cmsg_len = libc::CMSG_LEN(data_len) as usize;
+            let data = libc::CMSG_DATA(header).cast::<RawFd>();
+            for (i, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(data.add(i), *fd);
+            }
+        }
     }
     // SAFETY: `message` points at live buffers for the duration of the call.
     let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &message, libc::MSG_NOSIGNAL) };
@@ -349,8 +375,8 @@ pub(crate) fn send_with_fd(socket: &UnixStream, bytes: &[u8], fd: RawFd) -> io::
     Ok(())
 }
 
-/// Receives exactly `out.len()` bytes and the fd sent with them, if any.
-pub(crate) fn receive_with_fd(socket: &UnixStream, out: &mut [u8]) -> io::Result<Option<OwnedFd>> {
+/// Receives exactly `out.len()` bytes and the fds sent with them.
+pub(crate) fn receive_with_fds(socket: &UnixStream, out: &mut [u8]) -> io::Result<Vec<OwnedFd>> {
     let mut iov = libc::iovec {
         iov_base: out.as_mut_ptr().cast(),
         iov_len: out.len(),
@@ -368,26 +394,29 @@ pub(crate) fn receive_with_fd(socket: &UnixStream, out: &mut [u8]) -> io::Result
     if got < 0 {
         return Err(io::Error::last_os_error());
     }
+    let mut fds = Vec::new();
+    // SAFETY: walks the control buffer the kernel filled, as CMSG_* intend;
+    // every fd it holds is now ours (owned once, closed on drop).
+    unsafe {
+        let mut header = libc::CMSG_FIRSTHDR(&message);
+        while !header.is_null() {
+            if (*header).cmsg_level == libc::SOL_SOCKET && (*header).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(header).cast::<RawFd>();
+                let bytes = (*header).cmsg_len - (data as usize - header as usize);
+                for i in 0..bytes / std::mem::size_of::<RawFd>() {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            header = libc::CMSG_NXTHDR(&message, header);
+        }
+    }
     if got as usize != out.len() {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
             "short handshake",
         ));
     }
-    // SAFETY: walks the control buffer the kernel filled, as CMSG_* intend.
-    let fd = unsafe {
-        let header = libc::CMSG_FIRSTHDR(&message);
-        if header.is_null()
-            || (*header).cmsg_level != libc::SOL_SOCKET
-            || (*header).cmsg_type != libc::SCM_RIGHTS
-        {
-            None
-        } else {
-            let fd = std::ptr::read_unaligned(libc::CMSG_DATA(header).cast::<RawFd>());
-            Some(OwnedFd::from_raw_fd(fd))
-        }
-    };
-    Ok(fd)
+    Ok(fds)
 }
 
 #[cfg(test)]
@@ -403,7 +432,7 @@ mod tests {
         let mut got = Vec::new();
         let mut buffer = vec![0u8; 65536];
         for _ in 0..20 {
-            producer.send(&chunk, &socket, true).unwrap();
+            producer.send(&chunk, &socket, true, || false).unwrap();
             let mut round = 0;
             while round < chunk.len() {
                 let n = consumer.receive(&mut buffer);
@@ -422,7 +451,7 @@ mod tests {
         let consumer = RingPair::open(&fd).unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
         consumer.set_sleeping(true);
-        producer.send(b"hello", &ours, true).unwrap();
+        producer.send(b"hello", &ours, true, || false).unwrap();
         let mut byte = [0u8; 1];
         use std::io::Read;
         (&theirs).read_exact(&mut byte).unwrap();

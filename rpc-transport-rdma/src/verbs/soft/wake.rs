@@ -1,0 +1,310 @@
+//! Waking a caller that sleeps on a completion channel, from another process.
+//!
+//! An armed CQ fires once: on its next completion (or, armed solicited-only,
+//! its next solicited or error completion). The soft provider keeps that arm
+//! in an [`ArmWord`], one word of memory shared with every peer process whose
+//! QPs complete into the CQ. Whoever fires the CQ takes the arm with one
+//! compare-and-swap, so an arm fires exactly once:
+//!
+//! - a completion pushed in this process (engine thread or polling caller)
+//!   swaps the word to `DISARMED` and queues the event;
+//! - a peer whose batch of wire messages will complete into the armed CQ
+//!   swaps it to `CLAIMED` and writes the channel's eventfd itself: the
+//!   sleeping caller wakes directly, one thread hop instead of two (our
+//!   engine thread, then the caller). `get_event` reports the claimed CQ;
+//!   the caller's next poll reads the ring and finds the completion.
+//!
+//! The channel's eventfd counts in semaphore mode: every event (queued or
+//! claimed) adds one before anyone can take it, every event taken subtracts
+//! one, so the fd is readable exactly while an event waits.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Not armed (or fired already).
+pub(crate) const DISARMED: u32 = 0;
+/// Armed for the next completion.
+pub(crate) const ARMED_ANY: u32 = 1;
+/// Armed for the next solicited or error completion.
+pub(crate) const ARMED_SOLICITED: u32 = 2;
+/// Fired by a peer: an event waits to be taken by `get_event`.
+pub(crate) const CLAIMED: u32 = 3;
+
+/// Bytes mapped per word (one page).
+const PAGE: usize = 4096;
+
+/// A CQ's arm state, in a one-page memfd that peer processes map too.
+pub(crate) struct ArmWord {
+    base: *mut u8,
+    fd: OwnedFd,
+}
+
+// SAFETY: the mapping is only used through the atomic word at its start.
+unsafe impl Send for ArmWord {}
+// SAFETY: as above.
+unsafe impl Sync for ArmWord {}
+
+impl Drop for ArmWord {
+    fn drop(&mut self) {
+        // SAFETY: mapped with this length by `map` and unmapped once.
+        unsafe { libc::munmap(self.base.cast(), PAGE) };
+    }
+}
+
+impl std::fmt::Debug for ArmWord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArmWord")
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+impl ArmWord {
+    /// A fresh, disarmed word (for a CQ with a completion channel).
+    pub(crate) fn create() -> io::Result<ArmWord> {
+        // SAFETY: a NUL-terminated name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"rdma-rpc-soft-arm".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: a valid fd; the result is checked.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), PAGE as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        ArmWord::map(fd)
+    }
+
+    /// Maps a word a peer passed at set-up.
+    pub(crate) fn map(fd: OwnedFd) -> io::Result<ArmWord> {
+        // SAFETY: maps one page of a memfd (sized by `create`), shared; the
+        // result is checked. A peer's fd that is too small fails here or
+        // faults only on its own page: `create` made every one we accept.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(ArmWord {
+            base: base.cast(),
+            fd,
+        })
+    }
+
+    /// The memfd, to pass to a peer.
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    fn word(&self) -> &AtomicU32 {
+        // SAFETY: the first 4 bytes of a live page-aligned shared mapping,
+        // only ever used atomically (here and by peers).
+        unsafe { AtomicU32::from_ptr(self.base.cast()) }
+    }
+
+    /// The current state (`DISARMED`, `ARMED_*`, `CLAIMED`).
+    pub(crate) fn state(&self) -> u32 {
+        self.word().load(Ordering::SeqCst)
+    }
+
+    /// Arms for the next (solicited-only: solicited or error) completion.
+    /// An event a peer claimed and nobody took yet stays: it is the event
+    /// this arm would raise.
+    pub(crate) fn arm(&self, solicited_only: bool) {
+        let mode = if solicited_only {
+            ARMED_SOLICITED
+        } else {
+            ARMED_ANY
+        };
+        let _ = self
+            .word()
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |state| {
+                (state != CLAIMED).then_some(mode)
+            });
+    }
+
+    /// Takes the arm if it covers a completion that is solicited (or an
+    /// error) or not; true when taken: the taker raises the one event.
+    /// `to` is `DISARMED` (a local completion, queued by the taker) or
+    /// `CLAIMED` (a peer's, reported by `get_event`).
+    pub(crate) fn fire(&self, solicited_or_error: bool, to: u32) -> bool {
+        self.word()
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |state| {
+                let covered =
+                    state == ARMED_ANY || (state == ARMED_SOLICITED && solicited_or_error);
+                covered.then_some(to)
+            })
+            .is_ok()
+    }
+
+    /// Takes a peer's claimed event; true when there was one.
+    pub(crate) fn take_claimed(&self) -> bool {
+        self.word()
+            .compare_exchange(CLAIMED, DISARMED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+}
+
+/// Adds one to an eventfd (non-blocking; it never saturates in practice).
+pub(crate) fn signal_eventfd(fd: RawFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to an eventfd we hold open.
+    let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+}
+
+/// One CQ of the peer QP: its arm word and its channel's eventfd.
+#[derive(Debug)]
+pub(crate) struct PeerCq {
+    arm: ArmWord,
+    eventfd: OwnedFd,
+}
+
+impl PeerCq {
+    /// Takes the arm for a completion this batch will cause and wakes the
+    /// peer's caller; false when the CQ is not armed for it.
+    fn claim(&self, solicited_or_error: bool) -> bool {
+        let claimed = self.arm.fire(solicited_or_error, CLAIMED);
+        if claimed {
+            signal_eventfd(self.eventfd.as_raw_fd());
+        }
+        claimed
+    }
+}
+
+/// The peer QP's CQs that have completion channels (passed at set-up).
+#[derive(Debug, Default)]
+pub(crate) struct PeerWakers {
+    recv: Option<PeerCq>,
+    /// `None` also when the send CQ is the receive CQ (`send_is_recv`).
+    send: Option<PeerCq>,
+    send_is_recv: bool,
+}
+
+/// Set-up flags: which CQs' (arm word, eventfd) pairs follow.
+pub(crate) const WAKER_RECV: u8 = 1;
+pub(crate) const WAKER_SEND: u8 = 2;
+pub(crate) const WAKER_SEND_IS_RECV: u8 = 4;
+
+/// What a batch of wire messages causes at the peer (bits).
+pub(crate) mod need {
+    /// Work with no completion at the peer (READ, WRITE, atomics, RNR NAK):
+    /// its engine must run.
+    pub(crate) const ENGINE: u32 = 1;
+    /// A receive completion, solicited.
+    pub(crate) const RECV_SOLICITED: u32 = 2;
+    /// A receive completion, not solicited.
+    pub(crate) const RECV_UNSOLICITED: u32 = 4;
+    /// A successful send completion the initiator asked for.
+    pub(crate) const SEND_OK: u32 = 8;
+    /// An error completion at the initiator.
+    pub(crate) const SEND_ERROR: u32 = 16;
+}
+
+impl PeerWakers {
+    /// Rebuilds what the peer's set-up message carried: for each CQ named
+    /// in `flags`, its arm word's memfd then its channel's eventfd.
+    pub(crate) fn from_set_up(
+        flags: u8,
+        fds: &mut impl Iterator<Item = OwnedFd>,
+    ) -> io::Result<PeerWakers> {
+        let mut next = |present: bool| -> io::Result<Option<PeerCq>> {
+            if !present {
+                return Ok(None);
+            }
+            let (Some(arm), Some(eventfd)) = (fds.next(), fds.next()) else {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "soft set-up: missing completion-channel fds",
+                ));
+            };
+            Ok(Some(PeerCq {
+                arm: ArmWord::map(arm)?,
+                eventfd,
+            }))
+        };
+        let recv = next(flags & WAKER_RECV != 0)?;
+        let send = next(flags & WAKER_SEND != 0)?;
+        Ok(PeerWakers {
+            send_is_recv: flags & WAKER_SEND_IS_RECV != 0 && recv.is_some(),
+            recv,
+            send,
+        })
+    }
+
+    /// Wakes the peer's caller directly for a batch that causes `needs`,
+    /// when every completion it causes lands in an armed CQ (whose arm this
+    /// takes). False when the peer's engine must be woken instead: the batch
+    /// has engine work, or a CQ is not armed for it (then either nobody
+    /// sleeps on it, or its event is raised already and the caller's next
+    /// poll reads the ring; the engine keeps acknowledgements prompt).
+    pub(crate) fn wake(&self, needs: u32) -> bool {
+        if needs & need::ENGINE != 0 || needs == 0 {
+            return false;
+        }
+        let send = if self.send_is_recv {
+            self.recv.as_ref()
+        } else {
+            self.send.as_ref()
+        };
+        let recv_needed = needs & (need::RECV_SOLICITED | need::RECV_UNSOLICITED) != 0;
+        let send_needed = needs & (need::SEND_OK | need::SEND_ERROR) != 0;
+        if (recv_needed && self.recv.is_none()) || (send_needed && send.is_none()) {
+            return false;
+        }
+        // The first completion of the batch in a CQ is the one its arm
+        // fires on: solicited-only arms take it only if it is solicited or
+        // an error. Unknown order within the batch: require the strictest.
+        let recv_solicited = needs & need::RECV_UNSOLICITED == 0;
+        let send_error = needs & need::SEND_OK == 0;
+        let same_cq = self.send_is_recv && recv_needed && send_needed;
+        let mut woke = true;
+        if recv_needed {
+            let solicited = recv_solicited && (!same_cq || send_error);
+            woke &= self.recv.as_ref().is_some_and(|cq| cq.claim(solicited));
+        }
+        if send_needed && !same_cq {
+            woke &= send.is_some_and(|cq| cq.claim(send_error));
+        }
+        woke
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_arm_fires_once_whoever_takes_it() {
+        let word = ArmWord::create().unwrap();
+        let peer = ArmWord::map(
+            // SAFETY: dup of a valid fd, owned by the result.
+            unsafe { OwnedFd::from_raw_fd(libc::dup(word.fd())) },
+        )
+        .unwrap();
+        assert!(!word.fire(true, DISARMED), "not armed");
+        word.arm(false);
+        assert!(peer.fire(false, CLAIMED), "the peer takes it");
+        assert!(!word.fire(true, DISARMED), "taken already");
+        word.arm(false);
+        assert_eq!(word.state(), CLAIMED, "a pending claim survives re-arming");
+        assert!(word.take_claimed());
+        assert!(!word.take_claimed());
+        word.arm(true);
+        assert!(
+            !peer.fire(false, CLAIMED),
+            "solicited-only skips the unsolicited"
+        );
+        assert!(word.fire(true, DISARMED));
+        assert_eq!(peer.state(), DISARMED);
+    }
+}
