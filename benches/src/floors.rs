@@ -250,13 +250,87 @@ pub fn process_vm_readv_gbps() -> f64 {
 pub const CHILD_FLAG: &str = "--floor-child";
 
 fn child(args: &[&str]) -> Child {
-    Command::new(std::env::current_exe().expect("own path"))
+    let mut command = Command::new(std::env::current_exe().expect("own path"));
+    command
         .arg(CHILD_FLAG)
         .args(args)
         .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn peer")
+        .stdout(Stdio::piped());
+    pin_child(&mut command);
+    command.spawn().expect("spawn peer")
+}
+
+/// The environment variable that tells a child process which CPU to pin itself to.
+const CHILD_CPU_ENV: &str = "RDMA_RPC_BENCH_CPU";
+/// The CPU children are pinned to (`usize::MAX`: none).
+static CHILD_CPU: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// CPUs online (not the affinity mask: that is what pinning changes).
+fn cpus_online() -> usize {
+    // SAFETY: sysconf takes no pointers.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).unwrap_or(1).max(1)
+}
+
+/// Pins the calling thread to `cpu` (`None`: every online CPU).
+fn pin_self(cpu: Option<usize>) -> io::Result<()> {
+    // SAFETY: an all-zero cpu_set_t is the empty set; CPU_SET writes inside it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for c in 0..cpus_online() {
+        if cpu.is_none_or(|cpu| cpu == c) {
+            // SAFETY: c < CPU_SETSIZE on any machine this runs on.
+            unsafe { libc::CPU_SET(c, &mut set) };
+        }
+    }
+    // SAFETY: a valid set of the size given, for the calling thread (0).
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Places the following two-process measurements: `Some((ours, child))`
+/// pins this thread to CPU `ours` and every child spawned from now on to CPU
+/// `child` (so each wake-up crosses cores, whatever the scheduler would
+/// have chosen); `None` undoes it. False (and nothing pinned) on a machine
+/// with fewer CPUs than named.
+pub fn place(cpus: Option<(usize, usize)>) -> bool {
+    let available = cpus_online();
+    match cpus {
+        Some((ours, child)) if ours.max(child) < available => {
+            if pin_self(Some(ours)).is_err() {
+                return false;
+            }
+            CHILD_CPU.store(child, Ordering::Relaxed);
+            true
+        }
+        Some(_) => false,
+        None => {
+            CHILD_CPU.store(usize::MAX, Ordering::Relaxed);
+            pin_self(None).is_ok()
+        }
+    }
+}
+
+/// Passes the child placement (see [`place`]) to a child about to be spawned.
+pub fn pin_child(command: &mut Command) {
+    let cpu = CHILD_CPU.load(Ordering::Relaxed);
+    if cpu != usize::MAX {
+        command.env(CHILD_CPU_ENV, cpu.to_string());
+    }
+}
+
+/// In a child: pins the process's main thread (and threads it starts
+/// later) to the CPU its parent chose, if any.
+pub fn pin_from_env() {
+    if let Some(cpu) = std::env::var(CHILD_CPU_ENV)
+        .ok()
+        .and_then(|cpu| cpu.parse().ok())
+    {
+        let _ = pin_self(Some(cpu));
+    }
 }
 
 /// The child side of the floors; binaries call it when started with [`CHILD_FLAG`].

@@ -906,7 +906,11 @@ fn completion_channel_wakes_once_per_arm_and_loses_nothing() {
         let cq_id = pair.b.channel.get_event().unwrap().expect("an event");
         assert_eq!(cq_id, pair.b.recv_cq.id());
         // One arm, one event: nothing more to get, and the fd says so.
-        assert_eq!(pair.b.channel.get_event().unwrap(), None, "one event per arm");
+        assert_eq!(
+            pair.b.channel.get_event().unwrap(),
+            None,
+            "one event per arm"
+        );
         assert!(
             !wait_readable(fd, Duration::ZERO).unwrap(),
             "readable with no event left"

@@ -412,7 +412,7 @@ impl CqShared {
             if polling {
                 qp.progress_polled();
             } else {
-                qp.progress();
+                qp.progress_before_sleep();
             }
         }
     }

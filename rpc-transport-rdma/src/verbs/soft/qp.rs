@@ -488,7 +488,16 @@ impl QpShared {
                 }
                 ring.set_sleeping(false);
             }
-            if self.generation.load(AtomicOrdering::SeqCst) != generation || !self.progress() {
+            if self.generation.load(AtomicOrdering::SeqCst) != generation {
+                return;
+            }
+            // A caller polling right now reads the ring itself (and fires
+            // RNR resends): leave the work to it instead of contending for
+            // the QP, and only swallow the doorbells. EOF still goes through.
+            if ring.polled_recently() && !drain_doorbells(&waiter) {
+                continue;
+            }
+            if !self.progress() {
                 return;
             }
         }
@@ -515,6 +524,21 @@ impl QpShared {
         }
     }
 
+    /// Progress for the last poll of an armed CQ, before its caller sleeps
+    /// on the channel: reads the ring (not the socket: doorbells and EOF are
+    /// the engine's) and writes every pending acknowledgement now.
+    pub(crate) fn progress_before_sleep(&self) {
+        let Some(ring) = self.polled_ring.get() else {
+            return;
+        };
+        if ring.has_data() || self.rnr_pending.load(AtomicOrdering::Relaxed) {
+            self.progress_from(false);
+        }
+        if self.responses_pending.load(AtomicOrdering::Relaxed) {
+            self.flush(&mut self.lock());
+        }
+    }
+
     /// The caller that polled stopped (it armed a CQ to sleep): asks for
     /// doorbells again and writes the acknowledgements left pending.
     pub(crate) fn stop_polling(&self) {
@@ -525,10 +549,10 @@ impl QpShared {
         self.flush(&mut inner);
     }
 
-    /// Executes every request and response waiting on the wire, without
-    /// blocking, and fires a due RNR resend. Returns false once the QP is in
-    /// ERROR. Called by the engine thread and by CQ polls (so a busy-polling
-    /// caller needs no thread hop).
+    /// Executes every request and response waiting on the wire (doorbells
+    /// and EOF on the socket included), without blocking, and fires a due
+    /// RNR resend. Returns false once the QP is in ERROR. The engine
+    /// thread's; callers polling a CQ use the ring-only variants above.
     pub(crate) fn progress(&self) -> bool {
         self.progress_from(true)
     }
