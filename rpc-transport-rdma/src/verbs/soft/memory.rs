@@ -1,6 +1,8 @@
 //! Moving bytes between address spaces without the network stack:
-//! `process_vm_readv` / `process_vm_writev` (also on our own pid, where they
-//! turn a bad address into `EFAULT` instead of a crash).
+//! `process_vm_readv` / `process_vm_writev` (also on our own pid for
+//! addresses no region check vouches for, such as inline data, where they
+//! turn a bad address into `EFAULT` instead of a crash), and plain copies for
+//! spans already checked against registered regions.
 
 use std::io;
 

@@ -7,17 +7,22 @@
 //!   regions. Local SGEs are checked against it when posted (LOC_PROT_ERR);
 //!   remote keys, ranges and access rights are checked by the *responder*
 //!   against its own table (REM_ACCESS_ERR at the initiator), as an HCA would.
-//! - **The wire.** Two connected QPs share a Unix stream socket that carries
-//!   small request/response descriptors, in order. Each QP has an engine
+//! - **The wire.** Two connected QPs share a pair of single-producer
+//!   single-consumer descriptor rings in shared memory (`ring`), with a Unix
+//!   stream socket beside them for doorbells and EOF. Each QP has an engine
 //!   thread that executes the peer's requests (the responder role) and
-//!   retires its own (the initiator role).
+//!   retires its own (the initiator role); a caller polling a CQ does that
+//!   work itself, with no thread hop and, when nothing arrived, no lock.
 //! - **Payload.** Bytes move directly between the two address spaces with
-//!   `process_vm_readv`/`process_vm_writev` (also within one process), never
-//!   through a network stack. This needs the same user on both sides (no
-//!   Yama restrictions measured on these hosts); registering memory needs no
-//!   special allocation.
-//! - **Completion channel.** An eventfd that is written only when an armed CQ
-//!   gets a completion.
+//!   `process_vm_readv`/`process_vm_writev`, never through a network stack;
+//!   messages up to 512 B travel inside their descriptor and are copied into
+//!   registered memory with plain copies after the key checks. This needs
+//!   the same user on both sides (no Yama restrictions measured on these
+//!   hosts); registering memory needs no special allocation.
+//! - **Completion channel.** A semaphore eventfd, one count per event
+//!   waiting. A CQ's arm lives in shared memory (`wake`): a completion here
+//!   or a peer about to cause one takes it, so a peer can wake a caller
+//!   sleeping on the channel directly.
 //! - **Failures.** A peer that dies closes the socket: the initiator's
 //!   oldest request completes with RETRY_EXC_ERR and everything else flushes,
 //!   at once.
@@ -129,7 +134,6 @@ impl ContextShared {
         Ok(shared)
     }
 
-    /// The region `key` names, if registered.
     /// Runs `f` with the region table read-locked. A region `f` finds there
     /// stays registered until `f` returns (deregistering takes the write
     /// lock), so by the registration contract its memory stays valid and `f`

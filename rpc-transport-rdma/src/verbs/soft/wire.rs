@@ -1,7 +1,9 @@
-//! The soft "wire" between two connected queue pairs: a Unix stream socket
-//! carrying small request/response descriptors. Payload bytes never travel on
-//! it (except inline sends, which are small by definition): the responder
-//! moves them directly between the two address spaces with `process_vm_*`.
+//! The soft "wire" between two connected queue pairs: the request/response
+//! descriptors that travel in the shared-memory rings (`ring`), their
+//! encoding and the reader that reassembles them. Payload bytes travel in a
+//! descriptor only for inline sends and messages up to 512 B; otherwise the
+//! responder moves them directly between the two address spaces with
+//! `process_vm_*`.
 
 use std::io::{self, Read};
 
