@@ -20,7 +20,8 @@ use super::memory::{self, Span};
 use super::ring::RingPair;
 use super::wake::{PeerWakers, WAKER_RECV, WAKER_SEND, WAKER_SEND_IS_RECV, need};
 use super::wire::{
-    self, Encode, Message, MessageReader, Outcome, ReadOutcome, Request, RequestOp, Response,
+    self, AckUrgency, Encode, Message, MessageReader, Outcome, ReadOutcome, Request, RequestOp,
+    Response,
 };
 use super::{ContextShared, CqShared, HANDSHAKE_LEN, MrEntry, SrqShared, lock, rendezvous_name};
 use crate::verbs::{
@@ -635,19 +636,20 @@ impl QpShared {
             return;
         }
         let seq = request.seq;
-        let request_wants_ack = request.ack_wanted;
+        let ack = request.ack;
         let outcome = self.execute(inner, request);
         match outcome {
             Outcome::RnrNak => {}
             Outcome::Ack | Outcome::AtomicAck(_) => inner.expected_seq += 1,
             Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation => {}
         }
-        let needs = match outcome {
-            Outcome::Ack | Outcome::AtomicAck(_) if request_wants_ack => need::SEND_OK,
-            Outcome::Ack | Outcome::AtomicAck(_) => 0,
+        let needs = match (outcome, ack) {
+            (Outcome::Ack | Outcome::AtomicAck(_), AckUrgency::Lazy) => 0,
+            (Outcome::Ack | Outcome::AtomicAck(_), AckUrgency::Completion) => need::SEND_OK,
+            (Outcome::Ack | Outcome::AtomicAck(_), AckUrgency::Slots) => need::ENGINE,
             // The initiator's engine keeps the RNR timer.
-            Outcome::RnrNak => need::ENGINE,
-            Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation => {
+            (Outcome::RnrNak, _) => need::ENGINE,
+            (Outcome::RemoteAccess | Outcome::RemoteInvalid | Outcome::RemoteOperation, _) => {
                 need::SEND_ERROR
             }
         };
@@ -1005,7 +1007,11 @@ impl QpShared {
             seq,
             op,
             solicited: wr.solicited,
-            ack_wanted: wr.signaled || self.sq_sig_all,
+            ack: if wr.signaled || self.sq_sig_all {
+                AckUrgency::Completion
+            } else {
+                AckUrgency::Lazy
+            },
             spans: if inline.is_some() { vec![] } else { spans },
             inline,
         };
@@ -1197,8 +1203,11 @@ impl QueuePair for SoftQp {
             };
             // Unsignaled requests are acknowledged lazily, unless the send
             // queue is filling up and needs its slots back.
-            request.ack_wanted |=
-                2 * (inner.outstanding.len() + 1) >= shared.caps.max_send_wr as usize;
+            if request.ack == AckUrgency::Lazy
+                && 2 * (inner.outstanding.len() + 1) >= shared.caps.max_send_wr as usize
+            {
+                request.ack = AckUrgency::Slots;
+            }
             inner.next_seq += 1;
             let sendable = local_error.is_none()
                 && inner.rnr_resend_at.is_none()

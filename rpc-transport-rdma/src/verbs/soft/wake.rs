@@ -307,4 +307,63 @@ mod tests {
         assert!(word.fire(true, DISARMED));
         assert_eq!(peer.state(), DISARMED);
     }
+
+    fn dup(fd: RawFd) -> OwnedFd {
+        // SAFETY: dup of a valid fd, owned by the result.
+        unsafe { OwnedFd::from_raw_fd(libc::dup(fd)) }
+    }
+
+    fn eventfd_count(fd: RawFd) -> u64 {
+        let mut total = 0;
+        let mut value: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd.
+        while unsafe { libc::read(fd, (&mut value as *mut u64).cast(), 8) } == 8 {
+            total += value;
+        }
+        total
+    }
+
+    #[test]
+    fn a_peer_wakes_the_caller_only_for_completions_an_armed_cq_fires_on() {
+        let arm = ArmWord::create().unwrap();
+        // SAFETY: eventfd takes no pointers; the fd is owned below.
+        let eventfd = unsafe {
+            OwnedFd::from_raw_fd(libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC))
+        };
+        let mut fds = [dup(arm.fd()), dup(eventfd.as_raw_fd())].into_iter();
+        let wakers = PeerWakers::from_set_up(WAKER_RECV | WAKER_SEND_IS_RECV, &mut fds).unwrap();
+
+        assert!(
+            !wakers.wake(need::RECV_UNSOLICITED),
+            "not armed: the engine's job"
+        );
+        arm.arm(false);
+        assert!(
+            !wakers.wake(need::ENGINE | need::RECV_UNSOLICITED),
+            "engine work"
+        );
+        assert!(wakers.wake(need::RECV_UNSOLICITED | need::SEND_OK));
+        assert_eq!(
+            eventfd_count(eventfd.as_raw_fd()),
+            1,
+            "one write for the one CQ"
+        );
+        assert!(!wakers.wake(need::RECV_UNSOLICITED), "the arm is taken");
+        assert!(arm.take_claimed());
+
+        arm.arm(true);
+        assert!(!wakers.wake(need::RECV_UNSOLICITED), "solicited-only arm");
+        assert!(
+            !wakers.wake(need::RECV_SOLICITED | need::SEND_OK),
+            "send OK is not solicited"
+        );
+        assert!(wakers.wake(need::RECV_SOLICITED | need::SEND_ERROR));
+        assert_eq!(eventfd_count(eventfd.as_raw_fd()), 1);
+
+        let none = PeerWakers::default();
+        assert!(
+            !none.wake(need::RECV_SOLICITED),
+            "no channel: no direct wake"
+        );
+    }
 }

@@ -15,11 +15,8 @@ pub(crate) struct Request {
     pub(crate) seq: u64,
     pub(crate) op: RequestOp,
     pub(crate) solicited: bool,
-    /// The initiator wants the acknowledgement promptly (the work request is
-    /// signaled, or its send queue fills up): the responder rings the
-    /// doorbell for it. Other acknowledgements wait in the ring until the
-    /// initiator next looks, as a sleeping initiator has nothing to complete.
-    pub(crate) ack_wanted: bool,
+    /// How promptly the initiator wants the acknowledgement.
+    pub(crate) ack: AckUrgency,
     /// The initiator's memory: the data source of sends and writes, the
     /// destination of reads. Empty for inline sends.
     pub(crate) spans: Vec<Span>,
@@ -35,6 +32,20 @@ impl Request {
             None => self.spans.iter().map(|(_, len)| *len as usize).sum(),
         }
     }
+}
+
+/// How promptly an initiator wants a request acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AckUrgency {
+    /// Whenever the initiator next looks (an unsignaled request: a sleeping
+    /// initiator has nothing to complete, so nobody is woken for it).
+    Lazy,
+    /// Promptly, and it ends in a completion (a signaled request): the
+    /// initiator's caller may be sleeping on it.
+    Completion,
+    /// Promptly, with no completion (the send queue is filling up): the
+    /// initiator's engine frees the slots.
+    Slots,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,7 +133,12 @@ impl Encode for Request {
         framed(out, |out| {
             out.push(REQUEST);
             out.extend_from_slice(&request.seq.to_le_bytes());
-            out.push(u8::from(request.solicited) | (u8::from(request.ack_wanted) << 1));
+            let ack = match request.ack {
+                AckUrgency::Lazy => 0u8,
+                AckUrgency::Completion => 1,
+                AckUrgency::Slots => 2,
+            };
+            out.push(u8::from(request.solicited) | (ack << 1));
             let (kind, a, b, c, d): (u8, u64, u32, u64, u64) = match request.op {
                 RequestOp::Send { .. } => (1, 0, 0, 0, 0),
                 RequestOp::Write {
@@ -209,7 +225,13 @@ impl Message {
             REQUEST => {
                 let seq = cursor.u64().ok_or_else(bad)?;
                 let flags = cursor.u8().ok_or_else(bad)?;
-                let (solicited, ack_wanted) = (flags & 1 != 0, flags & 2 != 0);
+                let solicited = flags & 1 != 0;
+                let ack = match (flags >> 1) & 3 {
+                    0 => AckUrgency::Lazy,
+                    1 => AckUrgency::Completion,
+                    2 => AckUrgency::Slots,
+                    _ => return Err(bad()),
+                };
                 let kind = cursor.u8().ok_or_else(bad)?;
                 let has_imm = cursor.u8().ok_or_else(bad)? != 0;
                 let imm_value = cursor.u32().ok_or_else(bad)?;
@@ -261,7 +283,7 @@ impl Message {
                     seq,
                     op,
                     solicited,
-                    ack_wanted,
+                    ack,
                     spans,
                     inline,
                 }))
@@ -454,7 +476,7 @@ mod tests {
                     imm: Some(9),
                 },
                 solicited: true,
-                ack_wanted: false,
+                ack: AckUrgency::Lazy,
                 spans: vec![(0x2000, 16), (0x3000, 8)],
                 inline: None,
             }),
@@ -462,7 +484,7 @@ mod tests {
                 seq: 2,
                 op: RequestOp::Send { imm: None },
                 solicited: false,
-                ack_wanted: true,
+                ack: AckUrgency::Completion,
                 spans: vec![],
                 inline: Some(b"tiny".to_vec()),
             }),
@@ -475,7 +497,7 @@ mod tests {
                     swap: 3,
                 },
                 solicited: false,
-                ack_wanted: true,
+                ack: AckUrgency::Slots,
                 spans: vec![(0x10, 8)],
                 inline: None,
             }),
