@@ -25,7 +25,7 @@ use rpc_transport_rdma::verbs::{
 
 const RECV_SLOTS: usize = 16;
 /// Alternating (eventfd floor, soft event mode) measurements.
-const EVENT_PAIRS: usize = 3;
+const EVENT_PAIRS: usize = 5;
 
 fn child(args: &[&str]) -> Child {
     let mut command = Command::new(std::env::current_exe().expect("own path"));
