@@ -104,14 +104,7 @@ impl Endpoint {
 
     /// Waits for the next completion of `opcode` (others are consumed and checked).
     fn wait_for(&self, opcode: WcOpcode) -> WorkCompletion {
-        let mut batch = [WorkCompletion {
-            wr_id: 0,
-            status: WcStatus::GeneralErr,
-            opcode: WcOpcode::Send,
-            byte_len: 0,
-            imm_data: None,
-            qp_num: 0,
-        }; 1];
+        let mut batch = [WorkCompletion::BLANK; 1];
         loop {
             if self.cq.poll(&mut batch).expect("poll") == 1 {
                 assert_eq!(batch[0].status, WcStatus::Success, "{:?}", batch[0]);

@@ -368,17 +368,12 @@ impl Context for IbvContext {
         capacity: u32,
         channel: Option<&Arc<dyn CompletionChannel>>,
     ) -> Result<Arc<dyn CompletionQueue>, VerbsError> {
-        let channel = match channel {
-            Some(channel) => Some(
-                super::own::<IbvChannel>(
-                    channel.as_any(),
-                    "completion channel of another provider",
-                )?
-                .inner
-                .clone(),
-            ),
-            None => None,
-        };
+        let channel = channel
+            .map(|channel| {
+                super::own::<IbvChannel>(channel.as_any(), "completion channel of another provider")
+                    .map(|channel| channel.inner.clone())
+            })
+            .transpose()?;
         let id = {
             let mut next = lock(&self.next_cq_id);
             *next += 1;

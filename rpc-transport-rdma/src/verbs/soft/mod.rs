@@ -249,17 +249,15 @@ impl Context for SoftContext {
                 "CQ capacity must be 1..=max_cqe",
             ));
         }
-        let channel = match channel {
-            Some(channel) => Some(
+        let channel = channel
+            .map(|channel| {
                 super::own::<SoftChannel>(
                     channel.as_any(),
                     "completion channel of another provider",
-                )?
-                .inner
-                .clone(),
-            ),
-            None => None,
-        };
+                )
+                .map(|channel| channel.inner.clone())
+            })
+            .transpose()?;
         let id = self.shared.next_cq_id.fetch_add(1, Ordering::Relaxed);
         let arm = match channel {
             Some(_) => Some(wake::ArmWord::create()?),
