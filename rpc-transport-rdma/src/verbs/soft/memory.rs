@@ -1,8 +1,9 @@
 //! Moving bytes between address spaces without the network stack:
-//! `process_vm_readv` / `process_vm_writev` (also on our own pid for
-//! addresses no region check vouches for, such as inline data, where they
-//! turn a bad address into `EFAULT` instead of a crash), and plain copies for
-//! spans already checked against registered regions.
+//! `process_vm_readv` from the peer into our own memory (a process only ever
+//! writes its own memory; also on our own pid for addresses no region check
+//! vouches for, such as inline data, where it turns a bad address into
+//! `EFAULT` instead of a crash), and plain copies for spans already checked
+//! against registered regions.
 
 use std::io;
 
@@ -43,16 +44,11 @@ fn advance(iovecs: &mut Vec<libc::iovec>, mut n: usize) {
     iovecs.drain(..consumed);
 }
 
-/// Direction of a transfer relative to the calling process.
-#[derive(Clone, Copy)]
-enum Direction {
-    /// remote → local.
-    Read,
-    /// local → remote.
-    Write,
-}
-
-fn transfer(direction: Direction, pid: u32, local: &[Span], remote: &[Span]) -> io::Result<()> {
+/// Copies `remote` (in process `pid`) into `local` (ours) with
+/// `process_vm_readv`. Lengths must match. The soft provider only ever
+/// moves bytes this way across processes: each process writes its own
+/// memory, never another's.
+pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result<()> {
     let len = total(local);
     if len != total(remote) {
         return Err(io::Error::new(
@@ -67,29 +63,20 @@ fn transfer(direction: Direction, pid: u32, local: &[Span], remote: &[Span]) -> 
         let local_count = local.len().min(libc::UIO_MAXIOV as usize);
         let remote_count = remote.len().min(libc::UIO_MAXIOV as usize);
         // SAFETY: the iovec arrays are valid for the counts given; the kernel
-        // checks every address against the target process's mappings and fails
-        // with EFAULT instead of touching unmapped memory. Writing into our own
-        // address space is allowed by the registration contract
-        // (`ProtectionDomain::register` is unsafe for that reason).
+        // checks every address against the processes' mappings and fails with
+        // EFAULT instead of touching unmapped memory. The local side is our own
+        // memory that the caller checked against a registered region it keeps
+        // registered for the call (or our own fresh buffer); the registration
+        // contract (`ProtectionDomain::register` is unsafe) lets it be written.
         let moved = unsafe {
-            match direction {
-                Direction::Read => libc::process_vm_readv(
-                    pid as libc::pid_t,
-                    local.as_ptr(),
-                    local_count as libc::c_ulong,
-                    remote.as_ptr(),
-                    remote_count as libc::c_ulong,
-                    0,
-                ),
-                Direction::Write => libc::process_vm_writev(
-                    pid as libc::pid_t,
-                    local.as_ptr(),
-                    local_count as libc::c_ulong,
-                    remote.as_ptr(),
-                    remote_count as libc::c_ulong,
-                    0,
-                ),
-            }
+            libc::process_vm_readv(
+                pid as libc::pid_t,
+                local.as_ptr(),
+                local_count as libc::c_ulong,
+                remote.as_ptr(),
+                remote_count as libc::c_ulong,
+                0,
+            )
         };
         if moved < 0 {
             let error = io::Error::last_os_error();
@@ -112,28 +99,12 @@ fn transfer(direction: Direction, pid: u32, local: &[Span], remote: &[Span]) -> 
     Ok(())
 }
 
-/// Copies `remote` (in process `pid`) into `local` (ours). Lengths must match.
-pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result<()> {
-    transfer(Direction::Read, pid, local, remote)
-}
-
-/// Copies `local` (ours) into `remote` (in process `pid`). Lengths must match.
-pub(crate) fn write_to(pid: u32, local: &[Span], remote: &[Span]) -> io::Result<()> {
-    transfer(Direction::Write, pid, local, remote)
-}
-
 /// Reads our own memory into a new buffer (inline sends).
 pub(crate) fn gather_own(spans: &[Span]) -> io::Result<Vec<u8>> {
     let mut out = vec![0u8; total(spans)];
     let dst = [(out.as_mut_ptr() as u64, out.len() as u32)];
     read_from(std::process::id(), spans, &dst)?;
     Ok(out)
-}
-
-/// Writes `bytes` into our own memory described by `spans` (up to its length).
-pub(crate) fn scatter_own(bytes: &[u8], spans: &[Span]) -> io::Result<()> {
-    let src = [(bytes.as_ptr() as u64, bytes.len() as u32)];
-    write_to(std::process::id(), &src, &truncate(spans, bytes.len()))
 }
 
 /// Copies `bytes` into our own memory `spans`, in order, with plain memory

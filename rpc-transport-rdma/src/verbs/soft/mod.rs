@@ -28,6 +28,7 @@
 //!   at once.
 
 mod memory;
+mod peer;
 mod qp;
 mod ring;
 mod wake;
@@ -41,6 +42,9 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+pub use peer::PeerPolicy;
 
 use super::{
     AccessFlags, CompletionChannel, CompletionQueue, Context, DeviceCaps, DeviceInfo, MemoryRegion,
@@ -105,7 +109,8 @@ pub(crate) struct ContextShared {
     pub(crate) id: u64,
     pub(crate) pid: u32,
     mrs: RwLock<HashMap<u32, MrEntry>>,
-    next_key: AtomicU32,
+    /// Which local users may connect (`RDMA_SOFT_PEERS`).
+    pub(crate) policy: PeerPolicy,
     next_qp_num: AtomicU32,
     next_cq_id: AtomicU32,
     next_pd: AtomicU64,
@@ -118,7 +123,7 @@ impl ContextShared {
             id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
             pid: std::process::id(),
             mrs: RwLock::new(HashMap::new()),
-            next_key: AtomicU32::new(0x1000),
+            policy: PeerPolicy::from_env(),
             next_qp_num: AtomicU32::new(0x40),
             next_cq_id: AtomicU32::new(1),
             next_pd: AtomicU64::new(1),
@@ -141,14 +146,27 @@ impl ContextShared {
     pub(crate) fn with_regions<R>(&self, f: impl FnOnce(&HashMap<u32, MrEntry>) -> R) -> R {
         f(&self.mrs.read().unwrap_or_else(|p| p.into_inner()))
     }
+
+    /// Registers `entry` under a fresh random key (keys are not guessable:
+    /// 32 random bits, never 0, never one in use).
+    fn insert_region(&self, entry: MrEntry) -> Result<u32, VerbsError> {
+        let mut regions = self.mrs.write().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let mut bytes = [0u8; 4];
+            peer::fill_random(&mut bytes)?;
+            let key = u32::from_le_bytes(bytes);
+            if key != 0 && !regions.contains_key(&key) {
+                regions.insert(key, entry);
+                return Ok(key);
+            }
+        }
+    }
 }
 
 impl Drop for ContextShared {
     fn drop(&mut self) {
         // Wake the accept loop so it sees the context is gone.
-        if let Ok(name) = SocketAddr::from_abstract_name(rendezvous_name(self.pid, self.id)) {
-            let _ = UnixStream::connect_addr(&name);
-        }
+        let _ = connect_abstract_nonblocking(&rendezvous_name(self.pid, self.id));
     }
 }
 
@@ -157,49 +175,245 @@ pub(crate) fn rendezvous_name(pid: u32, context: u64) -> Vec<u8> {
     format!("rdma-rpc-soft.{pid}.{context}").into_bytes()
 }
 
-/// Handshake a dialing QP sends: target qpn, own qpn, own pid, own context,
-/// waker flags (with the ring's fd and its channels' eventfds).
-pub(crate) const HANDSHAKE_LEN: usize = 21;
+/// How long an accepted Unix connection may take to send its handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Unix connections waiting for their handshake at once; beyond it the
+/// oldest is dropped (an idle peer can delay nobody for long).
+const MAX_PENDING_HANDSHAKES: usize = 64;
 
+/// What a dialing QP sends over the Unix socket, with the rings' memfd and
+/// its CQs' wake-up fds: `target_qp: u32 | qp_num: u32 | pid: u32 |
+/// context: u64 | target_secret: [u8; 16] | wake_flags: u8`, little-endian.
+/// The pid must be the kernel's (`SO_PEERCRED`); the secret the target QP's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Handshake {
+    pub(crate) target_qp: u32,
+    pub(crate) qp_num: u32,
+    pub(crate) pid: u32,
+    pub(crate) context: u64,
+    pub(crate) target_secret: peer::Secret,
+    pub(crate) wake_flags: u8,
+}
+
+/// Bytes of an encoded [`Handshake`].
+pub(crate) const HANDSHAKE_LEN: usize = 4 + 4 + 4 + 8 + peer::SECRET_LEN + 1;
+
+impl Handshake {
+    pub(crate) fn encode(&self) -> [u8; HANDSHAKE_LEN] {
+        let mut out = [0u8; HANDSHAKE_LEN];
+        out[0..4].copy_from_slice(&self.target_qp.to_le_bytes());
+        out[4..8].copy_from_slice(&self.qp_num.to_le_bytes());
+        out[8..12].copy_from_slice(&self.pid.to_le_bytes());
+        out[12..20].copy_from_slice(&self.context.to_le_bytes());
+        out[20..36].copy_from_slice(&self.target_secret);
+        out[36] = self.wake_flags;
+        out
+    }
+
+    pub(crate) fn decode(bytes: &[u8; HANDSHAKE_LEN]) -> Handshake {
+        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4"));
+        Handshake {
+            target_qp: u32_at(0),
+            qp_num: u32_at(4),
+            pid: u32_at(8),
+            context: u64::from_le_bytes(bytes[12..20].try_into().expect("8")),
+            target_secret: bytes[20..36].try_into().expect("16"),
+            wake_flags: bytes[36],
+        }
+    }
+}
+
+/// Decodes a handshake from arbitrary bytes (fuzzing entry point): never
+/// panics; `None` unless exactly [`HANDSHAKE_LEN`] bytes.
+#[doc(hidden)]
+pub fn fuzz_handshake(bytes: &[u8]) -> bool {
+    let Ok(array) = <&[u8; HANDSHAKE_LEN]>::try_from(bytes) else {
+        return false;
+    };
+    let handshake = Handshake::decode(array);
+    Handshake::decode(&handshake.encode()) == handshake
+}
+
+/// Connects to an abstract Unix socket without blocking (a listener that
+/// never accepts fills its backlog; then this fails instead of waiting).
+pub(crate) fn connect_abstract_nonblocking(name: &[u8]) -> std::io::Result<UnixStream> {
+    // SAFETY: an all-zero sockaddr_un is valid; the path is filled below.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    if name.len() + 1 > addr.sun_path.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "abstract socket name too long",
+        ));
+    }
+    for (slot, byte) in addr.sun_path[1..].iter_mut().zip(name) {
+        *slot = *byte as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
+    // SAFETY: plain socket creation; the result is checked.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd that nothing else owns.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    // SAFETY: `addr` is a valid sockaddr_un of `len` bytes for the call.
+    let connected = unsafe {
+        libc::connect(
+            fd,
+            (&addr as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if connected != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(stream)
+}
+
+/// A Unix connection waiting for its handshake.
+struct PendingHandshake {
+    stream: UnixStream,
+    deadline: Instant,
+}
+
+/// The context's Unix-socket acceptor: one thread, never blocked by a peer.
+/// The listener and every connection waiting for its handshake are
+/// non-blocking and watched with `poll`; a handshake must arrive within
+/// [`HANDSHAKE_TIMEOUT`], at most [`MAX_PENDING_HANDSHAKES`] wait at once.
 fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
-    for stream in listener.incoming() {
+    if listener.set_nonblocking(true).is_err() {
+        return;
+    }
+    let mut pending: VecDeque<PendingHandshake> = VecDeque::new();
+    let mut pollfds: Vec<libc::pollfd> = Vec::new();
+    loop {
+        let now = Instant::now();
+        pending.retain(|waiting| waiting.deadline > now);
+        let timeout = pending
+            .iter()
+            .map(|waiting| waiting.deadline.saturating_duration_since(now))
+            .min()
+            .unwrap_or(Duration::from_secs(1));
+        pollfds.clear();
+        pollfds.push(libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        pollfds.extend(pending.iter().map(|waiting| libc::pollfd {
+            fd: waiting.stream.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+        let millis = timeout.as_millis().clamp(1, 1000) as libc::c_int;
+        // SAFETY: `pollfds` is a live array of that many pollfds.
+        let ready =
+            unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, millis) };
         let Some(context) = context.upgrade() else {
             return;
         };
-        let Ok(mut stream) = stream else { continue };
-        let mut handshake = [0u8; HANDSHAKE_LEN];
-        // The dialer sends the shared-memory rings' fd with the handshake.
-        let Ok(fds) = ring::receive_with_fds(&stream, &mut handshake) else {
+        if ready <= 0 {
             continue;
-        };
-        let mut fds = fds.into_iter();
-        let Some(Ok(ring)) = fds.next().map(|fd| ring::RingPair::open(&fd)) else {
-            continue;
-        };
-        let Ok(wakers) = wake::PeerWakers::from_set_up(handshake[20], &mut fds) else {
-            continue;
-        };
-        let u32_at = |at: usize| u32::from_le_bytes(handshake[at..at + 4].try_into().expect("4"));
-        let (target, peer_qp_num, peer_pid) = (u32_at(0), u32_at(4), u32_at(8));
-        let peer_context = u64::from_le_bytes(handshake[12..20].try_into().expect("8"));
-        let qp = lock(&context.qps).get(&target).and_then(Weak::upgrade);
-        match qp {
-            Some(qp) => qp.attach(
-                stream,
-                ring,
-                qp::Peer {
-                    pid: peer_pid,
-                    context: peer_context,
-                    qp_num: peer_qp_num,
-                },
-                false,
-                wakers,
-            ),
-            None => {
-                let _ = stream.write_all(&[0]);
+        }
+        // Handshakes first (their pollfds follow the listener's, in order).
+        let ready_streams: Vec<usize> = (0..pending.len())
+            .filter(|&i| pollfds[i + 1].revents != 0)
+            .collect();
+        for &i in ready_streams.iter().rev() {
+            let Some(waiting) = pending.remove(i) else {
+                continue;
+            };
+            if let Err(error) = handle_handshake(&context, waiting.stream) {
+                tracing::debug!(%error, "soft device refused a connection");
+            }
+        }
+        if pollfds[0].revents != 0 {
+            loop {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        if stream.set_nonblocking(true).is_err() {
+                            continue;
+                        }
+                        if pending.len() >= MAX_PENDING_HANDSHAKES {
+                            pending.pop_front();
+                        }
+                        pending.push_back(PendingHandshake {
+                            stream,
+                            deadline: Instant::now() + HANDSHAKE_TIMEOUT,
+                        });
+                    }
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(error) => {
+                        // Out of fds, say: back off instead of spinning.
+                        tracing::warn!(%error, "soft device: accept failed");
+                        std::thread::sleep(Duration::from_millis(10));
+                        break;
+                    }
+                }
             }
         }
     }
+}
+
+/// Reads one dialer's handshake (already waiting: non-blocking) and
+/// attaches it to the target QP, or refuses it with the reason.
+fn handle_handshake(context: &Arc<ContextShared>, stream: UnixStream) -> std::io::Result<()> {
+    let refuse = |stream: &UnixStream, why: String| {
+        let _ = (&*stream).write_all(&[0]);
+        std::io::Error::new(std::io::ErrorKind::PermissionDenied, why)
+    };
+    let process = match peer::PeerProcess::of_socket(&stream, &context.policy) {
+        Ok(process) => process,
+        Err(error) => return Err(refuse(&stream, error.to_string())),
+    };
+    let mut bytes = [0u8; HANDSHAKE_LEN];
+    let fds = ring::receive_with_fds(&stream, &mut bytes)?;
+    let handshake = Handshake::decode(&bytes);
+    if handshake.pid != process.pid() {
+        return Err(refuse(
+            &stream,
+            format!(
+                "soft peer claims pid {} but the kernel says {}",
+                handshake.pid,
+                process.pid()
+            ),
+        ));
+    }
+    let qp = lock(&context.qps)
+        .get(&handshake.target_qp)
+        .and_then(Weak::upgrade)
+        .filter(|qp| qp.secret_matches(&handshake.target_secret));
+    let Some(qp) = qp else {
+        return Err(refuse(
+            &stream,
+            format!("no QP {} with that secret", handshake.target_qp),
+        ));
+    };
+    let mut fds = fds.into_iter();
+    let ring = match fds.next().map(|fd| ring::RingPair::open(&fd)) {
+        Some(Ok(ring)) => ring,
+        Some(Err(error)) => return Err(refuse(&stream, error.to_string())),
+        None => return Err(refuse(&stream, "handshake without its ring".into())),
+    };
+    let wakers = match wake::PeerWakers::from_set_up(handshake.wake_flags, &mut fds) {
+        Ok(wakers) => wakers,
+        Err(error) => return Err(refuse(&stream, error.to_string())),
+    };
+    let peer = qp::Peer {
+        pid: handshake.pid,
+        context: handshake.context,
+        qp_num: handshake.qp_num,
+    };
+    qp.attach(stream, ring, peer, process, false, wakers);
+    Ok(())
 }
 
 /// An opened soft device.
@@ -302,18 +516,13 @@ impl ProtectionDomain for SoftPd {
                 "REMOTE_WRITE and REMOTE_ATOMIC require LOCAL_WRITE",
             ));
         }
-        let key = self.context.next_key.fetch_add(1, Ordering::Relaxed);
         let entry = MrEntry {
             addr: addr as u64,
             len: len as u64,
             access,
             pd: self.id,
         };
-        self.context
-            .mrs
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, entry);
+        let key = self.context.insert_region(entry)?;
         Ok(Arc::new(SoftMr {
             context: self.context.clone(),
             key,

@@ -10,20 +10,20 @@ use std::collections::VecDeque;
 use std::collections::HashMap;
 use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use super::memory::{self, Span};
+use super::peer::{PeerProcess, SECRET_LEN, Secret};
 use super::ring::RingPair;
 use super::wake::{PeerWakers, WAKER_RECV, WAKER_SEND, WAKER_SEND_IS_RECV, need};
 use super::wire::{
     self, AckUrgency, Encode, Message, MessageReader, Outcome, ReadOutcome, Request, RequestOp,
     Response,
 };
-use super::{ContextShared, CqShared, HANDSHAKE_LEN, MrEntry, SrqShared, lock, rendezvous_name};
+use super::{ContextShared, CqShared, MrEntry, SrqShared, lock, rendezvous_name};
 use crate::verbs::{
     AccessFlags, ConnectOptions, PostError, QpAddress, QpCaps, QpInit, QpState, QueuePair, RecvWr,
     SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus, WorkCompletion,
@@ -31,8 +31,16 @@ use crate::verbs::{
 
 /// SENDs and WRITEs up to this many bytes travel inside their descriptor.
 const EAGER_COPY_BYTES: u64 = 512;
+/// Requests a peer may send before this QP reaches RTR (held until then);
+/// more is a flood, and the QP fails.
+const MAX_EARLY_REQUESTS: usize = 4096;
+/// How long a dialing QP waits for the acceptor's reply to its handshake.
+const DIAL_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Bytes of a soft QP address's provider part: pid, context id, secret.
+const ADDRESS_EXTRA_LEN: usize = 4 + 8 + SECRET_LEN;
 
-/// Who is on the other end.
+/// Who is on the other end, as its hello named it (the pid is checked
+/// against the kernel's word before a peer is attached).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Peer {
     pub(crate) pid: u32,
@@ -53,6 +61,9 @@ struct QpInner {
     options: ConnectOptions,
     /// Set by `to_rtr` (expected peer) or by the accept loop (attached peer).
     peer: Option<Peer>,
+    /// The attached peer's process, as the kernel identified it: every
+    /// transfer with its address space goes through this.
+    process: Option<Arc<PeerProcess>>,
     writer: Option<UnixStream>,
     /// The shared-memory rings the wire messages travel in (the socket only
     /// carries doorbells and EOF).
@@ -76,6 +87,9 @@ struct QpInner {
 
 pub(crate) struct QpShared {
     qp_num: u32,
+    /// Presented by whoever attaches to this QP over the Unix socket: only
+    /// the peer that got our address from the set-up hello knows it.
+    secret: Secret,
     pd: u64,
     context: Arc<ContextShared>,
     caps: QpCaps,
@@ -136,6 +150,7 @@ pub(crate) fn create(
     let qp_num = context.next_qp_num.fetch_add(1, AtomicOrdering::Relaxed);
     let shared = Arc::new(QpShared {
         qp_num,
+        secret: super::peer::random_secret()?,
         pd,
         caps,
         sq_sig_all: init.sq_sig_all,
@@ -146,6 +161,7 @@ pub(crate) fn create(
             state: QpState::Reset,
             options: ConnectOptions::default(),
             peer: None,
+            process: None,
             writer: None,
             ring: None,
             unwritten: Vec::new(),
@@ -177,6 +193,90 @@ pub(crate) fn create(
 /// The handle users hold; dropping it destroys the QP.
 struct SoftQp {
     shared: Arc<QpShared>,
+}
+
+impl SoftQp {
+    /// Connects to the peer's soft device and sends the handshake, without
+    /// blocking: the Unix socket is non-blocking, the listener behind the
+    /// name must be the process the hello named (the kernel says who holds
+    /// it: an abstract name is anyone's to bind), and the acceptor's reply
+    /// is awaited on a short-lived thread that attaches the QP (or fails it)
+    /// within [`DIAL_REPLY_TIMEOUT`]. No thread of the caller ever waits on
+    /// the peer.
+    fn dial(&self, peer: Peer, peer_secret: &Secret) -> Result<(), VerbsError> {
+        let shared = &self.shared;
+        let name = rendezvous_name(peer.pid, peer.context);
+        let stream = super::connect_abstract_nonblocking(&name).map_err(|error| {
+            VerbsError::Io(std::io::Error::new(
+                error.kind(),
+                format!(
+                    "cannot reach soft QP {} of process {}: {error} (soft peers must be on this host)",
+                    peer.qp_num, peer.pid
+                ),
+            ))
+        })?;
+        let process = PeerProcess::of_socket(&stream, &shared.context.policy)?;
+        if process.pid() != peer.pid {
+            return Err(VerbsError::Io(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "the soft device socket of process {} is held by process {}: refusing to connect",
+                    peer.pid,
+                    process.pid()
+                ),
+            )));
+        }
+        let (flags, wake_fds) = shared.wake_fds();
+        let handshake = super::Handshake {
+            target_qp: peer.qp_num,
+            qp_num: shared.qp_num,
+            pid: shared.context.pid,
+            context: shared.context.id,
+            target_secret: *peer_secret,
+            wake_flags: flags,
+        };
+        let (ring, fd) = RingPair::create()?;
+        let mut fds = vec![fd.as_raw_fd()];
+        fds.extend(wake_fds);
+        super::ring::send_with_fds(&stream, &handshake.encode(), &fds)?;
+        drop(fd);
+        let qp = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("soft-rdma-dial-{}", shared.qp_num))
+            .spawn(move || {
+                let attached = match await_reply(&stream) {
+                    Ok(wakers) => qp.attach(stream, ring, peer, process, true, wakers),
+                    Err(error) => {
+                        tracing::debug!(qp = qp.qp_num, %error, "soft dial failed");
+                        false
+                    }
+                };
+                if !attached {
+                    qp.enter_error(&mut qp.lock(), None);
+                }
+            })?;
+        Ok(())
+    }
+}
+
+/// The acceptor's reply to a dialer's handshake: accepted (and its
+/// channels' wake-up fds, checked), refused, or silent past the time-out.
+fn await_reply(stream: &UnixStream) -> std::io::Result<PeerWakers> {
+    if !crate::verbs::wait_readable(stream.as_raw_fd(), DIAL_REPLY_TIMEOUT)? {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "the soft peer did not answer the handshake",
+        ));
+    }
+    let mut reply = [0u8; 2];
+    let fds = super::ring::receive_with_fds(stream, &mut reply)?;
+    if reply[0] != 1 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "the soft peer refused the handshake",
+        ));
+    }
+    PeerWakers::from_set_up(reply[1], &mut fds.into_iter())
 }
 
 impl Drop for SoftQp {
@@ -258,15 +358,23 @@ impl QpShared {
         Ok(())
     }
 
-    /// Hands a connected socket to this QP and starts its engine.
+    /// True when `secret` is this QP's (compared in constant time).
+    pub(crate) fn secret_matches(&self, secret: &Secret) -> bool {
+        super::peer::secrets_match(&self.secret, secret)
+    }
+
+    /// Hands a connected socket to this QP and starts its engine. `process`
+    /// is the kernel's word on who `peer` is (its pid was checked against
+    /// the claimed one by the caller). Returns false when the QP refused.
     pub(crate) fn attach(
         self: &Arc<Self>,
         stream: UnixStream,
         ring: RingPair,
         peer: Peer,
+        process: PeerProcess,
         dialed: bool,
         wakers: PeerWakers,
-    ) {
+    ) -> bool {
         let mut inner = self.lock();
         let accepted = match inner.peer {
             None => true,
@@ -274,10 +382,10 @@ impl QpShared {
         };
         if !accepted || inner.writer.is_some() || inner.state == QpState::Error {
             let _ = stream.shutdown(Shutdown::Both);
-            return;
+            return false;
         }
         let (Ok(writer), Ok(waiter)) = (stream.try_clone(), stream.try_clone()) else {
-            return;
+            return false;
         };
         if !dialed {
             // The reply to the dialer's handshake, before anything else on
@@ -285,12 +393,18 @@ impl QpShared {
             let (flags, fds) = self.wake_fds();
             if super::ring::send_with_fds(&stream, &[1, flags], &fds).is_err() {
                 let _ = stream.shutdown(Shutdown::Both);
-                return;
+                return false;
             }
+        }
+        // The engine blocks on the socket with a read time-out.
+        if stream.set_nonblocking(false).is_err() {
+            let _ = stream.shutdown(Shutdown::Both);
+            return false;
         }
         let _ = self.peer_wakers.set(wakers);
         let ring = Arc::new(ring);
         inner.peer = Some(peer);
+        inner.process = Some(Arc::new(process));
         inner.writer = Some(writer);
         inner.ring = Some(ring.clone());
         let _ = self.polled_ring.set(ring.clone());
@@ -302,10 +416,11 @@ impl QpShared {
             .spawn(move || qp.engine(waiter, ring, generation));
         if spawned.is_err() {
             self.enter_error(&mut inner, None);
-            return;
+            return false;
         }
         tracing::trace!(qp = self.qp_num, ?peer, dialed, "soft QP attached");
         self.send_unsent(&mut inner);
+        true
     }
 
     /// Set-up flags and the eventfds of this QP's completion channels, for
@@ -626,6 +741,11 @@ impl QpShared {
         match inner.state {
             QpState::Rtr | QpState::Rts => {}
             QpState::Reset | QpState::Init => {
+                if inner.early_requests.len() >= MAX_EARLY_REQUESTS {
+                    tracing::debug!(qp = self.qp_num, "soft peer flooded a QP before RTR");
+                    self.enter_error(inner, None);
+                    return;
+                }
                 inner.early_requests.push_back(request);
                 return;
             }
@@ -670,8 +790,19 @@ impl QpShared {
         }
     }
 
-    fn peer_pid(inner: &QpInner) -> u32 {
-        inner.peer.map_or(0, |peer| peer.pid)
+    /// Copies `remote` (the peer's memory) into `local` (ours): the one
+    /// direction the soft provider moves payload across processes. Every
+    /// write into a process's memory happens in that process, with the
+    /// target checked against its own region table at the time of the copy.
+    fn pull(
+        process: Option<&Arc<PeerProcess>>,
+        remote: &[Span],
+        local: &[Span],
+    ) -> std::io::Result<()> {
+        let process = process.ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotConnected, "soft QP has no peer")
+        })?;
+        process.transfer(|pid| memory::read_from(pid, remote, local))
     }
 
     fn execute(&self, inner: &mut QpInner, request: Request) -> Outcome {
@@ -683,8 +814,10 @@ impl QpShared {
                 };
                 let capacity: usize = recv.sg_list.iter().map(|s| s.length as usize).sum();
                 let spans: Vec<Span> = recv.sg_list.iter().map(|s| (s.addr, s.length)).collect();
-                // Checks, and for bytes carried in the descriptor the copy
-                // itself, under one look at the region table.
+                // Checks and the copy (from the descriptor, or pulled from
+                // the initiator) under one look at the region table: the
+                // receive buffers stay registered until it ends.
+                let process = inner.process.clone();
                 let checked = self.context.with_regions(|regions| {
                     let local_ok = recv
                         .sg_list
@@ -703,18 +836,17 @@ impl QpShared {
                         // bytes; `bytes` is the decoded descriptor's own
                         // allocation.
                         unsafe { memory::copy_into_spans(bytes, &spans) };
+                    } else {
+                        Self::pull(
+                            process.as_ref(),
+                            &request.spans,
+                            &memory::truncate(&spans, len),
+                        )
+                        .map_err(|_| (WcStatus::LocProtErr, Outcome::RemoteOperation))?;
                     }
                     Ok(())
                 });
-                let pulled = checked.and_then(|()| match request.inline {
-                    Some(_) => Ok(()),
-                    None => memory::read_from(
-                        Self::peer_pid(inner),
-                        &request.spans,
-                        &memory::truncate(&spans, len),
-                    )
-                    .map_err(|_| (WcStatus::LocProtErr, Outcome::RemoteOperation)),
-                });
+                let pulled = checked;
                 if let Err((status, outcome)) = pulled {
                     self.recv_cq.push(
                         self.completion(recv.wr_id, status, WcOpcode::Recv, 0, None),
@@ -738,6 +870,7 @@ impl QpShared {
                 imm,
             } => {
                 let target = [(remote_addr, len as u32)];
+                let process = inner.process.clone();
                 let checked = self.context.with_regions(|regions| {
                     self.check_remote_in(
                         regions,
@@ -756,6 +889,10 @@ impl QpShared {
                         // `with_regions` returns; `bytes` is the decoded
                         // descriptor's own allocation.
                         unsafe { memory::copy_into_spans(bytes, &target) };
+                    } else if len > 0 {
+                        // Pulled while the target is known registered.
+                        Self::pull(process.as_ref(), &request.spans, &target)
+                            .map_err(|_| Outcome::RemoteOperation)?;
                     }
                     Ok(recv)
                 });
@@ -763,12 +900,6 @@ impl QpShared {
                     Ok(recv) => recv,
                     Err(outcome) => return outcome,
                 };
-                if request.inline.is_none()
-                    && len > 0
-                    && memory::read_from(Self::peer_pid(inner), &request.spans, &target).is_err()
-                {
-                    return Outcome::RemoteOperation;
-                }
                 if let Some(recv) = recv {
                     let completion = self.completion(
                         recv.wr_id,
@@ -782,18 +913,13 @@ impl QpShared {
                 Outcome::Ack
             }
             RequestOp::Read { remote_addr, rkey } => {
-                if let Err(outcome) =
-                    self.check_remote(rkey, remote_addr, len as u64, AccessFlags::REMOTE_READ)
-                {
-                    return outcome;
+                // The responder only grants the READ; the initiator pulls the
+                // bytes into its own memory when the grant arrives (a process
+                // never writes into another's memory).
+                match self.check_remote(rkey, remote_addr, len as u64, AccessFlags::REMOTE_READ) {
+                    Ok(()) => Outcome::Ack,
+                    Err(outcome) => outcome,
                 }
-                let source = [(remote_addr, len as u32)];
-                if len > 0
-                    && memory::write_to(Self::peer_pid(inner), &source, &request.spans).is_err()
-                {
-                    return Outcome::RemoteOperation;
-                }
-                Outcome::Ack
             }
             RequestOp::CompareSwap {
                 remote_addr, rkey, ..
@@ -804,38 +930,48 @@ impl QpShared {
                 if remote_addr % 8 != 0 || len != 8 {
                     return Outcome::RemoteInvalid;
                 }
-                if let Err(outcome) =
-                    self.check_remote(rkey, remote_addr, 8, AccessFlags::REMOTE_ATOMIC)
-                {
-                    return outcome;
-                }
-                // SAFETY: the range is 8 bytes, 8-byte aligned, and inside a
-                // region registered with REMOTE_ATOMIC in this process; the
-                // registration contract keeps it allocated. All soft atomics on
-                // a QP's memory go through AtomicU64, as an HCA's do through its
-                // atomic unit.
-                let target = unsafe {
-                    std::sync::atomic::AtomicU64::from_ptr(remote_addr as usize as *mut u64)
-                };
-                let old = match request.op {
-                    RequestOp::CompareSwap { compare, swap, .. } => {
-                        match target.compare_exchange(
-                            compare,
-                            swap,
-                            AtomicOrdering::SeqCst,
-                            AtomicOrdering::SeqCst,
-                        ) {
-                            Ok(old) | Err(old) => old,
-                        }
-                    }
-                    RequestOp::FetchAdd { add, .. } => {
-                        target.fetch_add(add, AtomicOrdering::SeqCst)
-                    }
-                    _ => unreachable!("matched atomics above"),
-                };
-                Outcome::AtomicAck(old)
+                self.context
+                    .with_regions(|regions| {
+                        self.check_remote_in(
+                            regions,
+                            rkey,
+                            remote_addr,
+                            8,
+                            AccessFlags::REMOTE_ATOMIC,
+                        )?;
+                        // SAFETY: the range is 8 bytes, 8-byte aligned, and inside
+                        // a region registered with REMOTE_ATOMIC in this process,
+                        // which stays registered (so allocated, by the
+                        // registration contract) until `with_regions` returns.
+                        // All soft atomics on a QP's memory go through AtomicU64,
+                        // as an HCA's do through its atomic unit.
+                        let target = unsafe {
+                            std::sync::atomic::AtomicU64::from_ptr(remote_addr as usize as *mut u64)
+                        };
+                        Ok(Self::apply_atomic(target, &request.op))
+                    })
+                    .unwrap_or_else(|outcome| outcome)
             }
         }
+    }
+
+    /// Carries out an atomic on `target`; the value before it.
+    fn apply_atomic(target: &std::sync::atomic::AtomicU64, op: &RequestOp) -> Outcome {
+        let old = match *op {
+            RequestOp::CompareSwap { compare, swap, .. } => {
+                match target.compare_exchange(
+                    compare,
+                    swap,
+                    AtomicOrdering::SeqCst,
+                    AtomicOrdering::SeqCst,
+                ) {
+                    Ok(old) | Err(old) => old,
+                }
+            }
+            RequestOp::FetchAdd { add, .. } => target.fetch_add(add, AtomicOrdering::SeqCst),
+            _ => return Outcome::RemoteInvalid,
+        };
+        Outcome::AtomicAck(old)
     }
 
     // ------------------------------------------------------------ initiator
@@ -860,14 +996,7 @@ impl QpShared {
             Outcome::Ack | Outcome::AtomicAck(_) => {
                 let done = inner.outstanding.pop_front().expect("head exists");
                 inner.rnr_retries_left = inner.options.rnr_retry;
-                let mut status = WcStatus::Success;
-                if let Outcome::AtomicAck(old) = response.outcome {
-                    let spans: Vec<Span> =
-                        done.wr.sg_list.iter().map(|s| (s.addr, s.length)).collect();
-                    if memory::scatter_own(&old.to_le_bytes(), &spans).is_err() {
-                        status = WcStatus::LocProtErr;
-                    }
-                }
+                let status = self.finish_locally(inner, &done, response.outcome);
                 if status != WcStatus::Success || done.wr.signaled || self.sq_sig_all {
                     let opcode = done.wr.op.completion_opcode();
                     let len = done.request.len() as u32;
@@ -897,6 +1026,51 @@ impl QpShared {
             Outcome::RemoteInvalid => self.enter_error(inner, Some(WcStatus::RemInvReqErr)),
             Outcome::RemoteOperation => self.enter_error(inner, Some(WcStatus::RemOpErr)),
         }
+    }
+
+    /// The initiator's share of an acknowledged request: a READ's bytes are
+    /// pulled from the responder, an atomic's old value written, each into
+    /// our own memory while its region is known registered (the local SGEs
+    /// are checked again now: they may have been deregistered since the post).
+    fn finish_locally(&self, inner: &QpInner, done: &Outstanding, outcome: Outcome) -> WcStatus {
+        let writes_locally = matches!(outcome, Outcome::AtomicAck(_))
+            || matches!(done.request.op, RequestOp::Read { .. });
+        if !writes_locally {
+            return WcStatus::Success;
+        }
+        let local: Vec<Span> = done.wr.sg_list.iter().map(|s| (s.addr, s.length)).collect();
+        let result = self.context.with_regions(|regions| {
+            if !done
+                .wr
+                .sg_list
+                .iter()
+                .all(|sge| self.check_local(regions, sge, true).is_ok())
+            {
+                return Err(WcStatus::LocProtErr);
+            }
+            match (outcome, done.request.op) {
+                (Outcome::AtomicAck(old), _) => {
+                    if local.iter().map(|(_, len)| *len as usize).sum::<usize>() < 8 {
+                        return Err(WcStatus::LocLenErr);
+                    }
+                    // SAFETY: every local SGE lies in a region of ours with
+                    // LOCAL_WRITE (checked just above), registered until
+                    // `with_regions` returns, and they hold ≥ 8 bytes.
+                    unsafe { memory::copy_into_spans(&old.to_le_bytes(), &local) };
+                    Ok(())
+                }
+                (_, RequestOp::Read { remote_addr, .. }) => {
+                    let len = done.request.len();
+                    if len == 0 {
+                        return Ok(());
+                    }
+                    Self::pull(inner.process.as_ref(), &[(remote_addr, len as u32)], &local)
+                        .map_err(|_| WcStatus::RemOpErr)
+                }
+                _ => Ok(()),
+            }
+        });
+        result.err().unwrap_or(WcStatus::Success)
     }
 
     /// A request that failed local checks completes (with its error) once it
@@ -1037,9 +1211,10 @@ impl QueuePair for SoftQp {
     }
 
     fn local_address(&self) -> QpAddress {
-        let mut extra = Vec::with_capacity(12);
+        let mut extra = Vec::with_capacity(ADDRESS_EXTRA_LEN);
         extra.extend_from_slice(&self.shared.context.pid.to_le_bytes());
         extra.extend_from_slice(&self.shared.context.id.to_le_bytes());
+        extra.extend_from_slice(&self.shared.secret);
         QpAddress {
             qp_num: self.shared.qp_num,
             psn: 0,
@@ -1064,7 +1239,7 @@ impl QueuePair for SoftQp {
     }
 
     fn to_rtr(&self, remote: &QpAddress, options: &ConnectOptions) -> Result<(), VerbsError> {
-        if remote.extra.len() != 12 {
+        if remote.extra.len() != ADDRESS_EXTRA_LEN {
             return Err(VerbsError::InvalidArgument(
                 "not a soft-provider queue pair address",
             ));
@@ -1079,6 +1254,7 @@ impl QueuePair for SoftQp {
             context: u64::from_le_bytes(remote.extra[4..12].try_into().expect("8")),
             qp_num: remote.qp_num,
         };
+        let peer_secret: Secret = remote.extra[12..].try_into().expect("SECRET_LEN");
         let me = (
             self.shared.context.pid,
             self.shared.context.id,
@@ -1110,38 +1286,11 @@ impl QueuePair for SoftQp {
             self.shared.flush(&mut inner);
         }
         if dial {
-            let name = SocketAddr::from_abstract_name(rendezvous_name(peer.pid, peer.context))?;
-            let stream = UnixStream::connect_addr(&name).map_err(|error| {
-                VerbsError::Io(std::io::Error::new(
-                    error.kind(),
-                    format!("cannot reach soft QP {} of process {}: {error} (soft peers must be on this host)", peer.qp_num, peer.pid),
-                ))
-            })?;
-            let mut handshake = Vec::with_capacity(HANDSHAKE_LEN);
-            handshake.extend_from_slice(&peer.qp_num.to_le_bytes());
-            handshake.extend_from_slice(&self.shared.qp_num.to_le_bytes());
-            handshake.extend_from_slice(&me.0.to_le_bytes());
-            handshake.extend_from_slice(&me.1.to_le_bytes());
-            let (flags, wake_fds) = self.shared.wake_fds();
-            handshake.push(flags);
-            let (ring, fd) = RingPair::create()?;
-            let mut fds = vec![fd.as_raw_fd()];
-            fds.extend(wake_fds);
-            super::ring::send_with_fds(&stream, &handshake, &fds)?;
-            drop(fd);
-            // The acceptor's reply: accepted, and its channels' eventfds. A
-            // refusal (or silence) leaves no wakers; the engine then sees the
-            // socket close and the QP fails as before.
-            stream.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
-            let mut reply = [0u8; 2];
-            let wakers = match super::ring::receive_with_fds(&stream, &mut reply) {
-                Ok(fds) if reply[0] == 1 => {
-                    PeerWakers::from_set_up(reply[1], &mut fds.into_iter()).unwrap_or_default()
-                }
-                _ => PeerWakers::default(),
-            };
-            stream.set_read_timeout(None)?;
-            self.shared.attach(stream, ring, peer, true, wakers);
+            if let Err(error) = self.dial(peer, &peer_secret) {
+                let mut inner = self.shared.lock();
+                self.shared.enter_error(&mut inner, None);
+                return Err(error);
+            }
         }
         Ok(())
     }
@@ -1274,7 +1423,7 @@ struct RingReader<'a>(&'a RingPair);
 
 impl std::io::Read for RingReader<'_> {
     fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        match self.0.receive(out) {
+        match self.0.receive(out)? {
             0 => Err(std::io::ErrorKind::WouldBlock.into()),
             n => Ok(n),
         }

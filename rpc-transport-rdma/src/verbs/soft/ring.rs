@@ -39,6 +39,8 @@ const POLL_GRACE_NS: u64 = 100_000;
 /// just as the polling stops.
 pub(crate) const POLLED_ENGINE_NAP: Duration = Duration::from_millis(1);
 const HALF: usize = CONTROL + RING_BYTES;
+/// Bytes of the shared mapping (both halves).
+const MAPPED: usize = 2 * HALF;
 /// How long a producer waits for room before declaring the peer stuck.
 const FULL_TIMEOUT: Duration = Duration::from_secs(2);
 const _: () = assert!(RING_BYTES.is_power_of_two(), "index arithmetic masks");
@@ -58,7 +60,7 @@ unsafe impl Sync for Mapping {}
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: the region was mapped with this length by `map` and is unmapped once.
-        unsafe { libc::munmap(self.base.cast(), 2 * HALF) };
+        unsafe { libc::munmap(self.base.cast(), MAPPED) };
     }
 }
 
@@ -70,6 +72,11 @@ pub(crate) struct RingPair {
     /// The producer's last look at the consumer's tail (process-local): room
     /// is known without touching the consumer's cache line until it runs out.
     seen_tail: AtomicU64,
+    /// Our own copy of the head we produce to and the tail we consume from.
+    /// The shared words are the peer's to overwrite at will: we only publish
+    /// to them, and what we read of the peer's is validated against these.
+    local_head: AtomicU64,
+    local_tail: AtomicU64,
     /// When a caller of this process last polled our side (process-local;
     /// 0: not polling).
     polled_at: AtomicU64,
@@ -82,12 +89,13 @@ impl std::fmt::Debug for RingPair {
 }
 
 fn map(fd: RawFd) -> io::Result<Mapping> {
-    // SAFETY: maps a memfd of at least 2 * HALF bytes (sized by `create`),
-    // shared, readable and writable; the result is checked.
+    // SAFETY: maps a memfd of exactly MAPPED bytes that can never shrink
+    // (sealed by `create`, checked by `open`), shared, readable and
+    // writable; the result is checked.
     let base = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            2 * HALF,
+            MAPPED,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
             fd,
@@ -101,25 +109,19 @@ fn map(fd: RawFd) -> io::Result<Mapping> {
 }
 
 impl RingPair {
-    /// Creates the shared memory (dialing side); returns the rings and the fd to pass.
+    /// Creates the shared memory (dialing side), sealed so that it can never
+    /// shrink under either side's mapping; returns the rings and the fd to pass.
     pub(crate) fn create() -> io::Result<(RingPair, OwnedFd)> {
-        // SAFETY: a NUL-terminated name; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"rdma-rpc-soft-ring".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: a valid fd; the size is checked.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), (2 * HALF) as libc::off_t) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let fd = super::peer::sealed_memfd(c"rdma-rpc-soft-ring", MAPPED)?;
         let mapping = map(fd.as_raw_fd())?;
         Ok((RingPair::new(mapping, 0), fd))
     }
 
-    /// Maps the shared memory the dialer passed (accepting side).
+    /// Maps the shared memory the dialer passed (accepting side), after
+    /// checking its size and seals: a peer's fd that could shrink would turn
+    /// our next access into SIGBUS.
     pub(crate) fn open(fd: &OwnedFd) -> io::Result<RingPair> {
+        super::peer::check_sealed_memfd(fd, MAPPED, "descriptor ring")?;
         Ok(RingPair::new(map(fd.as_raw_fd())?, 1))
     }
 
@@ -128,6 +130,8 @@ impl RingPair {
             mapping,
             tx,
             seen_tail: AtomicU64::new(0),
+            local_head: AtomicU64::new(0),
+            local_tail: AtomicU64::new(0),
             polled_at: AtomicU64::new(0),
         }
     }
@@ -177,13 +181,19 @@ impl RingPair {
         let mut written = 0;
         let deadline = Instant::now() + FULL_TIMEOUT;
         while written < bytes.len() {
-            let head = self.head(half).load(Ordering::Relaxed);
+            let head = self.local_head.load(Ordering::Relaxed);
             let mut tail = self.seen_tail.load(Ordering::Relaxed);
-            if RING_BYTES - ((head - tail) as usize) < bytes.len() - written {
+            if RING_BYTES - (head.wrapping_sub(tail) as usize) < bytes.len() - written {
                 tail = self.tail(half).load(Ordering::Acquire);
+                // The consumer's tail is the peer's word: it must lie between
+                // what it had consumed before and what we produced.
+                let seen = self.seen_tail.load(Ordering::Relaxed);
+                if tail.wrapping_sub(seen) > head.wrapping_sub(seen) {
+                    return Err(corrupt("the peer moved its ring tail past our head"));
+                }
                 self.seen_tail.store(tail, Ordering::Relaxed);
             }
-            let room = RING_BYTES - (head - tail) as usize;
+            let room = RING_BYTES - head.wrapping_sub(tail) as usize;
             if room == 0 {
                 // Wake the consumer if it sleeps, then wait for it to drain.
                 self.doorbell(socket);
@@ -221,7 +231,9 @@ impl RingPair {
             } else {
                 Ordering::Release
             };
-            self.head(half).store(head + n as u64, order);
+            self.local_head
+                .store(head.wrapping_add(n as u64), Ordering::Relaxed);
+            self.head(half).store(head.wrapping_add(n as u64), order);
             written += n;
         }
         if wake && !direct() {
@@ -247,31 +259,41 @@ impl RingPair {
     }
 
     /// Copies out up to `out.len()` bytes that arrived (the caller is the
-    /// only consumer); 0 when the ring is empty.
-    pub(crate) fn receive(&self, out: &mut [u8]) -> usize {
+    /// only consumer); 0 when the ring is empty. The head is the peer's word:
+    /// one that claims more than a ring's worth of bytes is refused.
+    pub(crate) fn receive(&self, out: &mut [u8]) -> io::Result<usize> {
         let half = self.rx();
-        let tail = self.tail(half).load(Ordering::Relaxed);
+        let tail = self.local_tail.load(Ordering::Relaxed);
         let head = self.head(half).load(Ordering::SeqCst);
-        let n = ((head - tail) as usize).min(out.len());
+        let available = head.wrapping_sub(tail);
+        if available > RING_BYTES as u64 {
+            return Err(corrupt("the peer's ring head is out of range"));
+        }
+        let n = (available as usize).min(out.len());
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let at = (tail as usize) & (RING_BYTES - 1);
         let first = n.min(RING_BYTES - at);
-        // SAFETY: the bytes in [tail, head) were published by the producer
-        // and are not overwritten before `tail` moves past them.
+        // SAFETY: [at, at + first) and [0, n - first) lie inside this half's
+        // data (n ≤ RING_BYTES, masked index); the mapping can't shrink
+        // (sealed). Bytes a hostile peer changes meanwhile are only bytes: they
+        // are decoded and validated like any other input.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data(half).add(at), out.as_mut_ptr(), first);
             std::ptr::copy_nonoverlapping(self.data(half), out[first..].as_mut_ptr(), n - first);
         }
-        self.tail(half).store(tail + n as u64, Ordering::Release);
-        n
+        let tail = tail.wrapping_add(n as u64);
+        self.local_tail.store(tail, Ordering::Relaxed);
+        self.tail(half).store(tail, Ordering::Release);
+        Ok(n)
     }
 
-    /// True when bytes are waiting to be received.
+    /// True when bytes are waiting to be received (or the peer's head is
+    /// corrupt, which the next `receive` reports).
     pub(crate) fn has_data(&self) -> bool {
         let half = self.rx();
-        self.head(half).load(Ordering::SeqCst) != self.tail(half).load(Ordering::Relaxed)
+        self.head(half).load(Ordering::SeqCst) != self.local_tail.load(Ordering::Relaxed)
     }
 
     /// Records that a caller of this process is polling for our messages.
@@ -301,6 +323,13 @@ impl RingPair {
         self.sleeping(self.rx())
             .store(u32::from(sleeping), Ordering::SeqCst);
     }
+}
+
+fn corrupt(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("soft-RDMA ring: {what}"),
+    )
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host.
@@ -435,7 +464,7 @@ mod tests {
             producer.send(&chunk, &socket, true, || false).unwrap();
             let mut round = 0;
             while round < chunk.len() {
-                let n = consumer.receive(&mut buffer);
+                let n = consumer.receive(&mut buffer).unwrap();
                 got.extend_from_slice(&buffer[..n]);
                 round += n;
             }
@@ -457,7 +486,48 @@ mod tests {
         (&theirs).read_exact(&mut byte).unwrap();
         consumer.set_sleeping(false);
         let mut out = [0u8; 8];
-        assert_eq!(consumer.receive(&mut out), 5);
+        assert_eq!(consumer.receive(&mut out).unwrap(), 5);
         assert_eq!(&out[..5], b"hello");
+    }
+
+    #[test]
+    fn indices_a_hostile_peer_writes_are_refused_not_trusted() {
+        let (producer, fd) = RingPair::create().unwrap();
+        let consumer = RingPair::open(&fd).unwrap();
+        let (socket, _other) = UnixStream::pair().unwrap();
+        producer.send(b"abc", &socket, false, || false).unwrap();
+        // The "peer" (the producer's side of the mapping) claims a head far
+        // beyond a ring's worth of bytes: the consumer refuses it.
+        producer.head(0).store(u64::MAX / 2, Ordering::SeqCst);
+        let mut out = [0u8; 16];
+        assert_eq!(
+            consumer.receive(&mut out).unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
+        // A consumer that moves its tail past what was produced is refused
+        // by the producer once it needs to look at the tail.
+        let (producer, fd) = RingPair::create().unwrap();
+        let consumer = RingPair::open(&fd).unwrap();
+        consumer.tail(0).store(1 << 40, Ordering::SeqCst);
+        let big = vec![7u8; RING_BYTES];
+        producer
+            .send(&big[..RING_BYTES / 2], &socket, false, || false)
+            .unwrap();
+        let error = producer.send(&big, &socket, false, || false).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn an_unsealed_or_short_memfd_is_refused_before_it_is_mapped() {
+        // SAFETY: a NUL-terminated name; checked below.
+        let raw = unsafe { libc::memfd_create(c"short".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: fresh fd.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let error = RingPair::open(&fd).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+        let short = super::super::peer::sealed_memfd(c"short", 4096).unwrap();
+        let error = RingPair::open(&short).unwrap_err();
+        assert!(error.to_string().contains("4096 bytes"), "{error}");
     }
 }

@@ -19,7 +19,7 @@
 //! one, so the fd is readable exactly while an event waits.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Not armed (or fired already).
@@ -61,27 +61,25 @@ impl std::fmt::Debug for ArmWord {
 }
 
 impl ArmWord {
-    /// A fresh, disarmed word (for a CQ with a completion channel).
+    /// A fresh, disarmed word (for a CQ with a completion channel), in a
+    /// memfd sealed so that it can never shrink under a peer's mapping.
     pub(crate) fn create() -> io::Result<ArmWord> {
-        // SAFETY: a NUL-terminated name; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"rdma-rpc-soft-arm".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: a valid fd; the result is checked.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), PAGE as libc::off_t) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        ArmWord::map(super::peer::sealed_memfd(c"rdma-rpc-soft-arm", PAGE)?)
+    }
+
+    /// Maps a word a peer passed at set-up, after checking that the memfd
+    /// is exactly one page and sealed against shrinking (else a peer could
+    /// truncate it and turn our next access into SIGBUS).
+    pub(crate) fn map_peer(fd: OwnedFd) -> io::Result<ArmWord> {
+        super::peer::check_sealed_memfd(&fd, PAGE, "completion-queue arm word")?;
         ArmWord::map(fd)
     }
 
-    /// Maps a word a peer passed at set-up.
-    pub(crate) fn map(fd: OwnedFd) -> io::Result<ArmWord> {
-        // SAFETY: maps one page of a memfd (sized by `create`), shared; the
-        // result is checked. A peer's fd that is too small fails here or
-        // faults only on its own page: `create` made every one we accept.
+    /// Maps a word whose memfd is one page that cannot shrink (made by
+    /// `create` or checked by `map_peer`).
+    fn map(fd: OwnedFd) -> io::Result<ArmWord> {
+        // SAFETY: maps one page of a memfd sealed at exactly that size
+        // (see the callers), shared; the result is checked.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -227,8 +225,9 @@ impl PeerWakers {
                     "soft set-up: missing completion-channel fds",
                 ));
             };
+            super::peer::check_eventfd(&eventfd)?;
             Ok(Some(PeerCq {
-                arm: ArmWord::map(arm)?,
+                arm: ArmWord::map_peer(arm)?,
                 eventfd,
             }))
         };
@@ -282,11 +281,12 @@ impl PeerWakers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     #[test]
     fn an_arm_fires_once_whoever_takes_it() {
         let word = ArmWord::create().unwrap();
-        let peer = ArmWord::map(
+        let peer = ArmWord::map_peer(
             // SAFETY: dup of a valid fd, owned by the result.
             unsafe { OwnedFd::from_raw_fd(libc::dup(word.fd())) },
         )
