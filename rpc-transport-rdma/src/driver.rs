@@ -51,8 +51,6 @@ const TAG_READ: u64 = 2;
 const CQ_BATCH: usize = 32;
 /// Longest close reason accepted from the peer.
 const MAX_REASON_LEN: usize = 4096;
-/// How long READ destinations stay out of the pool after a failure with READs in flight.
-const READ_QUARANTINE: std::time::Duration = std::time::Duration::from_secs(1);
 /// How long a side whose QP was flushed waits for the peer to say why.
 const PEER_REASON_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -215,18 +213,12 @@ impl Driver {
                 }
             }
         }
-        if !self.reads.is_empty() {
-            // READs were in flight. On hardware nothing is written after the
-            // QP is destroyed; the soft provider's responder pushes READ data
-            // from the peer process and may be mid-write. Keep the destinations
-            // out of the pool for a while so no later frame sees a stale write.
-            let quarantined = std::mem::take(&mut self.destinations);
-            tokio::spawn(async move {
-                tokio::time::sleep(READ_QUARANTINE).await;
-                drop(quarantined);
-            });
-        }
-        // Dropping the driver destroys the QP first, then frees the memory.
+        // Dropping the driver destroys the QP first, then frees the memory:
+        // each buffer's region is deregistered before its bytes go, and no
+        // provider touches memory through a key after its deregistration
+        // (soft: every write into our memory is ours, made under the region
+        // lock with the key checked at that moment), so READs still in
+        // flight can't land in a freed or reused buffer.
     }
 
     async fn run_until_end(&mut self) -> End {
@@ -407,7 +399,7 @@ impl Driver {
             .map_err(|error| format!("rendezvous buffer of {} bytes: {error}", frame.len()))?;
         buffer.buffer_mut().as_mut_slice()[..frame.len()].copy_from_slice(&frame);
         let (registered, pool) = buffer.into_parts();
-        let window = match registered.expose(frame.len(), AccessFlags::REMOTE_READ) {
+        let window = match registered.expose_to(&self.qp, frame.len(), AccessFlags::REMOTE_READ) {
             Ok(window) => window,
             Err(failed) => {
                 drop(PooledBuffer::restore(failed.buffer, pool));

@@ -253,6 +253,12 @@ pub struct ChildServer {
 impl ChildServer {
     /// Starts the child that runs the (ignored) test `test` with `env=1`.
     pub fn spawn(test: &str, env: &str) -> ChildServer {
+        ChildServer::spawn_with(test, env, "1")
+    }
+
+    /// [`ChildServer::spawn`] with `env=value`; `endpoint` is whatever the
+    /// child prints after `LISTENING `.
+    pub fn spawn_with(test: &str, env: &str, value: &str) -> ChildServer {
         use std::io::{BufRead, BufReader};
         use std::process::{Command, Stdio};
         let mut child = Command::new(std::env::current_exe().unwrap())
@@ -263,7 +269,7 @@ impl ChildServer {
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env(env, "1")
+            .env(env, value)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -285,6 +291,16 @@ impl ChildServer {
     /// SIGKILLs the child.
     pub fn kill(&mut self) {
         self.child.kill().unwrap();
+    }
+
+    /// The child's pid.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// True while the child has not exited.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 }
 

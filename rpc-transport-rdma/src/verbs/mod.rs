@@ -664,6 +664,26 @@ pub trait ProtectionDomain: Send + Sync {
         access: AccessFlags,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError>;
 
+    /// Registers a window over `len` bytes at `addr` that only requests
+    /// arriving on `qp` may use (the semantics of a type-2 memory window
+    /// bound to a QP): the peer of another connection that learns or
+    /// guesses the key gets REM_ACCESS_ERR. Providers without bound windows
+    /// register an ordinary region (see `docs/security.md`).
+    ///
+    /// # Safety
+    /// As for [`ProtectionDomain::register`].
+    unsafe fn register_window(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+        qp: &Arc<dyn QueuePair>,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        let _ = qp;
+        // SAFETY: the caller upholds `register`'s contract.
+        unsafe { self.register(addr, len, access) }
+    }
+
     /// A new reliable-connected queue pair in state RESET.
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError>;
 
@@ -850,6 +870,27 @@ impl RegisteredBuffer {
     /// of its own key. The buffer is read-only while exposed;
     /// [`ExposedBuffer::revoke`] deregisters the window and hands it back.
     pub fn expose(self, len: usize, access: AccessFlags) -> Result<ExposedBuffer, ExposeError> {
+        self.expose_with(len, access, None)
+    }
+
+    /// [`RegisteredBuffer::expose`], for requests arriving on `qp` only
+    /// ([`ProtectionDomain::register_window`]): the window of one connection
+    /// is useless to the peer of another.
+    pub fn expose_to(
+        self,
+        qp: &Arc<dyn QueuePair>,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<ExposedBuffer, ExposeError> {
+        self.expose_with(len, access, Some(qp))
+    }
+
+    fn expose_with(
+        self,
+        len: usize,
+        access: AccessFlags,
+        qp: Option<&Arc<dyn QueuePair>>,
+    ) -> Result<ExposedBuffer, ExposeError> {
         if len > self.data.len() {
             return Err(ExposeError {
                 error: VerbsError::InvalidArgument("exposed length exceeds the buffer"),
@@ -861,7 +902,13 @@ impl RegisteredBuffer {
         // unmoved while the window exists: `ExposedBuffer` owns this buffer and
         // drops the window first (field order); the buffer is never written
         // through `&mut` while exposed (ExposedBuffer only gives `&[u8]`).
-        match unsafe { self.pd.register(addr, len, access) } {
+        let window = unsafe {
+            match qp {
+                Some(qp) => self.pd.register_window(addr, len, access, qp),
+                None => self.pd.register(addr, len, access),
+            }
+        };
+        match window {
             Ok(window) => Ok(ExposedBuffer {
                 window,
                 _tally: RegistrationTally::new(len, &WINDOWS),

@@ -69,6 +69,7 @@ pub(crate) fn register_scheme(scheme: &str, config: RdmaConfig) {
 }
 
 /// One Echo call of the suite's probe service; the payload that came back.
+#[allow(dead_code)] // not every test binary calls it
 pub(crate) async fn echo(channel: &rpc_core::Channel, payload: bytes::Bytes) -> bytes::Bytes {
     channel
         .unary(crate::suite::probe("Echo", payload))

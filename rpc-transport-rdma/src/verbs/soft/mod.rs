@@ -91,6 +91,8 @@ pub(crate) struct MrEntry {
     pub(crate) len: u64,
     pub(crate) access: AccessFlags,
     pub(crate) pd: u64,
+    /// A window bound to this local QP: only requests arriving on it may use it.
+    pub(crate) bound_qp: Option<u32>,
 }
 
 impl MrEntry {
@@ -521,6 +523,7 @@ impl ProtectionDomain for SoftPd {
             len: len as u64,
             access,
             pd: self.id,
+            bound_qp: None,
         };
         let key = self.context.insert_region(entry)?;
         Ok(Arc::new(SoftMr {
@@ -528,6 +531,29 @@ impl ProtectionDomain for SoftPd {
             key,
             entry,
         }))
+    }
+
+    unsafe fn register_window(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+        qp: &Arc<dyn super::QueuePair>,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        super::own::<qp::SoftQp>(qp.as_any(), "queue pair of another provider")?;
+        // SAFETY: the caller upholds `register`'s contract.
+        let region = unsafe { self.register(addr, len, access)? };
+        let key = region.rkey();
+        if let Some(entry) = self
+            .context
+            .mrs
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&key)
+        {
+            entry.bound_qp = Some(qp.qp_num());
+        }
+        Ok(region)
     }
 
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {

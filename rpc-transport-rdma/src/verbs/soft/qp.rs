@@ -191,7 +191,7 @@ pub(crate) fn create(
 }
 
 /// The handle users hold; dropping it destroys the QP.
-struct SoftQp {
+pub(crate) struct SoftQp {
     shared: Arc<QpShared>,
 }
 
@@ -352,7 +352,11 @@ impl QpShared {
         need: AccessFlags,
     ) -> Result<(), Outcome> {
         let region = regions.get(&rkey).ok_or(Outcome::RemoteAccess)?;
-        if region.pd != self.pd || !region.contains(addr, len) || !region.access.contains(need) {
+        if region.pd != self.pd
+            || !region.contains(addr, len)
+            || !region.access.contains(need)
+            || region.bound_qp.is_some_and(|qp| qp != self.qp_num)
+        {
             return Err(Outcome::RemoteAccess);
         }
         Ok(())

@@ -1,0 +1,671 @@
+//! Hostile local peers against an `rdma://` server on the soft provider.
+//!
+//! Each test plays an attacker who speaks the documented set-up protocol
+//! (the TCP hello of `setup.rs`, then the soft device's Unix-socket
+//! handshake of `verbs/soft/mod.rs`) against a server running in a child
+//! process (so a crash shows as a dead child, not a dead test), and then
+//! proves that the server still serves a normal client.
+//!
+//! Attacks on the soft provider need raw `sendmsg`/`memfd_create`, hence the
+//! `unsafe` below: this file is an attacker, not library code.
+#![allow(unsafe_code)]
+
+#[path = "../../rpc-core/tests/suite/mod.rs"]
+mod suite;
+
+mod common;
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rpc_core::Channel;
+use rpc_transport_rdma::protocol::{Geometry, PROTOCOL_VERSION};
+use rpc_transport_rdma::verbs::QpAddress;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::common::{RdmaBed, ensure_registered, strict_config};
+use crate::suite::{ChildServer, probe, start_with};
+
+const SERVER_ENV: &str = "RDMA_HOSTILE_SERVER";
+const CLIENT_ENV: &str = "RDMA_HOSTILE_CLIENT";
+const NOBODY_ENV: &str = "RDMA_HOSTILE_NOBODY";
+
+/// Not a test by itself: the echo server the attacks aim at, in a child process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper process for the hostile-peer tests"]
+async fn hostile_child_server() {
+    if std::env::var_os(SERVER_ENV).is_none() {
+        return;
+    }
+    let server = start_with(&RdmaBed, |s| s).await;
+    println!("LISTENING {}", server.endpoint);
+    std::future::pending::<()>().await;
+}
+
+/// Not a test by itself: a normal client in its own process (so its pid is
+/// above the server's and it dials the server's soft device, through the
+/// acceptor an attacker tries to hold). Prints `LISTENING OK` after 50
+/// calls, each within a 2 s deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper process for the hostile-peer tests"]
+async fn hostile_child_client() {
+    let Ok(endpoint) = std::env::var(CLIENT_ENV) else {
+        return;
+    };
+    ensure_registered();
+    let channel = Channel::builder(endpoint.parse().unwrap())
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .expect("connect within the set-up time-out");
+    for i in 0..50u32 {
+        let payload = Bytes::from(i.to_le_bytes().to_vec());
+        let reply = channel
+            .unary(probe("Echo", payload.clone()))
+            .await
+            .expect("echo within its deadline");
+        assert_eq!(reply.into_inner(), payload);
+    }
+    println!("LISTENING OK");
+}
+
+/// Not a test by itself: sends a soft handshake with a 0-byte memfd as
+/// whatever user runs it (the tests run it as `nobody`); prints the reply.
+#[test]
+#[ignore = "helper process for the hostile-peer tests"]
+fn hostile_child_nobody() {
+    let Ok(args) = std::env::var(NOBODY_ENV) else {
+        return;
+    };
+    let target: ServerQp = args.parse().unwrap();
+    let reply = match UnixStream::connect_addr(&target.socket_name()) {
+        Ok(stream) => {
+            let fd = memfd(0, false);
+            let handshake = target.handshake(std::process::id(), target.secret);
+            send_with_fds(&stream, &handshake, &[fd.as_raw_fd()]);
+            read_reply(&stream)
+        }
+        Err(error) => format!("connect failed: {error}"),
+    };
+    println!("LISTENING {reply}");
+}
+
+// ------------------------------------------------------------------ the bed
+
+/// The server in its child process, with a normal client of the test's own.
+struct Target {
+    child: ChildServer,
+    normal: Channel,
+}
+
+impl Target {
+    async fn start() -> Target {
+        ensure_registered();
+        let child = ChildServer::spawn("hostile_child_server", SERVER_ENV);
+        let normal = Channel::builder(child.endpoint.parse().unwrap())
+            .timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .unwrap();
+        assert_serves(&normal).await;
+        Target { child, normal }
+    }
+
+    fn addr(&self) -> String {
+        self.child.endpoint.trim_start_matches("rdma://").to_owned()
+    }
+
+    /// The server process is alive and answers the normal client and a
+    /// client that connects now.
+    async fn assert_still_serving(&mut self) {
+        assert!(self.child.is_running(), "the server process died");
+        assert_serves(&self.normal).await;
+        let fresh = Channel::builder(self.child.endpoint.parse().unwrap())
+            .timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("a new client connects");
+        assert_serves(&fresh).await;
+    }
+}
+
+async fn assert_serves(channel: &Channel) {
+    for i in 0..20u8 {
+        let payload = Bytes::from(vec![i; 100 + usize::from(i) * 997]);
+        let reply = channel
+            .unary(probe("Echo", payload.clone()))
+            .await
+            .expect("the server answers");
+        assert_eq!(reply.into_inner(), payload);
+    }
+}
+
+/// What the server's hello says about its soft QP.
+#[derive(Debug, Clone, Copy)]
+struct ServerQp {
+    pid: u32,
+    context: u64,
+    qp_num: u32,
+    secret: [u8; 16],
+}
+
+impl ServerQp {
+    fn from_address(address: &QpAddress) -> ServerQp {
+        assert_eq!(
+            address.extra.len(),
+            28,
+            "soft address: pid, context, secret"
+        );
+        ServerQp {
+            pid: u32::from_le_bytes(address.extra[..4].try_into().unwrap()),
+            context: u64::from_le_bytes(address.extra[4..12].try_into().unwrap()),
+            qp_num: address.qp_num,
+            secret: address.extra[12..28].try_into().unwrap(),
+        }
+    }
+
+    fn socket_name(&self) -> SocketAddr {
+        SocketAddr::from_abstract_name(format!("rdma-rpc-soft.{}.{}", self.pid, self.context))
+            .unwrap()
+    }
+
+    /// The dialer's handshake (`verbs/soft/mod.rs`, `Handshake`), no wakers.
+    fn handshake(&self, claimed_pid: u32, secret: [u8; 16]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&self.qp_num.to_le_bytes());
+        out.extend_from_slice(&7u32.to_le_bytes());
+        out.extend_from_slice(&claimed_pid.to_le_bytes());
+        out.extend_from_slice(&9u64.to_le_bytes());
+        out.extend_from_slice(&secret);
+        out.push(0);
+        out
+    }
+}
+
+impl std::str::FromStr for ServerQp {
+    type Err = String;
+    fn from_str(text: &str) -> Result<ServerQp, String> {
+        let parts: Vec<&str> = text.split(':').collect();
+        let [pid, context, qp_num, secret] = parts[..] else {
+            return Err(text.into());
+        };
+        let secret: Vec<u8> = (0..16)
+            .map(|i| u8::from_str_radix(&secret[2 * i..2 * i + 2], 16).unwrap())
+            .collect();
+        Ok(ServerQp {
+            pid: pid.parse().unwrap(),
+            context: context.parse().unwrap(),
+            qp_num: qp_num.parse().unwrap(),
+            secret: secret.try_into().unwrap(),
+        })
+    }
+}
+
+impl std::fmt::Display for ServerQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secret: String = self.secret.iter().map(|b| format!("{b:02x}")).collect();
+        write!(f, "{}:{}:{}:{secret}", self.pid, self.context, self.qp_num)
+    }
+}
+
+/// Starts the set-up exchange as the documented protocol has it, claiming
+/// `claimed_pid`/`context`/`qp_num` for our QP, and returns the open TCP
+/// stream with what the server's hello said. The server then waits (up to
+/// its set-up time-out) for the QPs to connect.
+async fn begin_setup(
+    addr: &str,
+    claimed_pid: u32,
+    context: u64,
+    qp_num: u32,
+) -> (TcpStream, ServerQp) {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let mut extra = Vec::new();
+    extra.extend_from_slice(&claimed_pid.to_le_bytes());
+    extra.extend_from_slice(&context.to_le_bytes());
+    extra.extend_from_slice(&[0x5a; 16]);
+    let address = QpAddress {
+        qp_num,
+        psn: 0,
+        lid: 0,
+        gid: [0; 16],
+        mtu: 4096,
+        extra,
+    }
+    .to_bytes();
+    let config = strict_config();
+    let geometry = Geometry {
+        recv_slots: config.recv_slots,
+        slot_len: config.slot_len() as u32,
+        eager_threshold: config.eager_threshold,
+        max_frame_len: 4 << 20,
+    };
+    let host = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let host = host.trim();
+    let mut payload = vec![PROTOCOL_VERSION];
+    payload.extend_from_slice(&geometry.encode());
+    payload.push(0); // no rdma_cm
+    payload.extend_from_slice(&0u16.to_le_bytes());
+    payload.extend_from_slice(&0u64.to_le_bytes());
+    payload.push(host.len() as u8);
+    payload.extend_from_slice(host.as_bytes());
+    let mut body = b"RRPC".to_vec();
+    body.extend_from_slice(&1u16.to_le_bytes());
+    body.push(4);
+    body.extend_from_slice(b"soft");
+    body.extend_from_slice(&(address.len() as u32).to_le_bytes());
+    body.extend_from_slice(&address);
+    body.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    body.extend_from_slice(&payload);
+    tcp.write_all(&(body.len() as u32).to_le_bytes())
+        .await
+        .unwrap();
+    tcp.write_all(&body).await.unwrap();
+    let len = tcp.read_u32_le().await.unwrap() as usize;
+    let mut hello = vec![0u8; len];
+    tcp.read_exact(&mut hello).await.unwrap();
+    let provider_len = hello[6] as usize;
+    let at = 7 + provider_len;
+    let address_len = u32::from_le_bytes(hello[at..at + 4].try_into().unwrap()) as usize;
+    let address = QpAddress::from_bytes(&hello[at + 4..at + 4 + address_len]).unwrap();
+    (tcp, ServerQp::from_address(&address))
+}
+
+/// A memfd of `len` bytes, sealed against shrinking or not.
+fn memfd(len: usize, sealed: bool) -> OwnedFd {
+    let flags = libc::MFD_CLOEXEC | if sealed { libc::MFD_ALLOW_SEALING } else { 0 };
+    // SAFETY: a NUL-terminated name; checked.
+    let fd = unsafe { libc::memfd_create(c"attack".as_ptr(), flags) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: a valid fd.
+    assert_eq!(
+        unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) },
+        0
+    );
+    if sealed {
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        // SAFETY: a sealable memfd.
+        assert_eq!(
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) },
+            0
+        );
+    }
+    fd
+}
+
+/// Bytes of the soft wire's shared rings (both directions, control blocks included).
+const RING_MAPPING: usize = 2 * (256 + (4 << 20));
+
+fn send_with_fds(socket: &UnixStream, bytes: &[u8], fds: &[RawFd]) {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    let data_len = std::mem::size_of_val(fds) as u32;
+    // SAFETY: pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: all-zero msghdr is valid; fields set below.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &mut iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.as_mut_ptr().cast();
+    message.msg_controllen = space;
+    // SAFETY: the control buffer holds one cmsg of `fds.len()` fds.
+    unsafe {
+        let header = libc::CMSG_FIRSTHDR(&message);
+        (*header).cmsg_level = libc::SOL_SOCKET;
+        (*header).cmsg_type = libc::SCM_RIGHTS;
+        (*header).cmsg_len = libc::CMSG_LEN(data_len) as usize;
+        let data = libc::CMSG_DATA(header).cast::<RawFd>();
+        for (i, fd) in fds.iter().enumerate() {
+            std::ptr::write_unaligned(data.add(i), *fd);
+        }
+    }
+    // SAFETY: `message` points at live buffers.
+    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &message, libc::MSG_NOSIGNAL) };
+    assert_eq!(
+        sent as usize,
+        bytes.len(),
+        "{}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// The acceptor's first byte (1 accepted, 0 refused), or EOF / time-out.
+fn read_reply(stream: &UnixStream) -> String {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    match (&*stream).read(&mut byte) {
+        Ok(0) => "EOF".into(),
+        Ok(_) => format!("byte {}", byte[0]),
+        Err(error) => format!("error {error}"),
+    }
+}
+
+/// Sends a handshake for the server's QP with `fds` and returns the reply.
+fn attack_handshake(
+    server: &ServerQp,
+    claimed_pid: u32,
+    secret: [u8; 16],
+    fds: &[RawFd],
+) -> String {
+    let stream = UnixStream::connect_addr(&server.socket_name()).unwrap();
+    send_with_fds(&stream, &server.handshake(claimed_pid, secret), fds);
+    read_reply(&stream)
+}
+
+/// A pid above any real one: our hello claims it so that the server waits
+/// for us to dial (the side with the larger address dials).
+const HIGH_PID: u32 = u32::MAX - 1;
+
+// ------------------------------------------------------------------ attacks
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_byte_or_unsealed_ring_memfd_is_refused_and_the_server_lives() {
+    crate::require_device!();
+    let mut target = Target::start().await;
+    // A 0-byte memfd (SIGBUS on first access, before), then a full-size one
+    // that is not sealed (it could be truncated after the attach, before).
+    for fd in [
+        memfd(0, false),
+        memfd(RING_MAPPING, false),
+        memfd(RING_MAPPING + 4096, true),
+    ] {
+        let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
+        let reply = tokio::task::spawn_blocking(move || {
+            attack_handshake(
+                &server,
+                std::process::id(),
+                server.secret,
+                &[fd.as_raw_fd()],
+            )
+        })
+        .await
+        .unwrap();
+        assert_eq!(reply, "byte 0", "the handshake is refused");
+        target.assert_still_serving().await;
+    }
+    // A sealed one cannot be shrunk by its creator either: the seal is final.
+    let sealed = memfd(RING_MAPPING, true);
+    // SAFETY: a valid fd.
+    let shrunk = unsafe { libc::ftruncate(sealed.as_raw_fd(), 0) };
+    assert_eq!(shrunk, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EPERM)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_user_is_refused_before_anything_is_mapped() {
+    crate::require_device!();
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: needs root to run the attacker as another user (nobody)");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let mut target = Target::start().await;
+    let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "hostile_child_nobody",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(NOBODY_ENV, server.to_string())
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let reply = stdout
+        .lines()
+        .find_map(|line| {
+            line.split_once("LISTENING ")
+                .map(|(_, r)| r.trim().to_owned())
+        })
+        .unwrap_or_else(|| panic!("the nobody attacker printed nothing: {stdout}"));
+    assert_eq!(reply, "byte 0", "another user's handshake is refused");
+    target.assert_still_serving().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_pid_is_checked_against_the_kernel() {
+    crate::require_device!();
+    let mut target = Target::start().await;
+    let mut bystander = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    // In the handshake: a bystander's pid (the server would have moved
+    // bytes into that process's memory, before).
+    let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
+    let fd = memfd(RING_MAPPING, true);
+    let bystander_pid = bystander.id();
+    let reply = tokio::task::spawn_blocking(move || {
+        attack_handshake(&server, bystander_pid, server.secret, &[fd.as_raw_fd()])
+    })
+    .await
+    .unwrap();
+    assert_eq!(reply, "byte 0");
+    // In the hello: another process's pid, so that the server dials that
+    // process's soft socket, which we bind ourselves.
+    // pid 1 (init) is older than the server, so the server is the side
+    // that dials; the socket name is anyone's to bind.
+    let decoy =
+        UnixListener::bind_addr(&SocketAddr::from_abstract_name(b"rdma-rpc-soft.1.77").unwrap())
+            .unwrap();
+    decoy.set_nonblocking(true).unwrap();
+    let (mut tcp, _server) = begin_setup(&target.addr(), 1, 77, 1).await;
+    // The server refuses to talk to a socket held by another process than
+    // the one the hello named, and ends the set-up.
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut rest)).await;
+    assert!(read.is_ok(), "the server ends the set-up");
+    if let Ok((stream, _)) = decoy.accept() {
+        let mut got = Vec::new();
+        stream.set_nonblocking(true).unwrap();
+        let _ = (&stream).read_to_end(&mut got);
+        assert!(
+            got.is_empty(),
+            "no handshake was sent to the decoy: {got:?}"
+        );
+    }
+    // A wrong secret, with our own pid.
+    let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
+    let fd = memfd(RING_MAPPING, true);
+    let reply = tokio::task::spawn_blocking(move || {
+        attack_handshake(&server, std::process::id(), [0x11; 16], &[fd.as_raw_fd()])
+    })
+    .await
+    .unwrap();
+    assert_eq!(reply, "byte 0", "a wrong secret is refused");
+    let _ = bystander.kill();
+    let _ = bystander.wait();
+    target.assert_still_serving().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_to_the_soft_socket_hold_nobody_up() {
+    crate::require_device!();
+    let mut target = Target::start().await;
+    let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
+    // More idle connections than the acceptor keeps pending, sending nothing.
+    let idle: Vec<UnixStream> = (0..100)
+        .map(|_| UnixStream::connect_addr(&server.socket_name()).unwrap())
+        .collect();
+    // A client in a younger process dials the server's soft socket
+    // through those.
+    let started = Instant::now();
+    let client =
+        ChildServer::spawn_with("hostile_child_client", CLIENT_ENV, &target.child.endpoint);
+    assert!(
+        client.id() > target.child.id(),
+        "the client process must be younger than the server to dial it"
+    );
+    assert_eq!(client.endpoint, "OK", "the client's 50 calls succeed");
+    assert!(started.elapsed() < Duration::from_secs(30));
+    drop(idle);
+    target.assert_still_serving().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hellos_that_make_the_server_dial_a_silent_socket_block_no_runtime_thread() {
+    crate::require_device!();
+    let mut target = Target::start().await;
+    // Sockets we bind under our own pid: the server dials them (our pid is
+    // below its own) and gets no reply, ever.
+    let mut decoys = Vec::new();
+    let mut setups = Vec::new();
+    for context in 0..8u64 {
+        let name = format!("rdma-rpc-soft.{}.{}", std::process::id(), 1000 + context);
+        decoys.push(
+            UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap(),
+        );
+        let addr = target.addr();
+        setups.push(tokio::spawn(async move {
+            begin_setup(&addr, std::process::id(), 1000 + context, 1).await
+        }));
+    }
+    // Meanwhile the normal client's calls keep their 2 s deadlines.
+    let deadline = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < deadline {
+        assert_serves(&target.normal).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for setup in setups {
+        let _ = setup.await;
+    }
+    drop(decoys);
+    target.assert_still_serving().await;
+}
+
+// ------------------------------------------------------------ READ windows
+
+mod windows {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use rpc_transport_rdma::setup::{QpListener, connect};
+    use rpc_transport_rdma::verbs::{
+        self, AccessFlags, CompletionQueue, ConnectOptions, Context, ProtectionDomain, QpCaps,
+        QpInit, QueuePair, RegisteredBuffer, SendOp, SendWr, WcStatus, WorkCompletion,
+    };
+
+    fn qp(
+        context: &Arc<dyn Context>,
+        pd: &Arc<dyn ProtectionDomain>,
+    ) -> (Arc<dyn QueuePair>, Arc<dyn CompletionQueue>) {
+        let cq = context.create_cq(64, None).unwrap();
+        let qp = pd
+            .create_qp(QpInit {
+                send_cq: cq.clone(),
+                recv_cq: cq.clone(),
+                srq: None,
+                caps: QpCaps::default(),
+                sq_sig_all: true,
+            })
+            .unwrap();
+        (qp, cq)
+    }
+
+    async fn pair(
+        context: &Arc<dyn Context>,
+        pd: &Arc<dyn ProtectionDomain>,
+    ) -> [(Arc<dyn QueuePair>, Arc<dyn CompletionQueue>); 2] {
+        let (server, server_cq) = qp(context, pd);
+        let (client, client_cq) = qp(context, pd);
+        let listener = QpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let options = ConnectOptions::default();
+        let accepting = {
+            let server = server.clone();
+            tokio::spawn(async move {
+                listener
+                    .accept(&server, "soft", &options, b"")
+                    .await
+                    .map(drop)
+            })
+        };
+        let _established = connect(addr, &client, "soft", &options, b"").await.unwrap();
+        accepting.await.unwrap().unwrap();
+        [(server, server_cq), (client, client_cq)]
+    }
+
+    fn wait_one(cq: &Arc<dyn CompletionQueue>) -> WorkCompletion {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut out = [WorkCompletion::BLANK];
+        loop {
+            if cq.poll(&mut out).unwrap() == 1 {
+                return out[0];
+            }
+            assert!(Instant::now() < deadline, "no completion");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// A READ window exposed to one connection is useless to the peer of
+    /// another connection of the same device (as a type-2 memory window
+    /// bound to a QP), even with the right key; keys are not sequential.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_window_is_readable_only_through_the_connection_it_was_exposed_to() {
+        let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
+        let pd = context.alloc_pd().unwrap();
+        let [(server_a, _), (client_a, client_a_cq)] = pair(&context, &pd).await;
+        let [(_server_b, _), (client_b, client_b_cq)] = pair(&context, &pd).await;
+        let mut secret = RegisteredBuffer::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        secret.as_mut_slice().fill(0xab);
+        let window = secret
+            .expose_to(&server_a, 4096, AccessFlags::REMOTE_READ)
+            .unwrap();
+        let read =
+            |qp: &Arc<dyn QueuePair>, cq: &Arc<dyn CompletionQueue>, into: &RegisteredBuffer| {
+                qp.post_send(vec![SendWr::new(
+                    1,
+                    SendOp::RdmaRead {
+                        remote_addr: window.addr(),
+                        rkey: window.rkey(),
+                    },
+                    vec![into.sge(0, 4096)],
+                )])
+                .unwrap();
+                wait_one(cq).status
+            };
+        let stolen = RegisteredBuffer::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        assert_eq!(
+            read(&client_b, &client_b_cq, &stolen),
+            WcStatus::RemAccessErr
+        );
+        assert!(
+            stolen.as_slice().iter().all(|&b| b == 0),
+            "nothing was read"
+        );
+        let fetched = RegisteredBuffer::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        assert_eq!(read(&client_a, &client_a_cq, &fetched), WcStatus::Success);
+        assert!(fetched.as_slice().iter().all(|&b| b == 0xab));
+
+        let keys: Vec<u32> = (0..16)
+            .map(|_| {
+                RegisteredBuffer::new(&pd, 64, AccessFlags::REMOTE_READ | AccessFlags::LOCAL_WRITE)
+                    .unwrap()
+                    .rkey()
+            })
+            .collect();
+        let sequential = keys
+            .windows(2)
+            .filter(|pair| pair[1] == pair[0].wrapping_add(1))
+            .count();
+        assert!(sequential < 3, "keys look sequential: {keys:x?}");
+    }
+}
