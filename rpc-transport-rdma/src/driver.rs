@@ -40,7 +40,7 @@ use crate::pool::{LargePool, PooledBuffer, SlotPool};
 use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, ProtocolError, Route};
 use crate::verbs::{
     AccessFlags, AsyncCompletionChannel, CmConnection, CompletionQueue, ExposedBuffer, QueuePair,
-    RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    WcOpcode, WcStatus, WorkCompletion, pool::SendBatch,
 };
 
 const TAG_SHIFT: u32 = 62;
@@ -117,8 +117,8 @@ pub(crate) struct Driver {
     fault: Option<Fault>,
     max_inline: usize,
     completions: Vec<WorkCompletion>,
-    reposts: Vec<RecvWr>,
-    sends: Vec<SendWr>,
+    reposts: Vec<usize>,
+    sends: SendBatch,
 }
 
 /// How the driver ended.
@@ -181,7 +181,7 @@ impl Driver {
             max_inline,
             completions: vec![WorkCompletion::BLANK; CQ_BATCH],
             reposts: Vec::new(),
-            sends: Vec::new(),
+            sends: SendBatch::default(),
         }
     }
 
@@ -433,9 +433,11 @@ impl Driver {
             }
             if !self.reposts.is_empty() {
                 let reposts = std::mem::take(&mut self.reposts);
-                self.qp
-                    .post_recv(reposts)
-                    .map_err(|error| format!("re-posting receives: {}", error.error))?;
+                self.recv
+                    .post_receives(&*self.qp, &reposts, |slot| wr_id(TAG_RECV, slot as u64))
+                    .map_err(|error| format!("re-posting receives: {error}"))?;
+                self.reposts = reposts;
+                self.reposts.clear();
             }
             progressed |= count > 0;
             if count < CQ_BATCH {
@@ -461,11 +463,9 @@ impl Driver {
             TAG_RECV => {
                 let slot = index as usize;
                 let len = completion.byte_len as usize;
+                self.recv.completed(slot);
                 let message = Bytes::copy_from_slice(self.recv.slot(slot, len));
-                self.reposts.push(RecvWr {
-                    wr_id: wr_id(TAG_RECV, index),
-                    sg_list: vec![self.recv.sge(slot, self.recv.slot_len())],
-                });
+                self.reposts.push(slot);
                 match self.protocol.handle_received(message) {
                     Ok(()) => {}
                     Err(ProtocolError::TooLarge { len, max }) => {
@@ -484,6 +484,7 @@ impl Driver {
                 }
             }
             TAG_SEND => {
+                self.send.completed(index as usize);
                 self.free_send_slots.push(index as u32);
                 self.protocol.handle_send_complete();
             }
@@ -492,6 +493,9 @@ impl Driver {
                     .reads
                     .remove(&index)
                     .ok_or_else(|| format!("completion of unknown READ {index}"))?;
+                if let Some(destination) = self.destinations.get_mut(&token) {
+                    destination.read_completed();
+                }
                 self.protocol.handle_read_complete(token, len);
             }
             _ => {
@@ -521,7 +525,9 @@ impl Driver {
                         tracing::warn!(token, "rendezvous frame not pulled in time: revoked");
                     }
                     if let Some(exposed) = self.exposed.remove(&token) {
-                        drop(PooledBuffer::restore(exposed.window.revoke(), exposed.pool));
+                        if let Some(buffer) = exposed.window.revoke() {
+                            drop(PooledBuffer::restore(buffer, exposed.pool));
+                        }
                     }
                 }
             }
@@ -530,23 +536,21 @@ impl Driver {
             progressed = true;
             let destination = self
                 .destinations
-                .get(&read.token)
+                .get_mut(&read.token)
                 .ok_or("READ without a destination")?;
             let id = self.next_read_id;
             self.next_read_id = (self.next_read_id + 1) & ((1 << TAG_SHIFT) - 1);
+            self.sends
+                .read_into(
+                    destination,
+                    read.offset as usize,
+                    read.len as usize,
+                    wr_id(TAG_READ, id),
+                    read.remote_addr,
+                    read.rkey,
+                )
+                .map_err(|error| format!("READ into its destination: {error}"))?;
             self.reads.insert(id, (read.token, read.len));
-            self.sends.push(SendWr::new(
-                wr_id(TAG_READ, id),
-                SendOp::RdmaRead {
-                    remote_addr: read.remote_addr,
-                    rkey: read.rkey,
-                },
-                vec![
-                    destination
-                        .buffer()
-                        .sge(read.offset as usize, read.len as usize),
-                ],
-            ));
         }
         while let Some(message) = self.protocol.poll_transmit() {
             progressed = true;
@@ -555,19 +559,18 @@ impl Driver {
                 .pop()
                 .ok_or("protocol sent without a free send slot")?;
             let len = write_message(self.send.slot_mut(slot as usize), &message);
-            let mut wr = SendWr::new(
+            self.sends.send_slot(
+                &mut self.send,
+                slot as usize,
+                len,
                 wr_id(TAG_SEND, u64::from(slot)),
-                SendOp::Send,
-                vec![self.send.sge(slot as usize, len)],
+                len <= self.max_inline,
             );
-            wr.inline = len <= self.max_inline;
-            self.sends.push(wr);
         }
         if !self.sends.is_empty() {
-            let sends = std::mem::take(&mut self.sends);
-            self.qp
-                .post_send(sends)
-                .map_err(|error| format!("posting sends: {}", error.error))?;
+            self.sends
+                .post(&*self.qp)
+                .map_err(|error| format!("posting sends: {error}"))?;
         }
         Ok(progressed)
     }

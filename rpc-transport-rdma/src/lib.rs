@@ -25,7 +25,6 @@
 pub mod config;
 pub mod device;
 mod driver;
-pub mod pool;
 pub mod protocol;
 pub mod setup;
 pub mod transport;
@@ -35,6 +34,7 @@ use std::sync::Arc;
 
 pub use config::{ConfigError, PollMode, RdmaConfig};
 pub use transport::RdmaTransport;
+pub use verbs::pool;
 
 /// Registers the RDMA transport for `rdma://` endpoints, configured from the
 /// environment ([`RdmaConfig::from_env`]). Call it once at start-up.

@@ -33,7 +33,7 @@ use crate::protocol::{GEOMETRY_LEN, Geometry, PROTOCOL_VERSION, Protocol};
 use crate::setup::{self, Hello, SetupError};
 use crate::verbs::{
     AccessFlags, AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions, QpCaps, QpInit,
-    QueuePair, RecvWr, VerbsError,
+    QueuePair, VerbsError,
 };
 
 /// How long the set-up exchange may take before the attempt is abandoned.
@@ -415,19 +415,15 @@ fn prepare(device: &Device, config: &RdmaConfig) -> Result<QpEndpoint, VerbsErro
     })?;
     qp.to_init()?;
     let slot_len = config.slot_len();
-    let recv = SlotPool::new(
+    let mut recv = SlotPool::new(
         &device.pd,
         config.recv_slots as usize,
         slot_len,
         AccessFlags::LOCAL_WRITE,
     )?;
-    let receives = (0..recv.count())
-        .map(|slot| RecvWr {
-            wr_id: slot as u64,
-            sg_list: vec![recv.sge(slot, slot_len)],
-        })
-        .collect();
-    qp.post_recv(receives).map_err(|error| error.error)?;
+    // The driver's receive wr_ids are the slot numbers (tag 0).
+    let slots: Vec<usize> = (0..recv.count()).collect();
+    recv.post_receives(&*qp, &slots, |slot| slot as u64)?;
     let send = SlotPool::new(
         &device.pd,
         limits.send_slots as usize,

@@ -558,9 +558,10 @@ mod windows {
     use std::time::{Duration, Instant};
 
     use rpc_transport_rdma::setup::{QpListener, connect};
+    use rpc_transport_rdma::verbs::owned::OwnedQueue;
     use rpc_transport_rdma::verbs::{
         self, AccessFlags, CompletionQueue, ConnectOptions, Context, ProtectionDomain, QpCaps,
-        QpInit, QueuePair, RegisteredBuffer, SendOp, SendWr, WcStatus, WorkCompletion,
+        QpInit, QueuePair, RegisteredBuffer, SendOp, WcStatus,
     };
 
     fn qp(
@@ -603,18 +604,6 @@ mod windows {
         [(server, server_cq), (client, client_cq)]
     }
 
-    fn wait_one(cq: &Arc<dyn CompletionQueue>) -> WorkCompletion {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut out = [WorkCompletion::BLANK];
-        loop {
-            if cq.poll(&mut out).unwrap() == 1 {
-                return out[0];
-            }
-            assert!(Instant::now() < deadline, "no completion");
-            std::thread::sleep(Duration::from_micros(100));
-        }
-    }
-
     /// A READ window exposed to one connection is useless to the peer of
     /// another connection of the same device (as a type-2 memory window
     /// bound to a QP), even with the right key; keys are not sequential.
@@ -629,30 +618,31 @@ mod windows {
         let window = secret
             .expose_to(&server_a, 4096, AccessFlags::REMOTE_READ)
             .unwrap();
-        let read =
-            |qp: &Arc<dyn QueuePair>, cq: &Arc<dyn CompletionQueue>, into: &RegisteredBuffer| {
-                qp.post_send(vec![SendWr::new(
-                    1,
-                    SendOp::RdmaRead {
-                        remote_addr: window.addr(),
-                        rkey: window.rkey(),
-                    },
-                    vec![into.sge(0, 4096)],
-                )])
-                .unwrap();
-                wait_one(cq).status
+        let read = |qp: &Arc<dyn QueuePair>, cq: &Arc<dyn CompletionQueue>| {
+            let mut queue = OwnedQueue::new(qp.clone(), cq.clone());
+            let into = RegisteredBuffer::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+            let op = SendOp::RdmaRead {
+                remote_addr: window.addr(),
+                rkey: window.rkey(),
             };
-        let stolen = RegisteredBuffer::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
-        assert_eq!(
-            read(&client_b, &client_b_cq, &stolen),
-            WcStatus::RemAccessErr
-        );
+            queue.post_send(op, into, 4096).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                if let Some(done) = queue.poll().unwrap().pop() {
+                    return (done.completion.status, done.buffer);
+                }
+                assert!(Instant::now() < deadline, "no completion");
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        };
+        let (status, stolen) = read(&client_b, &client_b_cq);
+        assert_eq!(status, WcStatus::RemAccessErr);
         assert!(
             stolen.as_slice().iter().all(|&b| b == 0),
             "nothing was read"
         );
-        let fetched = RegisteredBuffer::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
-        assert_eq!(read(&client_a, &client_a_cq, &fetched), WcStatus::Success);
+        let (status, fetched) = read(&client_a, &client_a_cq);
+        assert_eq!(status, WcStatus::Success);
         assert!(fetched.as_slice().iter().all(|&b| b == 0xab));
 
         let keys: Vec<u32> = (0..16)
@@ -667,5 +657,42 @@ mod windows {
             .filter(|pair| pair[1] == pair[0].wrapping_add(1))
             .count();
         assert!(sequential < 3, "keys look sequential: {keys:x?}");
+    }
+
+    /// A receive buffer freed while its receive is still posted is never
+    /// written: deregistration (in `RegisteredBuffer`'s drop) waits for
+    /// copies in progress, and the copy checks the key at the time it runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_buffer_freed_with_a_receive_posted_is_never_written() {
+        let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
+        let pd = context.alloc_pd().unwrap();
+        let [(server, server_cq), (client, client_cq)] = pair(&context, &pd).await;
+        let inbox = RegisteredBuffer::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
+        let wr = rpc_transport_rdma::verbs::RecvWr {
+            wr_id: 7,
+            sg_list: vec![inbox.sge(0, 1 << 20)],
+        };
+        // SAFETY: deliberately breaks the "keep it alive" half of the
+        // contract in the one way the providers promise to survive: the
+        // buffer is deregistered before it is freed, then never touched.
+        unsafe { server.post_recv(vec![wr]) }.unwrap();
+        drop(inbox);
+        // Whatever the allocator hands out next (likely the same block)
+        // must not receive the peer's bytes.
+        let reused = vec![0u8; 1 << 20];
+        let mut client_queue = OwnedQueue::new(client.clone(), client_cq);
+        let mut payload = RegisteredBuffer::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
+        payload.as_mut_slice().fill(0xee);
+        client_queue
+            .post_send(SendOp::Send, payload, 1 << 20)
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut server_done = [rpc_transport_rdma::verbs::WorkCompletion::BLANK];
+        while server_cq.poll(&mut server_done).unwrap() == 0 {
+            assert!(Instant::now() < deadline, "no receive completion");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        assert_eq!(server_done[0].status, WcStatus::LocProtErr);
+        assert!(reused.iter().all(|&b| b == 0), "freed memory was written");
     }
 }

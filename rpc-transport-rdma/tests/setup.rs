@@ -4,9 +4,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rpc_transport_rdma::setup::{QpListener, SetupError, connect};
+use rpc_transport_rdma::verbs::owned::{Completed, OwnedQueue};
 use rpc_transport_rdma::verbs::{
-    self, AccessFlags, ConnectOptions, Context, QpCaps, QpInit, QueuePair, RecvWr,
-    RegisteredBuffer, SendOp, SendWr, WcStatus, WorkCompletion,
+    self, AccessFlags, ConnectOptions, Context, QpCaps, QpInit, QueuePair, RegisteredBuffer,
+    SendOp, WcStatus,
 };
 
 fn qp(
@@ -26,19 +27,11 @@ fn qp(
     (qp, cq)
 }
 
-fn wait_one(cq: &Arc<dyn verbs::CompletionQueue>) -> WorkCompletion {
+fn wait_owned(queue: &mut OwnedQueue) -> Completed {
     let deadline = Instant::now() + Duration::from_secs(10);
-    let mut out = [WorkCompletion {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: verbs::WcOpcode::Send,
-        byte_len: 0,
-        imm_data: None,
-        qp_num: 0,
-    }];
     loop {
-        if cq.poll(&mut out).unwrap() == 1 {
-            return out[0];
+        if let Some(done) = queue.poll().unwrap().pop() {
+            return done;
         }
         assert!(Instant::now() < deadline, "no completion");
         std::thread::sleep(Duration::from_micros(100));
@@ -54,17 +47,16 @@ async fn tcp_setup_connects_two_queue_pairs() {
     let (client_qp, client_cq) = qp(&context, &pd);
     let inbox = RegisteredBuffer::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
     server_qp.to_init().unwrap();
-    server_qp
-        .post_recv(vec![RecvWr {
-            wr_id: 1,
-            sg_list: vec![inbox.sge(0, 64)],
-        }])
-        .unwrap();
+    // Posting through OwnedQueue: the buffers move in and come back with
+    // their completions (no `unsafe`).
+    let mut server = OwnedQueue::new(server_qp.clone(), server_cq);
+    let mut client = OwnedQueue::new(client_qp.clone(), client_cq);
+    server.post_recv(inbox).unwrap();
 
     let listener = QpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let options = ConnectOptions::default();
-    let server = {
+    let accepting = {
         let server_qp = server_qp.clone();
         tokio::spawn(async move {
             listener
@@ -76,19 +68,20 @@ async fn tcp_setup_connects_two_queue_pairs() {
         .await
         .unwrap();
     assert_eq!(established.peer.payload, b"server says hi");
-    let accepted = server.await.unwrap().unwrap();
+    let accepted = accepting.await.unwrap().unwrap();
     assert_eq!(accepted.peer.payload, b"client says hi");
     assert_eq!(accepted.peer.address, client_qp.local_address());
 
     let mut outbox = RegisteredBuffer::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
     outbox.as_mut_slice()[..5].copy_from_slice(b"hello");
-    client_qp
-        .post_send(vec![SendWr::new(2, SendOp::Send, vec![outbox.sge(0, 5)])])
-        .unwrap();
-    assert_eq!(wait_one(&client_cq).status, WcStatus::Success);
-    let received = wait_one(&server_cq);
-    assert_eq!((received.status, received.byte_len), (WcStatus::Success, 5));
-    assert_eq!(&inbox.as_slice()[..5], b"hello");
+    client.post_send(SendOp::Send, outbox, 5).unwrap();
+    assert_eq!(wait_owned(&mut client).completion.status, WcStatus::Success);
+    let received = wait_owned(&mut server);
+    assert_eq!(
+        (received.completion.status, received.completion.byte_len),
+        (WcStatus::Success, 5)
+    );
+    assert_eq!(&received.buffer.as_slice()[..5], b"hello");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -25,6 +25,8 @@
 
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
+pub mod owned;
+pub mod pool;
 pub mod reactor;
 pub mod soft;
 
@@ -711,6 +713,12 @@ pub trait MemoryRegion: Send + Sync {
     fn rkey(&self) -> u32;
     /// Access rights.
     fn access(&self) -> AccessFlags;
+    /// Deregisters now (dropping the region deregisters it too, if this was
+    /// not called). Once this returned `Ok`, the provider never reads or
+    /// writes the memory again through this region's keys, not even for
+    /// work requests posted before. On `Err` the device may still reach the
+    /// memory: its owner must never free or reuse it (leak it).
+    fn deregister(&self) -> Result<(), VerbsError>;
 }
 
 /// A completion queue.
@@ -734,7 +742,12 @@ pub trait CompletionQueue: Send + Sync {
 /// readability; when it fires, call [`CompletionChannel::get_event`] until it
 /// returns `None`, ack what you got, re-arm the CQs, then poll them empty.
 /// Re-arming before the final poll is what guarantees no completion is lost.
-pub trait CompletionChannel: Send + Sync {
+///
+/// # Safety
+/// [`CompletionChannel::fd`] returns the same descriptor on every call, and
+/// that descriptor stays open for as long as the channel lives: callers
+/// register it with a reactor ([`AsyncCompletionChannel`]) for that long.
+pub unsafe trait CompletionChannel: Send + Sync {
     /// The fd to wait on (non-blocking).
     fn fd(&self) -> RawFd;
     /// The id of a CQ with an event, or `None` when no event is pending (never blocks).
@@ -764,9 +777,29 @@ pub trait QueuePair: Send + Sync {
     /// Any state → ERROR: every outstanding request completes with WR_FLUSH_ERR.
     fn to_error(&self) -> Result<(), VerbsError>;
     /// Posts send requests, in order. On failure the failing request and all after it come back.
-    fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>>;
+    ///
+    /// # Safety
+    /// Until the request completes (or is flushed), the memory every SGE
+    /// names must stay allocated and registered, and must not be accessed
+    /// through a Rust reference: the device reads a send's or write's source
+    /// and writes a receive's, READ's or atomic's destination behind the
+    /// compiler's back. (Deregistering is allowed: no provider touches
+    /// memory through a key after its deregistration returned, and the
+    /// request then fails with a protection error.) An `inline` request's
+    /// SGEs are read during the call itself and must be readable then.
+    unsafe fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>>;
     /// Posts receives, in order. On failure the failing request and all after it come back.
-    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
+    ///
+    /// # Safety
+    /// Until the request completes (or is flushed), the memory every SGE
+    /// names must stay allocated and registered, and must not be accessed
+    /// through a Rust reference: the device reads a send's or write's source
+    /// and writes a receive's, READ's or atomic's destination behind the
+    /// compiler's back. (Deregistering is allowed: no provider touches
+    /// memory through a key after its deregistration returned, and the
+    /// request then fails with a protection error.) An `inline` request's
+    /// SGEs are read during the call itself and must be readable then.
+    unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
 
     /// Lets a provider recognise its own QPs (e.g. its connection manager).
     fn as_any(&self) -> &dyn std::any::Any;
@@ -784,7 +817,17 @@ pub trait QueuePair: Send + Sync {
 /// A shared receive queue.
 pub trait SharedReceiveQueue: Send + Sync {
     /// Posts receives shared by every QP attached to this SRQ.
-    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
+    ///
+    /// # Safety
+    /// Until the request completes (or is flushed), the memory every SGE
+    /// names must stay allocated and registered, and must not be accessed
+    /// through a Rust reference: the device reads a send's or write's source
+    /// and writes a receive's, READ's or atomic's destination behind the
+    /// compiler's back. (Deregistering is allowed: no provider touches
+    /// memory through a key after its deregistration returned, and the
+    /// request then fails with a protection error.) An `inline` request's
+    /// SGEs are read during the call itself and must be readable then.
+    unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
     /// Lets a provider recognise its own SRQs.
     fn as_any(&self) -> &dyn std::any::Any;
 }
@@ -833,7 +876,11 @@ impl Drop for RegistrationTally {
 }
 
 /// A heap buffer registered with a protection domain, owning both: the region
-/// is deregistered before the memory is freed, so no key outlives its bytes.
+/// is deregistered before the memory is freed (and the memory is leaked, not
+/// freed, if deregistration fails), so no device access through a key can
+/// reach freed memory. The keys themselves are plain numbers that may be
+/// copied anywhere; what makes them harmless after the drop is
+/// [`MemoryRegion::deregister`]'s contract.
 ///
 /// The device writes into the buffer behind the compiler's back: read it only
 /// after the completion of the request that wrote it.
@@ -853,9 +900,10 @@ impl RegisteredBuffer {
         access: AccessFlags,
     ) -> Result<RegisteredBuffer, VerbsError> {
         let mut data = vec![0u8; len].into_boxed_slice();
-        // SAFETY: the boxed slice never moves (a Box's heap block is fixed) and
-        // is freed only after `region` is dropped (field order above); the
-        // region is not handed out, so no key to it survives this struct.
+        // SAFETY: the boxed slice never moves (a Box's heap block is fixed),
+        // and `Drop` frees it only after the region was deregistered
+        // successfully (it leaks it otherwise); the region itself stays
+        // private to this struct.
         let region = unsafe { pd.register(data.as_mut_ptr(), len, access)? };
         Ok(RegisteredBuffer {
             region,
@@ -900,8 +948,9 @@ impl RegisteredBuffer {
         let addr = self.data.as_ptr() as *mut u8;
         // SAFETY: the range lies inside `data`, which stays allocated and
         // unmoved while the window exists: `ExposedBuffer` owns this buffer and
-        // drops the window first (field order); the buffer is never written
-        // through `&mut` while exposed (ExposedBuffer only gives `&[u8]`).
+        // hands it back (or frees it) only after the window was deregistered,
+        // leaking it if that fails; the buffer is never written through
+        // `&mut` while exposed (ExposedBuffer only gives `&[u8]`).
         let window = unsafe {
             match qp {
                 Some(qp) => self.pd.register_window(addr, len, access, qp),
@@ -912,7 +961,7 @@ impl RegisteredBuffer {
             Ok(window) => Ok(ExposedBuffer {
                 window,
                 _tally: RegistrationTally::new(len, &WINDOWS),
-                buffer: self,
+                buffer: Some(self),
             }),
             Err(error) => Err(ExposeError {
                 error,
@@ -956,12 +1005,41 @@ impl RegisteredBuffer {
         self.region.rkey()
     }
 
-    /// An SGE for `len` bytes at `offset` (not range-checked: the device checks, as on hardware).
+    /// An SGE for `len` bytes at `offset`.
+    ///
+    /// # Panics
+    /// When the range is not inside the buffer (or `len` exceeds `u32`), as
+    /// slice indexing does; [`RegisteredBuffer::try_sge`] returns `None`.
     pub fn sge(&self, offset: usize, len: usize) -> Sge {
-        Sge {
+        self.try_sge(offset, len).unwrap_or_else(|| {
+            panic!(
+                "SGE of {len} bytes at {offset} outside a registered buffer of {} bytes",
+                self.len()
+            )
+        })
+    }
+
+    /// An SGE for `len` bytes at `offset`, or `None` when the range is not
+    /// inside the buffer.
+    pub fn try_sge(&self, offset: usize, len: usize) -> Option<Sge> {
+        let end = offset.checked_add(len)?;
+        if end > self.data.len() {
+            return None;
+        }
+        Some(Sge {
             addr: self.region.addr() + offset as u64,
-            length: len as u32,
+            length: u32::try_from(len).ok()?,
             lkey: self.region.lkey(),
+        })
+    }
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        if let Err(error) = self.region.deregister() {
+            // The device may still reach these bytes: never free them.
+            tracing::error!(%error, len = self.data.len(), "deregistering memory failed; leaking it");
+            std::mem::forget(std::mem::take(&mut self.data));
         }
     }
 }
@@ -981,10 +1059,10 @@ impl fmt::Debug for RegisteredBuffer {
 /// window region of their own key ([`RegisteredBuffer::expose`]). Dropping it
 /// revokes the window and frees the buffer.
 pub struct ExposedBuffer {
-    // Field order matters: the window is deregistered before the buffer goes.
     window: Arc<dyn MemoryRegion>,
     _tally: RegistrationTally,
-    buffer: RegisteredBuffer,
+    /// `None` only after `revoke` took it.
+    buffer: Option<RegisteredBuffer>,
 }
 
 impl ExposedBuffer {
@@ -1010,19 +1088,38 @@ impl ExposedBuffer {
 
     /// The exposed bytes.
     pub fn as_slice(&self) -> &[u8] {
-        &self.buffer.as_slice()[..self.window.len()]
+        &self
+            .buffer
+            .as_ref()
+            .expect("present until revoked")
+            .as_slice()[..self.window.len()]
     }
 
-    /// Deregisters the window (the peer's key stops working) and hands the buffer back.
-    pub fn revoke(self) -> RegisteredBuffer {
-        let ExposedBuffer {
-            window,
-            _tally,
-            buffer,
-        } = self;
-        drop(window);
-        drop(_tally);
-        buffer
+    /// Deregisters the window (the peer's key stops working) and hands the
+    /// buffer back; `None` when the window could not be deregistered (the
+    /// peer may still read the bytes: the buffer is leaked, never reused).
+    pub fn revoke(mut self) -> Option<RegisteredBuffer> {
+        self.revoke_window()
+    }
+
+    /// Deregisters the window first; the buffer only if that worked (the
+    /// peer may still read it otherwise: it is leaked, never reused).
+    fn revoke_window(&mut self) -> Option<RegisteredBuffer> {
+        let buffer = self.buffer.take()?;
+        match self.window.deregister() {
+            Ok(()) => Some(buffer),
+            Err(error) => {
+                tracing::error!(%error, "revoking a READ window failed; leaking its buffer");
+                std::mem::forget(buffer);
+                None
+            }
+        }
+    }
+}
+
+impl Drop for ExposedBuffer {
+    fn drop(&mut self) {
+        drop(self.revoke_window());
     }
 }
 

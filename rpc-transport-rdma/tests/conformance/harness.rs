@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use rpc_transport_rdma::verbs::{
     self, AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, Context, DeviceCaps,
-    ProtectionDomain, QpCaps, QpInit, QueuePair, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge,
-    SharedReceiveQueue, WorkCompletion,
+    PostError, ProtectionDomain, QpCaps, QpInit, QueuePair, RecvWr, RegisteredBuffer, SendOp,
+    SendWr, Sge, SharedReceiveQueue, WorkCompletion,
 };
 
 /// How long a test waits for a completion before failing (generous: rxe under TCG is slow).
@@ -279,13 +279,11 @@ impl Side {
     }
 
     pub fn post_send(&self, wr: SendWr) {
-        self.qp.post_send(vec![wr]).expect("post_send");
+        post_sends(&self.qp, vec![wr]).expect("post_send");
     }
 
     pub fn post_recv(&self, wr_id: u64, sg_list: Vec<Sge>) {
-        self.qp
-            .post_recv(vec![RecvWr { wr_id, sg_list }])
-            .expect("post_recv");
+        post_recvs(&self.qp, vec![RecvWr { wr_id, sg_list }]).expect("post_recv");
     }
 }
 
@@ -419,4 +417,34 @@ pub fn assert_quiet(cq: &Arc<dyn CompletionQueue>, for_how_long: Duration) {
 /// A signaled send work request.
 pub fn wr(wr_id: u64, op: SendOp, sg_list: Vec<Sge>) -> SendWr {
     SendWr::new(wr_id, op, sg_list)
+}
+
+// The suite posts raw work requests (that is what it tests). Posting is
+// `unsafe`: every test keeps the buffers its requests name alive and does not
+// read or write them until the request's completion (or until the end of the
+// test, when QPs go before buffers), which is the contract the three
+// functions below rely on. Bad keys and ranges are fine: providers check them.
+
+/// Posts send requests (`QueuePair::post_send`).
+#[allow(unsafe_code)]
+pub fn post_sends(qp: &Arc<dyn QueuePair>, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>> {
+    // SAFETY: see above: the suite keeps request memory alive and untouched.
+    unsafe { qp.post_send(wrs) }
+}
+
+/// Posts receives (`QueuePair::post_recv`).
+#[allow(unsafe_code)]
+pub fn post_recvs(qp: &Arc<dyn QueuePair>, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
+    // SAFETY: see above.
+    unsafe { qp.post_recv(wrs) }
+}
+
+/// Posts receives to a shared receive queue.
+#[allow(unsafe_code)]
+pub fn post_srq_recvs(
+    srq: &Arc<dyn SharedReceiveQueue>,
+    wrs: Vec<RecvWr>,
+) -> Result<(), PostError<RecvWr>> {
+    // SAFETY: see above.
+    unsafe { srq.post_recv(wrs) }
 }

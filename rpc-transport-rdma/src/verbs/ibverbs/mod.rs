@@ -457,8 +457,15 @@ impl ProtectionDomain for IbvPd {
         if mr.is_null() {
             return Err(os_error("ibv_reg_mr"));
         }
+        // SAFETY: a live MR just returned by ibv_reg_mr.
+        let (addr, len, lkey, rkey) =
+            unsafe { ((*mr).addr as u64, (*mr).length, (*mr).lkey, (*mr).rkey) };
         Ok(Arc::new(IbvMr {
-            mr,
+            mr: std::sync::Mutex::new(Some(MrPtr(mr))),
+            addr,
+            len,
+            lkey,
+            rkey,
             access,
             _pd: self.raw.clone(),
         }))
@@ -543,43 +550,65 @@ impl ProtectionDomain for IbvPd {
     }
 }
 
+/// An `ibv_mr` pointer, passed only to verbs calls.
+struct MrPtr(*mut sys::ibv_mr);
+// SAFETY: a thread-safe verbs object; the pointer is only handed to
+// ibv_dereg_mr, under the IbvMr's lock.
+unsafe impl Send for MrPtr {}
+
 struct IbvMr {
-    mr: *mut sys::ibv_mr,
+    /// `None` once deregistered.
+    mr: std::sync::Mutex<Option<MrPtr>>,
+    addr: u64,
+    len: usize,
+    lkey: u32,
+    rkey: u32,
     access: AccessFlags,
     _pd: Arc<RawPd>,
 }
 
-// SAFETY: thread-safe verbs object; fields read are immutable after creation.
-unsafe impl Send for IbvMr {}
-// SAFETY: as above.
-unsafe impl Sync for IbvMr {}
-
 impl MemoryRegion for IbvMr {
     fn addr(&self) -> u64 {
-        // SAFETY: live MR.
-        unsafe { (*self.mr).addr as u64 }
+        self.addr
     }
     fn len(&self) -> usize {
-        // SAFETY: live MR.
-        unsafe { (*self.mr).length }
+        self.len
     }
     fn lkey(&self) -> u32 {
-        // SAFETY: live MR.
-        unsafe { (*self.mr).lkey }
+        self.lkey
     }
     fn rkey(&self) -> u32 {
-        // SAFETY: live MR.
-        unsafe { (*self.mr).rkey }
+        self.rkey
     }
     fn access(&self) -> AccessFlags {
         self.access
+    }
+    fn deregister(&self) -> Result<(), VerbsError> {
+        let mut mr = self.mr.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(MrPtr(raw)) = *mr else {
+            return Ok(());
+        };
+        // SAFETY: a live MR, deregistered at most once (the slot is cleared
+        // on success, under the lock). Once this returns 0 the HCA no longer
+        // translates its keys: no DMA reaches the memory through them.
+        let result = unsafe { sys::ibv_dereg_mr(raw) };
+        if result != 0 {
+            return Err(VerbsError::Io(std::io::Error::from_raw_os_error(
+                result.abs(),
+            )));
+        }
+        *mr = None;
+        Ok(())
     }
 }
 
 impl Drop for IbvMr {
     fn drop(&mut self) {
-        // SAFETY: deregistered once.
-        unsafe { sys::ibv_dereg_mr(self.mr) };
+        if let Err(error) = self.deregister() {
+            // Owners that free memory call `deregister` first and leak on
+            // failure; here there is nothing more to do than say so.
+            tracing::error!(%error, "ibv_dereg_mr failed");
+        }
     }
 }
 
@@ -617,7 +646,9 @@ struct IbvChannel {
     inner: Arc<ChannelInner>,
 }
 
-impl CompletionChannel for IbvChannel {
+// SAFETY: `fd` returns the channel's own descriptor, the same on every call,
+// open until `ChannelInner` is dropped, which outlives every IbvChannel.
+unsafe impl CompletionChannel for IbvChannel {
     fn fd(&self) -> RawFd {
         // SAFETY: live channel.
         unsafe { (*self.inner.channel).fd }
@@ -847,7 +878,7 @@ fn post_receives(
 }
 
 impl SharedReceiveQueue for IbvSrq {
-    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
+    unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
         // SAFETY: live SRQ; the linked list and its SGE arrays live through the call.
         post_receives(wrs, |first, bad| unsafe {
             sys::ibv_post_srq_recv(self.srq, first, bad)
@@ -1100,7 +1131,7 @@ impl QueuePair for IbvQp {
         )
     }
 
-    fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>> {
+    unsafe fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>> {
         if wrs.is_empty() {
             return Ok(());
         }
@@ -1234,7 +1265,7 @@ impl QueuePair for IbvQp {
         ))
     }
 
-    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
+    unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
         // SAFETY: live QP; the linked list and its SGE arrays live through the call.
         post_receives(wrs, |first, bad| unsafe {
             sys::ibv_post_recv(self.qp, first, bad)

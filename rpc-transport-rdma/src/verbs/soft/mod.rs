@@ -603,15 +603,22 @@ impl MemoryRegion for SoftMr {
     fn access(&self) -> AccessFlags {
         self.entry.access
     }
-}
-
-impl Drop for SoftMr {
-    fn drop(&mut self) {
+    /// Removes the key under the region table's write lock, which waits for
+    /// every copy in progress (they hold the read lock and check the key at
+    /// the time of the copy): afterwards nothing touches the memory. Never fails.
+    fn deregister(&self) -> Result<(), VerbsError> {
         self.context
             .mrs
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.key);
+        Ok(())
+    }
+}
+
+impl Drop for SoftMr {
+    fn drop(&mut self) {
+        let _ = self.deregister();
     }
 }
 
@@ -804,7 +811,10 @@ struct SoftChannel {
     inner: Arc<ChannelShared>,
 }
 
-impl CompletionChannel for SoftChannel {
+// SAFETY: `fd` returns the channel's own eventfd, the same on every call,
+// open until the `ChannelShared` it lives in is dropped, which every
+// SoftChannel (and every CQ of the channel) keeps alive.
+unsafe impl CompletionChannel for SoftChannel {
     fn fd(&self) -> RawFd {
         self.inner.eventfd.as_raw_fd()
     }
@@ -848,7 +858,7 @@ struct SoftSrq {
 }
 
 impl SharedReceiveQueue for SoftSrq {
-    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
+    unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
         let mut queue = lock(&self.inner.queue);
         let mut wrs = wrs.into_iter();
         while let Some(wr) = wrs.next() {

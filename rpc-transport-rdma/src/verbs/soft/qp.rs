@@ -1318,7 +1318,7 @@ impl QueuePair for SoftQp {
         Ok(())
     }
 
-    fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>> {
+    unsafe fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>> {
         let shared = &self.shared;
         let mut inner = shared.lock();
         let mut wrs = wrs.into_iter();
@@ -1382,7 +1382,7 @@ impl QueuePair for SoftQp {
         Ok(())
     }
 
-    fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
+    unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
         let shared = &self.shared;
         let mut inner = shared.lock();
         let mut wrs = wrs.into_iter();

@@ -12,13 +12,27 @@
 //!   [`crate::verbs::registrations`]).
 //! - [`PooledBuffer::into_bytes`]: a pulled frame handed up as [`Bytes`] over
 //!   its registered destination, back in the pool when the last clone drops.
+//!
+//! **Ownership while the device works.** Posting is `unsafe` in the verbs
+//! traits: memory named by a posted request must not be touched through a
+//! Rust reference until its completion. The pools are the safe side of that
+//! rule for the transport: a slot or buffer is marked *in flight* when a
+//! request is built over it ([`SlotPool::post_receives`], [`SendBatch`]), no
+//! reference to it is handed out while it is (asserted), and it is released
+//! only by the completion the driver polled for it (`completed`,
+//! `read_completed`: crate-internal, called with wr_ids from the CQ). A
+//! pooled buffer dropped with a READ still in flight is deregistered, never
+//! handed to another connection.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
-use crate::verbs::{AccessFlags, ProtectionDomain, RegisteredBuffer, Sge, VerbsError};
+use crate::verbs::{
+    AccessFlags, ProtectionDomain, QueuePair, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge,
+    VerbsError,
+};
 
 /// A registered buffer cut into `count` slots of `slot_len` bytes.
 #[derive(Debug)]
@@ -26,6 +40,8 @@ pub struct SlotPool {
     buffer: RegisteredBuffer,
     slot_len: usize,
     count: usize,
+    /// Slots a posted request names (the device's until their completion).
+    in_flight: Vec<bool>,
 }
 
 impl SlotPool {
@@ -40,6 +56,7 @@ impl SlotPool {
             buffer: RegisteredBuffer::new(pd, count * slot_len, access)?,
             slot_len,
             count,
+            in_flight: vec![false; count],
         })
     }
 
@@ -54,21 +71,151 @@ impl SlotPool {
     }
 
     /// An SGE over the first `len` bytes of slot `index`.
-    pub fn sge(&self, index: usize, len: usize) -> Sge {
-        debug_assert!(index < self.count && len <= self.slot_len);
+    fn sge(&self, index: usize, len: usize) -> Sge {
+        assert!(index < self.count && len <= self.slot_len, "slot range");
         self.buffer.sge(index * self.slot_len, len)
     }
 
+    /// True while a posted request names slot `index`.
+    pub fn is_in_flight(&self, index: usize) -> bool {
+        self.in_flight[index]
+    }
+
+    fn assert_owned(&self, index: usize) {
+        assert!(
+            !self.in_flight[index],
+            "slot {index} is the device's until its completion"
+        );
+    }
+
     /// The first `len` bytes of slot `index`.
+    ///
+    /// # Panics
+    /// While a posted request names the slot.
     pub fn slot(&self, index: usize, len: usize) -> &[u8] {
+        self.assert_owned(index);
         let start = index * self.slot_len;
         &self.buffer.as_slice()[start..start + len.min(self.slot_len)]
     }
 
-    /// Slot `index`, writable (only while no work request uses it).
+    /// Slot `index`, writable.
+    ///
+    /// # Panics
+    /// While a posted request names the slot.
     pub fn slot_mut(&mut self, index: usize) -> &mut [u8] {
+        self.assert_owned(index);
         let start = index * self.slot_len;
         &mut self.buffer.as_mut_slice()[start..start + self.slot_len]
+    }
+
+    /// Marks slot `index` in flight and returns an SGE over its first `len` bytes.
+    fn claim(&mut self, index: usize, len: usize) -> Sge {
+        self.assert_owned(index);
+        let sge = self.sge(index, len);
+        self.in_flight[index] = true;
+        sge
+    }
+
+    /// Posts a receive into each of `slots` (whole slots) on `qp`, with
+    /// `wr_id(slot)`. On failure the slots not posted are released again.
+    pub(crate) fn post_receives(
+        &mut self,
+        qp: &dyn QueuePair,
+        slots: &[usize],
+        wr_id: impl Fn(usize) -> u64,
+    ) -> Result<(), VerbsError> {
+        let wrs: Vec<RecvWr> = slots
+            .iter()
+            .map(|&slot| RecvWr {
+                wr_id: wr_id(slot),
+                sg_list: vec![self.claim(slot, self.slot_len)],
+            })
+            .collect();
+        // SAFETY: every SGE covers one slot of this pool's registered buffer,
+        // which stays allocated until it is deregistered (RegisteredBuffer),
+        // and each slot was just marked in flight: `slot`/`slot_mut` hand out
+        // no reference to it until the driver reports the receive's
+        // completion (`completed`), polled from the CQ.
+        let posted = unsafe { qp.post_recv(wrs) };
+        posted.map_err(|failed| {
+            for wr in failed.rejected {
+                let slot = (wr.sg_list[0].addr - self.buffer.addr()) as usize / self.slot_len;
+                self.in_flight[slot] = false;
+            }
+            failed.error
+        })
+    }
+
+    /// The device is done with slot `index`: its completion was polled.
+    pub(crate) fn completed(&mut self, index: usize) {
+        self.in_flight[index] = false;
+    }
+}
+
+/// Send requests built over pooled memory, posted in one call.
+#[derive(Debug, Default)]
+pub(crate) struct SendBatch {
+    wrs: Vec<SendWr>,
+}
+
+impl SendBatch {
+    /// Sends the first `len` bytes of send slot `slot` (marked in flight).
+    pub(crate) fn send_slot(
+        &mut self,
+        pool: &mut SlotPool,
+        slot: usize,
+        len: usize,
+        wr_id: u64,
+        inline: bool,
+    ) {
+        let mut wr = SendWr::new(wr_id, SendOp::Send, vec![pool.claim(slot, len)]);
+        wr.inline = inline;
+        self.wrs.push(wr);
+    }
+
+    /// READs `len` bytes of the peer's window into `destination` at `offset`
+    /// (one more READ in flight on it).
+    pub(crate) fn read_into(
+        &mut self,
+        destination: &mut PooledBuffer,
+        offset: usize,
+        len: usize,
+        wr_id: u64,
+        remote_addr: u64,
+        rkey: u32,
+    ) -> Result<(), VerbsError> {
+        let sge = destination
+            .buffer()
+            .try_sge(offset, len)
+            .ok_or(VerbsError::InvalidArgument(
+                "READ outside its destination buffer",
+            ))?;
+        destination.reads_in_flight += 1;
+        self.wrs.push(SendWr::new(
+            wr_id,
+            SendOp::RdmaRead { remote_addr, rkey },
+            vec![sge],
+        ));
+        Ok(())
+    }
+
+    /// True when nothing is batched.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.wrs.is_empty()
+    }
+
+    /// Posts everything batched, in order.
+    pub(crate) fn post(&mut self, qp: &dyn QueuePair) -> Result<(), VerbsError> {
+        let wrs = std::mem::take(&mut self.wrs);
+        // SAFETY: every SGE was built by `send_slot` or `read_into` over
+        // registered pooled memory that stays allocated until deregistered,
+        // and marked in flight there: no reference to a slot or to a pooled
+        // buffer with READs in flight is handed out until the driver reports
+        // the completion it polled (`SlotPool::completed`,
+        // `PooledBuffer::read_completed`), and a pooled buffer dropped with a
+        // READ in flight is deregistered instead of reused. A request that
+        // fails to post leaves its memory marked: the connection fails.
+        unsafe { qp.post_send(wrs) }.map_err(|failed| failed.error)
     }
 }
 
@@ -176,6 +323,7 @@ impl LargePool {
         Ok(PooledBuffer {
             buffer: Some(buffer),
             pool: self.clone(),
+            reads_in_flight: 0,
         })
     }
 
@@ -199,6 +347,8 @@ impl LargePool {
 pub struct PooledBuffer {
     buffer: Option<RegisteredBuffer>,
     pool: Arc<LargePool>,
+    /// READs posted into it and not completed yet.
+    reads_in_flight: usize,
 }
 
 impl std::fmt::Debug for PooledBuffer {
@@ -208,19 +358,39 @@ impl std::fmt::Debug for PooledBuffer {
 }
 
 impl PooledBuffer {
-    /// The registered buffer.
-    pub fn buffer(&self) -> &RegisteredBuffer {
+    fn assert_idle(&self) {
+        assert_eq!(
+            self.reads_in_flight, 0,
+            "a pooled buffer is the device's while READs into it are in flight"
+        );
+    }
+
+    /// The registered buffer (for SGEs; its bytes only once no READ is in flight).
+    fn buffer(&self) -> &RegisteredBuffer {
         self.buffer.as_ref().expect("present until drop")
     }
 
     /// The registered buffer, writable.
+    ///
+    /// # Panics
+    /// While a READ into it is in flight.
     pub fn buffer_mut(&mut self) -> &mut RegisteredBuffer {
+        self.assert_idle();
         self.buffer.as_mut().expect("present until drop")
+    }
+
+    /// One READ into this buffer completed (its completion was polled).
+    pub(crate) fn read_completed(&mut self) {
+        self.reads_in_flight = self.reads_in_flight.saturating_sub(1);
     }
 
     /// Takes the buffer out of the pool's care (e.g. to expose it); give it
     /// back with [`PooledBuffer::restore`].
+    ///
+    /// # Panics
+    /// While a READ into it is in flight.
     pub fn into_parts(mut self) -> (RegisteredBuffer, Arc<LargePool>) {
+        self.assert_idle();
         let buffer = self.buffer.take().expect("present until drop");
         (buffer, self.pool.clone())
     }
@@ -230,12 +400,17 @@ impl PooledBuffer {
         PooledBuffer {
             buffer: Some(buffer),
             pool,
+            reads_in_flight: 0,
         }
     }
 
     /// The first `len` bytes as [`Bytes`] without a copy; the buffer goes back
     /// to the pool when the last clone of those bytes drops.
+    ///
+    /// # Panics
+    /// While a READ into it is in flight.
     pub fn into_bytes(self, len: usize) -> Bytes {
+        self.assert_idle();
         assert!(len <= self.buffer().len(), "length within the buffer");
         Bytes::from_owner(PulledFrame { buffer: self, len })
     }
@@ -244,7 +419,11 @@ impl PooledBuffer {
 impl Drop for PooledBuffer {
     fn drop(&mut self) {
         if let Some(buffer) = self.buffer.take() {
-            self.pool.put_back(buffer);
+            if self.reads_in_flight == 0 {
+                self.pool.put_back(buffer);
+            }
+            // Else dropped here: deregistered first, so a READ still in
+            // flight can never land in it, nor in another connection's frame.
         }
     }
 }
