@@ -31,6 +31,8 @@ mod memory;
 mod peer;
 mod qp;
 mod ring;
+#[doc(hidden)]
+pub mod sync;
 mod wake;
 mod wire;
 

@@ -602,8 +602,7 @@ impl QpShared {
                 set_timeout(timeout);
                 // Say we sleep, look once more, then sleep: a producer that
                 // publishes after our look sees the flag and rings the doorbell.
-                ring.set_sleeping(true);
-                if !ring.has_data() {
+                if ring.may_sleep() {
                     wire::wait_for_data(&waiter);
                 }
                 ring.set_sleeping(false);

@@ -179,6 +179,7 @@ impl RingPair {
     ) -> io::Result<()> {
         let half = self.tx;
         let mut written = 0;
+        let mut consumer_sleeps = false;
         let deadline = Instant::now() + FULL_TIMEOUT;
         while written < bytes.len() {
             let head = self.local_head.load(Ordering::Relaxed);
@@ -224,38 +225,38 @@ impl RingPair {
                     n - first,
                 );
             }
-            // SeqCst orders the store before the `sleeping` check (no lost
-            // wake-up); without a doorbell to decide, Release publishes.
-            let order = if wake {
-                Ordering::SeqCst
-            } else {
-                Ordering::Release
-            };
-            self.local_head
-                .store(head.wrapping_add(n as u64), Ordering::Relaxed);
-            self.head(half).store(head.wrapping_add(n as u64), order);
+            let new_head = head.wrapping_add(n as u64);
+            self.local_head.store(new_head, Ordering::Relaxed);
+            // The doorbell handshake (model-checked in tests/loom_model.rs).
+            consumer_sleeps =
+                super::sync::publish(self.head(half), self.sleeping(half), new_head, wake);
             written += n;
         }
-        if wake && !direct() {
-            self.doorbell(socket);
+        if consumer_sleeps && !direct() {
+            self.ring_doorbell(socket);
         }
         Ok(())
     }
 
+    /// Rings the doorbell if the consumer sleeps (a full ring: wake it to drain).
     fn doorbell(&self, socket: &UnixStream) {
         if self.sleeping(self.tx).load(Ordering::SeqCst) != 0 {
-            let byte = [1u8];
-            // SAFETY: one readable byte; the fd belongs to `socket`. A full
-            // socket buffer already holds doorbells, so EAGAIN is fine.
-            let _ = unsafe {
-                libc::send(
-                    socket.as_raw_fd(),
-                    byte.as_ptr().cast(),
-                    1,
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
-            };
+            self.ring_doorbell(socket);
         }
+    }
+
+    fn ring_doorbell(&self, socket: &UnixStream) {
+        let byte = [1u8];
+        // SAFETY: one readable byte; the fd belongs to `socket`. A full
+        // socket buffer already holds doorbells, so EAGAIN is fine.
+        let _ = unsafe {
+            libc::send(
+                socket.as_raw_fd(),
+                byte.as_ptr().cast(),
+                1,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
     }
 
     /// Copies out up to `out.len()` bytes that arrived (the caller is the
@@ -309,6 +310,9 @@ impl RingPair {
     pub(crate) fn stop_polling(&self) {
         self.polled_at.store(0, Ordering::SeqCst);
         self.set_sleeping(true);
+        // As in `sync::may_sleep`: the flag's store is fenced before the
+        // caller's last look at the head (the producer fences too).
+        std::sync::atomic::fence(Ordering::SeqCst);
     }
 
     /// True when a caller of this process polled within the grace period
@@ -316,6 +320,18 @@ impl RingPair {
     pub(crate) fn polled_recently(&self) -> bool {
         let polled_at = self.polled_at.load(Ordering::SeqCst);
         monotonic_ns().saturating_sub(polled_at) < POLL_GRACE_NS
+    }
+
+    /// Declares that our consumer is about to sleep, then looks once more:
+    /// true when nothing arrived (sleep until a doorbell; the flag stays
+    /// set), false when bytes wait (model-checked in tests/loom_model.rs).
+    pub(crate) fn may_sleep(&self) -> bool {
+        let half = self.rx();
+        super::sync::may_sleep(
+            self.head(half),
+            self.sleeping(half),
+            self.local_tail.load(Ordering::Relaxed),
+        )
     }
 
     /// Declares (or clears) that our consumer is about to sleep on the socket.

@@ -22,14 +22,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-/// Not armed (or fired already).
-pub(crate) const DISARMED: u32 = 0;
-/// Armed for the next completion.
-pub(crate) const ARMED_ANY: u32 = 1;
-/// Armed for the next solicited or error completion.
-pub(crate) const ARMED_SOLICITED: u32 = 2;
-/// Fired by a peer: an event waits to be taken by `get_event`.
-pub(crate) const CLAIMED: u32 = 3;
+pub(crate) use super::sync::{ARMED_ANY, ARMED_SOLICITED, CLAIMED, DISARMED};
 
 /// Bytes mapped per word (one page).
 const PAGE: usize = 4096;
@@ -119,16 +112,7 @@ impl ArmWord {
     /// An event a peer claimed and nobody took yet stays: it is the event
     /// this arm would raise.
     pub(crate) fn arm(&self, solicited_only: bool) {
-        let mode = if solicited_only {
-            ARMED_SOLICITED
-        } else {
-            ARMED_ANY
-        };
-        let _ = self
-            .word()
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |state| {
-                (state != CLAIMED).then_some(mode)
-            });
+        super::sync::arm(self.word(), solicited_only);
     }
 
     /// Takes the arm if it covers a completion that is solicited (or an
@@ -136,20 +120,12 @@ impl ArmWord {
     /// `to` is `DISARMED` (a local completion, queued by the taker) or
     /// `CLAIMED` (a peer's, reported by `get_event`).
     pub(crate) fn fire(&self, solicited_or_error: bool, to: u32) -> bool {
-        self.word()
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |state| {
-                let covered =
-                    state == ARMED_ANY || (state == ARMED_SOLICITED && solicited_or_error);
-                covered.then_some(to)
-            })
-            .is_ok()
+        super::sync::fire(self.word(), solicited_or_error, to)
     }
 
     /// Takes a peer's claimed event; true when there was one.
     pub(crate) fn take_claimed(&self) -> bool {
-        self.word()
-            .compare_exchange(CLAIMED, DISARMED, Ordering::SeqCst, Ordering::SeqCst)
-            .is_ok()
+        super::sync::take_claimed(self.word())
     }
 }
 
