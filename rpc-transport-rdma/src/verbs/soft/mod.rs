@@ -238,6 +238,39 @@ pub fn fuzz_handshake(bytes: &[u8]) -> bool {
     Handshake::decode(&handshake.encode()) == handshake
 }
 
+/// Feeds arbitrary bytes to the soft wire's descriptor reader, as a hostile
+/// peer's ring would (fuzzing entry point): never panics; returns how many
+/// messages decoded before the end or the first error. Each decoded message
+/// must survive an encode/decode round trip.
+#[doc(hidden)]
+pub fn fuzz_wire(bytes: &[u8]) -> usize {
+    use std::io::Read;
+    struct Chunks<'a>(&'a [u8]);
+    impl Read for Chunks<'_> {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            if self.0.is_empty() {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            // Uneven chunks, as a ring delivers them.
+            let n = out.len().min(self.0.len()).min(1 + self.0[0] as usize);
+            out[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+    let mut reader = wire::MessageReader::new();
+    let mut input = Chunks(bytes);
+    let mut decoded = 0;
+    while let Ok(wire::ReadOutcome::Message(message)) = reader.read(&mut input) {
+        let mut encoded = Vec::new();
+        wire::Encode::encode_into(&message, &mut encoded);
+        let again = wire::Message::decode(&encoded[4..]).expect("re-decodes");
+        assert_eq!(again, message, "round trip");
+        decoded += 1;
+    }
+    decoded
+}
+
 /// Connects to an abstract Unix socket without blocking (a listener that
 /// never accepts fills its backlog; then this fails instead of waiting).
 pub(crate) fn connect_abstract_nonblocking(name: &[u8]) -> std::io::Result<UnixStream> {

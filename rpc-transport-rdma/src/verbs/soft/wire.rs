@@ -213,7 +213,7 @@ impl Encode for Message {
 }
 
 impl Message {
-    fn decode(body: &[u8]) -> io::Result<Message> {
+    pub(crate) fn decode(body: &[u8]) -> io::Result<Message> {
         let bad = || {
             io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -545,5 +545,28 @@ mod tests {
         assert!(Message::decode(&[9, 9, 9]).is_err());
         assert!(Message::decode(&[REQUEST, 1]).is_err());
         assert!(Message::decode(&[]).is_err());
+    }
+
+    #[test]
+    fn the_fuzz_entry_decodes_what_was_encoded_and_survives_garbage() {
+        let mut bytes = Vec::new();
+        Message::Response(Response {
+            seq: 5,
+            outcome: Outcome::Ack,
+        })
+        .encode_into(&mut bytes);
+        assert_eq!(super::super::fuzz_wire(&bytes), 1);
+        let mut state = 0x1234_5678u32;
+        for _ in 0..2000 {
+            let garbage: Vec<u8> = (0..64)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 17;
+                    state ^= state << 5;
+                    state as u8
+                })
+                .collect();
+            super::super::fuzz_wire(&garbage);
+        }
     }
 }
