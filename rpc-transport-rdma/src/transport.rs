@@ -40,6 +40,11 @@ use crate::verbs::{
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Frames the sink buffers before the application waits for the driver.
 const OUTGOING_FRAMES: usize = 64;
+/// Set-up exchanges a listener runs at once. Each holds a QP, a CQ and its
+/// registered receive and send slots until it completes or times out, so a
+/// peer that opens connections and never finishes the hello can hold at
+/// most this many; beyond it new connections are closed at once.
+pub const MAX_PENDING_SETUPS: usize = 128;
 
 /// The RDMA transport; register it with [`crate::register`].
 #[derive(Debug, Clone)]
@@ -161,6 +166,9 @@ async fn accept_loop(
     max_frame_len: usize,
     accepted: mpsc::Sender<Result<Connection, TransportError>>,
 ) {
+    let pending = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_SETUPS));
+    let mut refused: u64 = 0;
+    let mut last_refusal_log: Option<std::time::Instant> = None;
     loop {
         let (socket, peer) = tokio::select! {
             result = listener.accept() => match result {
@@ -174,11 +182,28 @@ async fn accept_loop(
             },
             () = accepted.closed() => return,
         };
+        let Ok(permit) = pending.clone().try_acquire_owned() else {
+            // Too many set-ups in progress: refuse this one now (dropping
+            // the socket closes it) rather than allocate for it.
+            refused += 1;
+            if last_refusal_log.is_none_or(|at| at.elapsed() >= Duration::from_secs(5)) {
+                tracing::warn!(
+                    %peer,
+                    refused,
+                    limit = MAX_PENDING_SETUPS,
+                    "rdma set-ups at their limit: refusing new connections"
+                );
+                last_refusal_log = Some(std::time::Instant::now());
+                refused = 0;
+            }
+            continue;
+        };
         let device = device.clone();
         let config = config.clone();
         let accepted = accepted.clone();
         let cm = cm.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let _ = socket.set_nodelay(true);
             let role = Role::Accept {
                 cm: cm.clone(),
@@ -199,10 +224,14 @@ async fn accept_loop(
                     format!("RDMA set-up with {peer} timed out"),
                 ))),
             };
-            if let Err(error) = &result {
-                tracing::debug!(%peer, %error, "rdma set-up failed");
+            // A failed set-up concerns that peer only: it is logged, not
+            // reported as a failed accept (which would pause the server).
+            match result {
+                Ok(connection) => {
+                    let _ = accepted.send(Ok(connection)).await;
+                }
+                Err(error) => tracing::debug!(%peer, %error, "rdma set-up failed"),
             }
-            let _ = accepted.send(result).await;
         });
     }
 }

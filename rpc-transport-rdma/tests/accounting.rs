@@ -82,7 +82,66 @@ async fn rendezvous_buffers_are_reused_and_windows_revoked(channel: &Channel) {
     assert_eq!(settled_registered_bytes().await, registered);
 }
 
-/// One test, so the two phases never overlap.
+/// Peers that open set-up connections and never send a hello hold at most
+/// `MAX_PENDING_SETUPS` set-ups' worth of registered memory; the rest are
+/// closed at once, and everything is released when they go.
+async fn silent_set_ups_hold_bounded_registered_memory(
+    server: &crate::suite::RunningServer,
+    channel: &Channel,
+) {
+    use rpc_transport_rdma::transport::MAX_PENDING_SETUPS;
+    use tokio::io::AsyncReadExt;
+    if crate::common::strict_config().provider.as_deref() != Some("soft") {
+        println!(
+            "skipped: silent set-ups: measured on the soft provider only (each costs a QP and ~2 MiB pinned)"
+        );
+        return;
+    }
+    let config = crate::common::strict_config();
+    let per_setup =
+        (config.recv_slots as u64 + u64::from(config.limits.send_slots)) * config.slot_len() as u64;
+    let before = settled_registered_bytes().await;
+    let authority = server.endpoint.authority().to_owned();
+    let mut silent = Vec::new();
+    for _ in 0..MAX_PENDING_SETUPS + 172 {
+        silent.push(tokio::net::TcpStream::connect(&authority).await.unwrap());
+    }
+    let held = settled_registered_bytes().await - before;
+    assert!(
+        held <= MAX_PENDING_SETUPS as u64 * per_setup,
+        "{held} bytes registered for {} silent set-ups (limit {MAX_PENDING_SETUPS} × {per_setup})",
+        silent.len()
+    );
+    // The ones beyond the limit were closed: their first read is EOF. (Each
+    // pending set-up sent its hello: read past it.)
+    let mut closed = 0;
+    for socket in &mut silent {
+        let mut buf = [0u8; 4096];
+        let eof = loop {
+            match tokio::time::timeout(std::time::Duration::from_millis(50), socket.read(&mut buf))
+                .await
+            {
+                Ok(Ok(0)) | Ok(Err(_)) => break true,
+                Ok(Ok(_)) => continue,
+                Err(_) => break false,
+            }
+        };
+        closed += usize::from(eof);
+    }
+    assert!(
+        closed >= silent.len() - MAX_PENDING_SETUPS,
+        "only {closed} refused"
+    );
+    drop(silent);
+    assert_eq!(
+        settled_registered_bytes().await,
+        before,
+        "released when they go"
+    );
+    assert!(echo(channel, pattern(100, 1)).await == pattern(100, 1));
+}
+
+/// One test, so the phases never overlap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_memory_stays_flat_under_load() {
     crate::require_device!();
@@ -90,4 +149,5 @@ async fn registered_memory_stays_flat_under_load() {
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
     ten_thousand_calls_256_in_flight_without_rnr_or_registration_growth(&channel).await;
     rendezvous_buffers_are_reused_and_windows_revoked(&channel).await;
+    silent_set_ups_hold_bounded_registered_memory(&server, &channel).await;
 }
