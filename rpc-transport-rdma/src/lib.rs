@@ -26,10 +26,13 @@ pub mod config;
 pub mod device;
 mod driver;
 pub mod pool;
-pub mod protocol;
 pub mod setup;
 pub mod transport;
 pub mod verbs;
+
+/// The sans-IO protocol lives in its own crate (`rdma-rpc-protocol`); this
+/// keeps its old path, `rpc_transport_rdma::protocol`.
+pub use rdma_rpc_protocol as protocol;
 
 use std::sync::Arc;
 

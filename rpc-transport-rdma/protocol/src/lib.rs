@@ -1,9 +1,13 @@
-//! The RDMA protocol of one connection, as a sans-IO state machine.
+//! The RDMA protocol of one rdma-rpc connection, as a sans-IO state machine.
+//!
+//! Its own crate (only `bytes` and `thiserror`: nothing async, no I/O) so that
+//! what a peer can send is fuzzed and tested without a device or a runtime;
+//! rpc-transport-rdma re-exports it as `rpc_transport_rdma::protocol`.
 //!
 //! [`Protocol`] decides everything and does nothing: it never touches a queue
-//! pair, a buffer or a clock. The driver ([`crate::driver`]) feeds it what
-//! happened through `handle_*` and asks it what to do next through `poll_*`,
-//! in the style of quinn-proto:
+//! pair, a buffer or a clock. The driver (rpc-transport-rdma's `driver`
+//! module) feeds it what happened through `handle_*` and asks it what to do
+//! next through `poll_*`, in the style of quinn-proto:
 //!
 //! | input | meaning |
 //! |---|---|
