@@ -72,10 +72,89 @@ pub const GEOMETRY_LEN: usize = 20;
 /// CREDIT messages; with only two slots, two idle sides would answer each
 /// other's CREDIT messages forever (each sees the other at its reserve).
 pub const MIN_RECV_SLOTS: u32 = 3;
+/// Most receive slots a side may offer: 512 times the transport's default of
+/// 128, and as many receive work requests as large hardware queues take
+/// (`max_qp_wr` is 16 K to 32 K on common NICs). A peer's slots are the
+/// credits this side holds, so the bound keeps a peer from claiming billions.
+pub const MAX_RECV_SLOTS: u32 = 1 << 16;
+/// Largest eager threshold a side may offer: 1 MiB, the largest the transport
+/// configures (`RdmaConfig::validate`). Larger frames go by rendezvous anyway.
+pub const MAX_EAGER_THRESHOLD: u32 = 1 << 20;
+/// Smallest receive slot: a header plus an ANNOUNCE body, the largest message
+/// that is not DATA.
+pub const MIN_SLOT_LEN: u32 = (HEADER_LEN + message::ANNOUNCE_BODY_LEN) as u32;
+/// Largest receive slot: a header plus the largest eager threshold.
+pub const MAX_SLOT_LEN: u32 = HEADER_LEN as u32 + MAX_EAGER_THRESHOLD;
+/// Largest `max_frame_len` a side may offer: 4 GiB − 1, the largest frame any
+/// rdma-rpc transport carries (TCP's length prefix and each section length of
+/// rpc-core's frame header are `u32`; rpc-core's default is 64 MiB).
+pub const MAX_FRAME_LEN: u64 = u32::MAX as u64;
+
 const _: () = assert!(
     MIN_RECV_SLOTS >= 3,
     "reserve credit plus no idle credit ping-pong"
 );
+const _: () = assert!(MIN_RECV_SLOTS <= MAX_RECV_SLOTS);
+const _: () = assert!(
+    MIN_SLOT_LEN as usize >= HEADER_LEN + message::ANNOUNCE_BODY_LEN,
+    "every non-DATA message fits a slot"
+);
+const _: () = assert!(MIN_SLOT_LEN < MAX_SLOT_LEN);
+const _: () = assert!(
+    MAX_SLOT_LEN as u64 <= MAX_FRAME_LEN,
+    "an eager frame is never larger than a frame may be"
+);
+const _: () = assert!(MAX_FRAME_LEN <= u32::MAX as u64, "the wire format's limit");
+const _: () = assert!(
+    (MAX_RECV_SLOTS as u64) * (MAX_SLOT_LEN as u64) <= 1 << 37,
+    "the largest receive pool a peer can describe stays within 128 GiB"
+);
+
+/// The peer's geometry is unusable; the message names the field, its value
+/// and the bound.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    /// The encoded geometry has the wrong size.
+    #[error("geometry of {len} bytes, expected {GEOMETRY_LEN}")]
+    Length {
+        /// Bytes received.
+        len: usize,
+    },
+    /// A field is outside its bounds.
+    #[error("{field} = {value} is outside {min}..={max} ({why})")]
+    OutOfBounds {
+        /// Which field (`recv_slots`, `slot_len`, `eager_threshold`, `max_frame_len`).
+        field: &'static str,
+        /// What the peer said.
+        value: u64,
+        /// Smallest allowed.
+        min: u64,
+        /// Largest allowed.
+        max: u64,
+        /// Where the bound comes from.
+        why: &'static str,
+    },
+}
+
+fn within(
+    field: &'static str,
+    value: u64,
+    min: u64,
+    max: u64,
+    why: &'static str,
+) -> Result<(), GeometryError> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(GeometryError::OutOfBounds {
+            field,
+            value,
+            min,
+            max,
+            why,
+        })
+    }
+}
 
 impl Geometry {
     /// Fixed-size little-endian form for the hello.
@@ -92,7 +171,7 @@ impl Geometry {
     pub fn decode(bytes: &[u8]) -> Result<Geometry, ProtocolError> {
         let bytes: &[u8; GEOMETRY_LEN] = bytes
             .try_into()
-            .map_err(|_| ProtocolError::Geometry("wrong length"))?;
+            .map_err(|_| GeometryError::Length { len: bytes.len() })?;
         let geometry = Geometry {
             recv_slots: u32::from_le_bytes(bytes[0..4].try_into().expect("4")),
             slot_len: u32::from_le_bytes(bytes[4..8].try_into().expect("4")),
@@ -103,21 +182,39 @@ impl Geometry {
         Ok(geometry)
     }
 
-    /// Checks the invariants the protocol relies on.
-    pub fn validate(&self) -> Result<(), ProtocolError> {
-        if self.recv_slots < MIN_RECV_SLOTS {
-            return Err(ProtocolError::Geometry("fewer than 3 receive slots"));
-        }
-        if (self.slot_len as usize) < HEADER_LEN + message::ANNOUNCE_BODY_LEN {
-            return Err(ProtocolError::Geometry(
-                "receive slots too small for an announcement",
-            ));
-        }
-        if self.eager_threshold as usize > self.slot_len as usize - HEADER_LEN {
-            return Err(ProtocolError::Geometry(
-                "eager threshold larger than a slot's payload",
-            ));
-        }
+    /// Checks every field against its bounds ([`MIN_RECV_SLOTS`]..=[`MAX_RECV_SLOTS`],
+    /// [`MIN_SLOT_LEN`]..=[`MAX_SLOT_LEN`], an eager threshold that fits a
+    /// slot's payload, `max_frame_len` ≤ [`MAX_FRAME_LEN`]): the invariants
+    /// the protocol relies on, and sanity for what a peer claims.
+    pub fn validate(&self) -> Result<(), GeometryError> {
+        within(
+            "recv_slots",
+            self.recv_slots.into(),
+            MIN_RECV_SLOTS.into(),
+            MAX_RECV_SLOTS.into(),
+            "one credit in reserve; at most MAX_RECV_SLOTS",
+        )?;
+        within(
+            "slot_len",
+            self.slot_len.into(),
+            MIN_SLOT_LEN.into(),
+            MAX_SLOT_LEN.into(),
+            "a header plus an announcement, up to a header plus MAX_EAGER_THRESHOLD",
+        )?;
+        within(
+            "eager_threshold",
+            self.eager_threshold.into(),
+            0,
+            u64::from(self.slot_len) - HEADER_LEN as u64,
+            "a slot's payload: slot_len minus the 16-byte header",
+        )?;
+        within(
+            "max_frame_len",
+            self.max_frame_len,
+            0,
+            MAX_FRAME_LEN,
+            "the wire format's 4 GiB - 1",
+        )?;
         Ok(())
     }
 }
@@ -199,7 +296,7 @@ pub enum ProtocolError {
     AfterClose,
     /// The peer's geometry is unusable.
     #[error("bad geometry: {0}")]
-    Geometry(&'static str),
+    Geometry(#[from] GeometryError),
 }
 
 /// How a frame travels.

@@ -473,3 +473,115 @@ fn geometry_round_trips_and_bad_geometry_is_refused() {
     };
     assert!(Geometry::decode(&eager_too_big.encode()).is_err());
 }
+
+#[test]
+fn every_geometry_field_out_of_bounds_is_refused_by_name_value_and_bound() {
+    let g = geometry(128, 8192 + HEADER_LEN as u32);
+    g.validate().unwrap();
+    // The extremes are accepted.
+    for ok in [
+        Geometry {
+            recv_slots: MIN_RECV_SLOTS,
+            slot_len: MIN_SLOT_LEN,
+            eager_threshold: 0,
+            max_frame_len: 0,
+        },
+        Geometry {
+            recv_slots: MAX_RECV_SLOTS,
+            slot_len: MAX_SLOT_LEN,
+            eager_threshold: MAX_EAGER_THRESHOLD,
+            max_frame_len: MAX_FRAME_LEN,
+        },
+    ] {
+        assert_eq!(Geometry::decode(&ok.encode()), Ok(ok));
+    }
+    let cases = [
+        (
+            Geometry { recv_slots: 2, ..g },
+            "recv_slots = 2 ",
+            "3..=65536",
+        ),
+        (
+            Geometry {
+                recv_slots: MAX_RECV_SLOTS + 1,
+                ..g
+            },
+            "recv_slots = 65537 ",
+            "3..=65536",
+        ),
+        (
+            Geometry {
+                recv_slots: u32::MAX,
+                ..g
+            },
+            "recv_slots = 4294967295 ",
+            "3..=65536",
+        ),
+        (
+            Geometry {
+                slot_len: MIN_SLOT_LEN - 1,
+                eager_threshold: 0,
+                ..g
+            },
+            "slot_len = 39 ",
+            "40..=1048592",
+        ),
+        (
+            Geometry {
+                slot_len: u32::MAX,
+                ..g
+            },
+            "slot_len = 4294967295 ",
+            "40..=1048592",
+        ),
+        (
+            Geometry {
+                eager_threshold: 8193,
+                ..g
+            },
+            "eager_threshold = 8193 ",
+            "0..=8192",
+        ),
+        (
+            Geometry {
+                eager_threshold: u32::MAX,
+                ..g
+            },
+            "eager_threshold = 4294967295 ",
+            "0..=8192",
+        ),
+        (
+            Geometry {
+                max_frame_len: MAX_FRAME_LEN + 1,
+                ..g
+            },
+            "max_frame_len = 4294967296 ",
+            "0..=4294967295",
+        ),
+        (
+            Geometry {
+                max_frame_len: u64::MAX,
+                ..g
+            },
+            "max_frame_len = 18446744073709551615 ",
+            "0..=4294967295",
+        ),
+    ];
+    for (bad, field, bound) in cases {
+        let error = Geometry::decode(&bad.encode()).unwrap_err();
+        assert!(matches!(error, ProtocolError::Geometry(_)), "{error:?}");
+        let message = error.to_string();
+        assert!(message.contains(field), "{message}");
+        assert!(message.contains(bound), "{message}");
+    }
+    // The attack hello's geometry: everything at its type's maximum.
+    let absurd = Geometry {
+        recv_slots: u32::MAX,
+        slot_len: u32::MAX,
+        eager_threshold: u32::MAX - HEADER_LEN as u32,
+        max_frame_len: u64::MAX,
+    };
+    assert!(Geometry::decode(&absurd.encode()).is_err());
+    let error = Geometry::decode(&[0; 7]).unwrap_err().to_string();
+    assert!(error.contains("7 bytes"), "{error}");
+}
