@@ -43,6 +43,14 @@
 //!
 //! **Order.** Frames reach the application in the order they were sent: an
 //! eager frame that arrives behind a rendezvous frame waits for its pull.
+//!
+//! **Bounds.** Everything the peer can make this side hold is bounded. Its
+//! [`Geometry`] is checked field by field ([`Geometry::validate`]). Received
+//! messages waiting for the application (frames behind a pull, pulls not
+//! done) stop credit grants at [`Limits::max_pending`], so at most that plus
+//! our receive slots wait. Announcements awaiting our DONE are at most
+//! [`MAX_UNANSWERED`] (an honest peer has at most [`MAX_EXPOSED`] out), and
+//! an announced range must not wrap around the address space.
 
 pub mod message;
 
@@ -85,6 +93,15 @@ pub const MAX_EAGER_THRESHOLD: u32 = 1 << 20;
 pub const MIN_SLOT_LEN: u32 = (HEADER_LEN + message::ANNOUNCE_BODY_LEN) as u32;
 /// Largest receive slot: a header plus the largest eager threshold.
 pub const MAX_SLOT_LEN: u32 = HEADER_LEN as u32 + MAX_EAGER_THRESHOLD;
+/// Most frames a side keeps announced (exposed) at once:
+/// [`Limits::max_exposed`] above it counts as this.
+pub const MAX_EXPOSED: u32 = 1024;
+/// Most announcements of the peer this side holds before it has sent their
+/// DONE (being pulled, waiting to be, or DONE queued); one more is
+/// [`ProtocolError::TooManyUnanswered`]. An honest peer has at most
+/// [`MAX_EXPOSED`] announcements out; the slack covers windows it revoked by
+/// its timeout while our DONE still waits for a credit.
+pub const MAX_UNANSWERED: u32 = 4 * MAX_EXPOSED;
 /// Largest `max_frame_len` a side may offer: 4 GiB − 1, the largest frame any
 /// rdma-rpc transport carries (TCP's length prefix and each section length of
 /// rpc-core's frame header are `u32`; rpc-core's default is 64 MiB).
@@ -105,6 +122,10 @@ const _: () = assert!(
     "an eager frame is never larger than a frame may be"
 );
 const _: () = assert!(MAX_FRAME_LEN <= u32::MAX as u64, "the wire format's limit");
+const _: () = assert!(
+    MAX_EXPOSED < MAX_UNANSWERED,
+    "an honest peer never reaches the limit on unanswered announcements"
+);
 const _: () = assert!(
     (MAX_RECV_SLOTS as u64) * (MAX_SLOT_LEN as u64) <= 1 << 37,
     "the largest receive pool a peer can describe stays within 128 GiB"
@@ -230,10 +251,15 @@ pub struct Limits {
     pub read_chunk_len: u64,
     /// Rendezvous frames being pulled at once (each holds a destination buffer).
     pub max_active_pulls: u32,
-    /// Our announced frames awaiting DONE before we stop taking large frames.
+    /// Our announced frames awaiting DONE before we stop taking large frames
+    /// (at most [`MAX_EXPOSED`]; more counts as that).
     pub max_exposed: u32,
     /// Frames queued for sending before the application waits.
     pub max_queued: usize,
+    /// Received messages waiting for the application (eager frames behind a
+    /// frame still being pulled, announced frames not yet pulled) before
+    /// credit grants are held back, so the peer stops sending.
+    pub max_pending: u32,
     /// An announced frame not DONE by then is revoked.
     pub rendezvous_timeout: Duration,
 }
@@ -247,6 +273,7 @@ impl Default for Limits {
             max_active_pulls: 4,
             max_exposed: 16,
             max_queued: 256,
+            max_pending: 256,
             rendezvous_timeout: Duration::from_secs(30),
         }
     }
@@ -294,6 +321,22 @@ pub enum ProtocolError {
     /// A frame after the peer's CLOSE.
     #[error("frame after CLOSE")]
     AfterClose,
+    /// An announced range that wraps around the address space.
+    #[error("announced frame of {len} bytes at {addr:#x} wraps around the address space")]
+    AnnounceRange {
+        /// Announced address.
+        addr: u64,
+        /// Announced length.
+        len: u64,
+    },
+    /// More announcements awaiting DONE than any honest peer makes.
+    #[error(
+        "more than {max} announced frames await DONE (an honest peer exposes at most {MAX_EXPOSED})"
+    )]
+    TooManyUnanswered {
+        /// [`MAX_UNANSWERED`].
+        max: u32,
+    },
     /// The peer's geometry is unusable.
     #[error("bad geometry: {0}")]
     Geometry(#[from] GeometryError),
@@ -397,6 +440,8 @@ pub struct Protocol {
     exposed: HashMap<u64, Instant>,
     // Incoming.
     pulls: HashMap<u64, Pull>,
+    /// The peer's announcements whose DONE we have not transmitted.
+    unanswered: u32,
     pull_order: VecDeque<u64>,
     active_pulls: u32,
     reads_outstanding: u32,
@@ -408,6 +453,10 @@ pub struct Protocol {
 impl Protocol {
     /// A connection between `local` and `peer` (both validated).
     pub fn new(local: Geometry, peer: Geometry, limits: Limits) -> Protocol {
+        let limits = Limits {
+            max_exposed: limits.max_exposed.min(MAX_EXPOSED),
+            ..limits
+        };
         Protocol {
             local,
             peer,
@@ -427,6 +476,7 @@ impl Protocol {
             next_token: 1,
             exposed: HashMap::new(),
             pulls: HashMap::new(),
+            unanswered: 0,
             pull_order: VecDeque::new(),
             active_pulls: 0,
             reads_outstanding: 0,
@@ -537,9 +587,21 @@ impl Protocol {
                 if announce.len == 0 {
                     return Err(ProtocolError::EmptyAnnounce);
                 }
+                if announce.addr.checked_add(announce.len).is_none() {
+                    return Err(ProtocolError::AnnounceRange {
+                        addr: announce.addr,
+                        len: announce.len,
+                    });
+                }
                 if self.pulls.contains_key(&announce.token) {
                     return Err(ProtocolError::DuplicateToken(announce.token));
                 }
+                if self.unanswered >= MAX_UNANSWERED {
+                    return Err(ProtocolError::TooManyUnanswered {
+                        max: MAX_UNANSWERED,
+                    });
+                }
+                self.unanswered += 1;
                 self.pulls.insert(
                     announce.token,
                     Pull {
@@ -635,10 +697,12 @@ impl Protocol {
             None if self.needs_credit_message() => Body::Credit,
             None => return None,
         };
-        if matches!(body, Body::Close) {
-            self.close_sent = true;
+        match body {
+            Body::Close => self.close_sent = true,
+            Body::Done { .. } => self.unanswered -= 1,
+            _ => {}
         }
-        let credits = if self.hold_credits { 0 } else { self.owed };
+        let credits = if self.holding() { 0 } else { self.owed };
         self.owed -= credits;
         if credits > 0 {
             self.owed_for_data = 0;
@@ -649,8 +713,17 @@ impl Protocol {
         Some(Message { credits, body })
     }
 
+    /// Whether credit grants are held back: the driver asked (the application
+    /// is not reading), or `max_pending` messages wait for the application
+    /// (frames behind a pull, pulls not done). Either way what is pending
+    /// drains without the peer's help, so holding cannot deadlock; once held,
+    /// the peer can add at most the credits it still has (our receive slots).
+    fn holding(&self) -> bool {
+        self.hold_credits || self.pending.len() >= self.limits.max_pending.max(1) as usize
+    }
+
     fn needs_credit_message(&self) -> bool {
-        if self.hold_credits || self.owed == 0 {
+        if self.holding() || self.owed == 0 {
             return false;
         }
         // What the peer can still send as far as it knows (an upper bound:
@@ -759,6 +832,18 @@ impl Protocol {
     /// Frames of the peer being (or waiting to be) pulled.
     pub fn pulls(&self) -> usize {
         self.pulls.len()
+    }
+
+    /// Received messages not yet handed to the application (at most
+    /// `max_pending` plus our receive slots).
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The peer's announcements not yet answered by a DONE we transmitted
+    /// (at most [`MAX_UNANSWERED`]).
+    pub fn unanswered(&self) -> usize {
+        self.unanswered as usize
     }
 
     /// Credits we hold for sending.
