@@ -25,10 +25,13 @@
 pub mod config;
 pub mod device;
 mod driver;
-pub mod protocol;
 pub mod setup;
 pub mod transport;
 pub mod verbs;
+
+/// The sans-IO protocol lives in its own crate (`rdma-rpc-protocol`); this
+/// keeps its old path, `rpc_transport_rdma::protocol`.
+pub use rdma_rpc_protocol as protocol;
 
 use std::sync::Arc;
 

@@ -9,6 +9,13 @@
 //!
 //! Wire form of a hello: `len: u32 LE` then `magic "RRPC" | version: u16 |
 //! provider_len: u8 | provider | address_len: u32 | address | payload_len: u32 | payload`.
+//!
+//! Everything in a peer's hello is checked before anything is done with it:
+//! `len` ≤ [`MAX_HELLO_LEN`] before the body is read, the provider name is
+//! 1..=[`MAX_PROVIDER_LEN`] bytes of `a-z 0-9 _ -`, the address is at most
+//! [`MAX_ADDRESS_LEN`] bytes and parses as a [`QpAddress`], the payload is what
+//! is left of the hello, and nothing trails it. A violation is a
+//! [`SetupError::Protocol`] naming the field, its value and the bound.
 
 use std::sync::Arc;
 
@@ -22,7 +29,29 @@ pub const SETUP_VERSION: u16 = 1;
 const MAGIC: &[u8; 4] = b"RRPC";
 /// Largest hello accepted (addresses are tens of bytes; payloads are small).
 pub const MAX_HELLO_LEN: usize = 64 << 10;
+/// Longest provider name (`soft`, `ibverbs`).
+pub const MAX_PROVIDER_LEN: usize = 32;
+/// Longest QP address: 34 fixed bytes plus the provider's extra bytes (12 for
+/// soft, none for ibverbs).
+pub const MAX_ADDRESS_LEN: usize = 1024;
 const READY: u8 = 0x52;
+/// Bytes of a hello around its variable parts: magic, version, the three lengths.
+const HELLO_FIXED_LEN: usize = 4 + 2 + 1 + 4 + 4;
+
+const _: () = assert!(MAX_PROVIDER_LEN <= u8::MAX as usize, "provider_len is a u8");
+const _: () = assert!(
+    HELLO_FIXED_LEN + MAX_PROVIDER_LEN + MAX_ADDRESS_LEN < MAX_HELLO_LEN,
+    "a hello with the longest provider and address still has room for a payload"
+);
+const _: () = assert!(MAX_HELLO_LEN <= u32::MAX as usize, "len is a u32");
+
+/// Whether `name` may be a provider name: 1..=[`MAX_PROVIDER_LEN`] bytes of `a-z 0-9 _ -`.
+fn valid_provider(name: &[u8]) -> bool {
+    (1..=MAX_PROVIDER_LEN).contains(&name.len())
+        && name
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'_' || *b == b'-')
+}
 
 /// What each side announces.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,29 +108,52 @@ impl Hello {
 
     fn decode(body: &[u8]) -> Result<Hello, SetupError> {
         let bad = |what: &str| SetupError::Protocol(what.to_owned());
-        let mut at = 0;
-        let mut take = |n: usize| -> Result<&[u8], SetupError> {
-            let slice = body.get(at..at + n).ok_or_else(|| bad("hello truncated"))?;
-            at += n;
-            Ok(slice)
+        let out_of_bounds = |field: &str, value: usize, max: usize| {
+            SetupError::Protocol(format!("hello: {field} = {value} is outside 0..={max}"))
         };
-        if take(4)? != MAGIC {
+        if body.len() > MAX_HELLO_LEN {
+            return Err(out_of_bounds("len", body.len(), MAX_HELLO_LEN));
+        }
+        // What is left of the body; each part is split off its front.
+        let mut rest = body;
+        if take(&mut rest, 4)? != MAGIC {
             return Err(bad("not an rdma-rpc peer (bad magic)"));
         }
-        let version = u16::from_le_bytes(take(2)?.try_into().expect("2"));
+        let version = u16::from_le_bytes(take(&mut rest, 2)?.try_into().expect("2"));
         if version != SETUP_VERSION {
             return Err(SetupError::Protocol(format!(
                 "peer speaks set-up version {version}, this build speaks {SETUP_VERSION}: upgrade the older side"
             )));
         }
-        let provider_len = take(1)?[0] as usize;
-        let provider = String::from_utf8(take(provider_len)?.to_vec())
-            .map_err(|_| bad("provider name is not UTF-8"))?;
-        let address_len = u32::from_le_bytes(take(4)?.try_into().expect("4")) as usize;
-        let address = QpAddress::from_bytes(take(address_len)?)?;
-        let payload_len = u32::from_le_bytes(take(4)?.try_into().expect("4")) as usize;
-        let payload = take(payload_len)?.to_vec();
-        if at != body.len() {
+        let provider_len = take(&mut rest, 1)?[0] as usize;
+        if !(1..=MAX_PROVIDER_LEN).contains(&provider_len) {
+            return Err(SetupError::Protocol(format!(
+                "hello: provider_len = {provider_len} is outside 1..={MAX_PROVIDER_LEN}"
+            )));
+        }
+        let provider = take(&mut rest, provider_len)?;
+        if !valid_provider(provider) {
+            return Err(SetupError::Protocol(format!(
+                "hello: provider = {:?} is not a provider name (1..={MAX_PROVIDER_LEN} bytes of a-z 0-9 _ -)",
+                String::from_utf8_lossy(provider)
+            )));
+        }
+        let provider = String::from_utf8(provider.to_vec()).expect("checked ASCII");
+        let address_len = u32::from_le_bytes(take(&mut rest, 4)?.try_into().expect("4")) as usize;
+        if address_len > MAX_ADDRESS_LEN {
+            return Err(out_of_bounds("address_len", address_len, MAX_ADDRESS_LEN));
+        }
+        let address = QpAddress::from_bytes(take(&mut rest, address_len)?)
+            .map_err(|error| SetupError::Protocol(format!("hello: address: {error}")))?;
+        let payload_len = u32::from_le_bytes(take(&mut rest, 4)?.try_into().expect("4")) as usize;
+        let left = rest.len();
+        if payload_len > left {
+            return Err(SetupError::Protocol(format!(
+                "hello: payload_len = {payload_len} is outside 0..={left} (the rest of the hello)"
+            )));
+        }
+        let payload = take(&mut rest, payload_len)?.to_vec();
+        if !rest.is_empty() {
             return Err(bad("trailing bytes after hello"));
         }
         Ok(Hello {
@@ -110,6 +162,34 @@ impl Hello {
             payload,
         })
     }
+}
+
+/// Splits `n` bytes off the front of `rest`.
+fn take<'a>(rest: &mut &'a [u8], n: usize) -> Result<&'a [u8], SetupError> {
+    let (part, after) = rest
+        .split_at_checked(n)
+        .ok_or_else(|| SetupError::Protocol("hello truncated".into()))?;
+    *rest = after;
+    Ok(part)
+}
+
+/// Fuzzing entry point (not API): decodes `body` as a peer's hello (what
+/// follows the length prefix) and, when it is accepted, checks that it
+/// re-encodes to the same bytes and decodes again to the same hello.
+#[doc(hidden)]
+pub fn fuzz_decode_hello(body: &[u8]) -> Result<Hello, SetupError> {
+    let hello = Hello::decode(body)?;
+    let again = hello.encode();
+    assert_eq!(
+        &again[4..],
+        body,
+        "an accepted hello re-encodes byte for byte"
+    );
+    assert_eq!(
+        Hello::decode(&again[4..]).expect("re-encoded hello decodes"),
+        hello
+    );
+    Ok(hello)
 }
 
 async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, SetupError> {
@@ -308,5 +388,86 @@ mod tests {
         for cut in 0..bytes.len() - 4 {
             assert!(Hello::decode(&bytes[4..4 + cut]).is_err());
         }
+    }
+
+    /// The body of a hello with each part given raw.
+    fn raw(
+        provider: &[u8],
+        address_len: u32,
+        address: &[u8],
+        payload_len: u32,
+        payload: &[u8],
+    ) -> Vec<u8> {
+        let mut body = MAGIC.to_vec();
+        body.extend_from_slice(&SETUP_VERSION.to_le_bytes());
+        body.push(provider.len() as u8);
+        body.extend_from_slice(provider);
+        body.extend_from_slice(&address_len.to_le_bytes());
+        body.extend_from_slice(address);
+        body.extend_from_slice(&payload_len.to_le_bytes());
+        body.extend_from_slice(payload);
+        body
+    }
+
+    fn refused(body: &[u8]) -> String {
+        match Hello::decode(body) {
+            Err(SetupError::Protocol(message)) => message,
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_hello_field_out_of_bounds_is_refused_by_name_value_and_bound() {
+        let address = hello().address.to_bytes();
+        let len = address.len() as u32;
+        // The longest provider name and address are accepted.
+        let longest = QpAddress {
+            extra: vec![7; MAX_ADDRESS_LEN - 34],
+            ..hello().address
+        };
+        let name = "a".repeat(MAX_PROVIDER_LEN);
+        let body = raw(
+            name.as_bytes(),
+            MAX_ADDRESS_LEN as u32,
+            &longest.to_bytes(),
+            0,
+            b"",
+        );
+        assert_eq!(fuzz_decode_hello(&body).unwrap().address, longest);
+
+        let message = refused(&raw(b"", len, &address, 0, b""));
+        assert!(
+            message.contains("provider_len = 0 is outside 1..=32"),
+            "{message}"
+        );
+        let message = refused(&raw(&[b'a'; 33], len, &address, 0, b""));
+        assert!(
+            message.contains("provider_len = 33 is outside 1..=32"),
+            "{message}"
+        );
+        for bad_name in [&b"Soft"[..], b"so ft", b"soft\n", b"\xff\xfe", b"soft\0"] {
+            let message = refused(&raw(bad_name, len, &address, 0, b""));
+            assert!(message.contains("provider = "), "{message}");
+            assert!(message.contains("a-z 0-9 _ -"), "{message}");
+        }
+        let message = refused(&raw(b"soft", u32::MAX, &address, 0, b""));
+        assert!(
+            message.contains("address_len = 4294967295 is outside 0..=1024"),
+            "{message}"
+        );
+        let message = refused(&raw(b"soft", 1025, &[0; 1025], 0, b""));
+        assert!(message.contains("address_len = 1025"), "{message}");
+        let message = refused(&raw(b"soft", 3, &[0; 3], 0, b""));
+        assert!(message.contains("address"), "{message}");
+        let message = refused(&raw(b"soft", len, &address, u32::MAX, b"abc"));
+        assert!(
+            message.contains("payload_len = 4294967295 is outside 0..=3"),
+            "{message}"
+        );
+        let message = refused(&vec![0; MAX_HELLO_LEN + 1]);
+        assert!(
+            message.contains("len = 65537 is outside 0..=65536"),
+            "{message}"
+        );
     }
 }

@@ -29,7 +29,7 @@ use crate::config::RdmaConfig;
 use crate::device::{self, Device};
 use crate::driver::{Driver, Endpoint as QpEndpoint, InboundShared};
 use crate::pool::SlotPool;
-use crate::protocol::{GEOMETRY_LEN, Geometry, PROTOCOL_VERSION, Protocol};
+use crate::protocol::{GEOMETRY_LEN, Geometry, MAX_FRAME_LEN, PROTOCOL_VERSION, Protocol};
 use crate::setup::{self, Hello, SetupError};
 use crate::verbs::{
     AccessFlags, AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions, QpCaps, QpInit,
@@ -263,6 +263,32 @@ impl Listener for RdmaListener {
     }
 }
 
+/// Longest host identity in a hello (a boot id is 36 bytes).
+const MAX_HOST_LEN: usize = 64;
+/// Bytes of [`TransportHello`] before the host: version, geometry, rdma_cm
+/// flag, port and token, host length.
+const TRANSPORT_HELLO_FIXED: usize = 1 + GEOMETRY_LEN + 1 + 2 + 8 + 1;
+
+const _: () = assert!(MAX_HOST_LEN <= u8::MAX as usize, "host_len is a u8");
+const _: () = assert!(
+    TRANSPORT_HELLO_FIXED + MAX_HOST_LEN <= setup::MAX_HELLO_LEN,
+    "the longest transport hello fits a set-up hello"
+);
+const _: () = assert!(
+    rpc_core::frame::DEFAULT_MAX_FRAME_LEN as u64 <= MAX_FRAME_LEN,
+    "the default frame limit is one a peer accepts in a hello"
+);
+
+/// Whether `host` may be a host identity: up to [`MAX_HOST_LEN`] bytes of
+/// `A-Z a-z 0-9 - . _ :` (a boot id is lower-case hex and dashes; empty when
+/// the kernel did not say).
+fn valid_host(host: &[u8]) -> bool {
+    host.len() <= MAX_HOST_LEN
+        && host
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b':'))
+}
+
 /// What this transport adds to the set-up hello.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct TransportHello {
@@ -297,7 +323,7 @@ impl TransportHello {
                 "peer speaks RDMA protocol version {version}, this build speaks {PROTOCOL_VERSION}: upgrade the older side"
             )));
         }
-        const FIXED: usize = 1 + GEOMETRY_LEN + 1 + 2 + 8 + 1;
+        const FIXED: usize = TRANSPORT_HELLO_FIXED;
         if payload.len() < FIXED {
             return Err(bad("RDMA hello truncated"));
         }
@@ -312,15 +338,26 @@ impl TransportHello {
         let cm_port = u16::from_le_bytes(payload[at + 1..at + 3].try_into().expect("2"));
         let cm_token = u64::from_le_bytes(payload[at + 3..at + 11].try_into().expect("8"));
         let host_len = payload[at + 11] as usize;
+        if host_len > MAX_HOST_LEN {
+            return Err(SetupError::Protocol(format!(
+                "RDMA hello: host_len = {host_len} is outside 0..={MAX_HOST_LEN}"
+            )));
+        }
         let host = payload
             .get(FIXED..FIXED + host_len)
             .ok_or_else(|| bad("RDMA hello truncated"))?;
         if payload.len() != FIXED + host_len {
             return Err(bad("trailing bytes in RDMA hello"));
         }
+        if !valid_host(host) {
+            return Err(SetupError::Protocol(format!(
+                "RDMA hello: host = {:?} is not a host identity (up to {MAX_HOST_LEN} bytes of A-Z a-z 0-9 - . _ :)",
+                String::from_utf8_lossy(host)
+            )));
+        }
         Ok(TransportHello {
             geometry,
-            host: String::from_utf8_lossy(host).into_owned(),
+            host: String::from_utf8(host.to_vec()).expect("checked ASCII"),
             requires_cm,
             cm_port,
             cm_token,
@@ -347,6 +384,38 @@ fn check_peer(hello: &Hello, provider: &str, host: &str) -> Result<TransportHell
         ));
     }
     Ok(peer)
+}
+
+/// Fuzzing entry point (not API): decodes `payload` as the transport's part
+/// of a peer's hello and, when it is accepted, checks that it re-encodes to
+/// the same bytes and that [`check_peer`] agrees with the decoder.
+#[doc(hidden)]
+pub fn fuzz_decode_transport_hello(payload: &[u8]) -> Result<(), SetupError> {
+    let decoded = TransportHello::decode(payload);
+    let hello = Hello {
+        provider: "ibverbs".into(),
+        address: crate::verbs::QpAddress {
+            qp_num: 1,
+            psn: 0,
+            lid: 0,
+            gid: [0; 16],
+            mtu: 4096,
+            extra: Vec::new(),
+        },
+        payload: payload.to_vec(),
+    };
+    assert_eq!(check_peer(&hello, "ibverbs", "").is_ok(), decoded.is_ok());
+    let decoded = decoded?;
+    decoded
+        .geometry
+        .validate()
+        .expect("a decoded geometry is valid");
+    assert_eq!(
+        decoded.encode(),
+        payload,
+        "an accepted hello re-encodes byte for byte"
+    );
+    Ok(())
 }
 
 /// A token no other pending connection of this process has.
@@ -616,5 +685,106 @@ mod tests {
             .to_string();
         assert!(error.contains("one host only"), "{error}");
         assert!(check_peer(&hello, "ibverbs", "boot-b").is_ok());
+    }
+
+    fn ours(geometry: Geometry) -> TransportHello {
+        TransportHello {
+            geometry,
+            host: "0b3c5d2e-55c9-4f49-9a1d-1d1e53a3e7a1".into(),
+            requires_cm: false,
+            cm_port: 0,
+            cm_token: 0,
+        }
+    }
+
+    /// The geometry `establish` offers for `config` and the default frame limit.
+    fn offered(config: &RdmaConfig) -> Geometry {
+        Geometry {
+            recv_slots: config.recv_slots,
+            slot_len: config.slot_len() as u32,
+            eager_threshold: config.eager_threshold,
+            max_frame_len: rpc_core::frame::DEFAULT_MAX_FRAME_LEN as u64,
+        }
+    }
+
+    #[test]
+    fn what_a_valid_config_offers_is_accepted() {
+        let default = RdmaConfig::default();
+        let largest_slots = RdmaConfig {
+            eager_threshold: 1 << 20,
+            ..RdmaConfig::default()
+        };
+        let smallest_slots = RdmaConfig {
+            eager_threshold: 64,
+            recv_slots: crate::protocol::MIN_RECV_SLOTS,
+            ..RdmaConfig::default()
+        };
+        for config in [default, largest_slots, smallest_slots] {
+            config.validate().unwrap();
+            let hello = ours(offered(&config));
+            let payload = hello.encode();
+            assert_eq!(TransportHello::decode(&payload).unwrap(), hello);
+            fuzz_decode_transport_hello(&payload).unwrap();
+        }
+    }
+
+    #[test]
+    fn an_absurd_geometry_or_host_is_refused_by_name_value_and_bound() {
+        let default = offered(&RdmaConfig::default());
+        let cases = [
+            (
+                Geometry {
+                    recv_slots: u32::MAX,
+                    ..default
+                },
+                "recv_slots = 4294967295 is outside 3..=65536",
+            ),
+            (
+                Geometry {
+                    slot_len: u32::MAX,
+                    ..default
+                },
+                "slot_len = 4294967295 is outside 40..=1048592",
+            ),
+            (
+                Geometry {
+                    eager_threshold: u32::MAX,
+                    ..default
+                },
+                "eager_threshold = 4294967295 is outside 0..=8192",
+            ),
+            (
+                Geometry {
+                    max_frame_len: u64::MAX,
+                    ..default
+                },
+                "max_frame_len = 18446744073709551615 is outside 0..=4294967295",
+            ),
+        ];
+        for (geometry, expected) in cases {
+            let error = TransportHello::decode(&ours(geometry).encode())
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("peer's pools"), "{error}");
+            assert!(error.contains(expected), "{error}");
+        }
+        let mut long_host = ours(default);
+        long_host.host = "a".repeat(MAX_HOST_LEN + 1);
+        let error = TransportHello::decode(&long_host.encode())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("host_len = 65 is outside 0..=64"), "{error}");
+        for host in ["boot id", "boot\nid", "bööt", "\u{1b}[31m"] {
+            let mut odd = ours(default);
+            odd.host = host.into();
+            let error = TransportHello::decode(&odd.encode())
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("host = "), "{error}");
+            assert!(error.contains("not a host identity"), "{error}");
+        }
+        let mut no_host = ours(default);
+        no_host.host = String::new();
+        assert_eq!(TransportHello::decode(&no_host.encode()).unwrap(), no_host);
     }
 }

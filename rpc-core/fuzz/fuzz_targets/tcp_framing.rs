@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
     let split = (split as usize).min(rest.len());
     let mut codec = LengthPrefixCodec::new(4096);
     let mut buf = BytesMut::from(&rest[..split]);
-    let mut feed = |buf: &mut BytesMut, codec: &mut LengthPrefixCodec| -> bool {
+    let feed = |buf: &mut BytesMut, codec: &mut LengthPrefixCodec| -> bool {
         loop {
             match codec.decode(buf) {
                 Ok(Some(frame)) => {

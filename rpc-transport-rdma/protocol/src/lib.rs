@@ -1,9 +1,13 @@
-//! The RDMA protocol of one connection, as a sans-IO state machine.
+//! The RDMA protocol of one rdma-rpc connection, as a sans-IO state machine.
+//!
+//! Its own crate (only `bytes` and `thiserror`: nothing async, no I/O) so that
+//! what a peer can send is fuzzed and tested without a device or a runtime;
+//! rpc-transport-rdma re-exports it as `rpc_transport_rdma::protocol`.
 //!
 //! [`Protocol`] decides everything and does nothing: it never touches a queue
-//! pair, a buffer or a clock. The driver ([`crate::driver`]) feeds it what
-//! happened through `handle_*` and asks it what to do next through `poll_*`,
-//! in the style of quinn-proto:
+//! pair, a buffer or a clock. The driver (rpc-transport-rdma's `driver`
+//! module) feeds it what happened through `handle_*` and asks it what to do
+//! next through `poll_*`, in the style of quinn-proto:
 //!
 //! | input | meaning |
 //! |---|---|
@@ -39,6 +43,14 @@
 //!
 //! **Order.** Frames reach the application in the order they were sent: an
 //! eager frame that arrives behind a rendezvous frame waits for its pull.
+//!
+//! **Bounds.** Everything the peer can make this side hold is bounded. Its
+//! [`Geometry`] is checked field by field ([`Geometry::validate`]). Received
+//! messages waiting for the application (frames behind a pull, pulls not
+//! done) stop credit grants at [`Limits::max_pending`], so at most that plus
+//! our receive slots wait. Announcements awaiting our DONE are at most
+//! [`MAX_UNANSWERED`] (an honest peer has at most [`MAX_EXPOSED`] out), and
+//! an announced range must not wrap around the address space.
 
 pub mod message;
 
@@ -68,10 +80,102 @@ pub const GEOMETRY_LEN: usize = 20;
 /// CREDIT messages; with only two slots, two idle sides would answer each
 /// other's CREDIT messages forever (each sees the other at its reserve).
 pub const MIN_RECV_SLOTS: u32 = 3;
+/// Most receive slots a side may offer: 512 times the transport's default of
+/// 128, and as many receive work requests as large hardware queues take
+/// (`max_qp_wr` is 16 K to 32 K on common NICs). A peer's slots are the
+/// credits this side holds, so the bound keeps a peer from claiming billions.
+pub const MAX_RECV_SLOTS: u32 = 1 << 16;
+/// Largest eager threshold a side may offer: 1 MiB, the largest the transport
+/// configures (`RdmaConfig::validate`). Larger frames go by rendezvous anyway.
+pub const MAX_EAGER_THRESHOLD: u32 = 1 << 20;
+/// Smallest receive slot: a header plus an ANNOUNCE body, the largest message
+/// that is not DATA.
+pub const MIN_SLOT_LEN: u32 = (HEADER_LEN + message::ANNOUNCE_BODY_LEN) as u32;
+/// Largest receive slot: a header plus the largest eager threshold.
+pub const MAX_SLOT_LEN: u32 = HEADER_LEN as u32 + MAX_EAGER_THRESHOLD;
+/// Most frames a side keeps announced (exposed) at once:
+/// [`Limits::max_exposed`] above it counts as this.
+pub const MAX_EXPOSED: u32 = 1024;
+/// Most announcements of the peer this side holds before it has sent their
+/// DONE (being pulled, waiting to be, or DONE queued); one more is
+/// [`ProtocolError::TooManyUnanswered`]. An honest peer has at most
+/// [`MAX_EXPOSED`] announcements out; the slack covers windows it revoked by
+/// its timeout while our DONE still waits for a credit.
+pub const MAX_UNANSWERED: u32 = 4 * MAX_EXPOSED;
+/// Largest `max_frame_len` a side may offer: 4 GiB − 1, the largest frame any
+/// rdma-rpc transport carries (TCP's length prefix and each section length of
+/// rpc-core's frame header are `u32`; rpc-core's default is 64 MiB).
+pub const MAX_FRAME_LEN: u64 = u32::MAX as u64;
+
 const _: () = assert!(
     MIN_RECV_SLOTS >= 3,
     "reserve credit plus no idle credit ping-pong"
 );
+const _: () = assert!(MIN_RECV_SLOTS <= MAX_RECV_SLOTS);
+const _: () = assert!(
+    MIN_SLOT_LEN as usize >= HEADER_LEN + message::ANNOUNCE_BODY_LEN,
+    "every non-DATA message fits a slot"
+);
+const _: () = assert!(MIN_SLOT_LEN < MAX_SLOT_LEN);
+const _: () = assert!(
+    MAX_SLOT_LEN as u64 <= MAX_FRAME_LEN,
+    "an eager frame is never larger than a frame may be"
+);
+const _: () = assert!(MAX_FRAME_LEN <= u32::MAX as u64, "the wire format's limit");
+const _: () = assert!(
+    MAX_EXPOSED < MAX_UNANSWERED,
+    "an honest peer never reaches the limit on unanswered announcements"
+);
+const _: () = assert!(
+    (MAX_RECV_SLOTS as u64) * (MAX_SLOT_LEN as u64) <= 1 << 37,
+    "the largest receive pool a peer can describe stays within 128 GiB"
+);
+
+/// The peer's geometry is unusable; the message names the field, its value
+/// and the bound.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    /// The encoded geometry has the wrong size.
+    #[error("geometry of {len} bytes, expected {GEOMETRY_LEN}")]
+    Length {
+        /// Bytes received.
+        len: usize,
+    },
+    /// A field is outside its bounds.
+    #[error("{field} = {value} is outside {min}..={max} ({why})")]
+    OutOfBounds {
+        /// Which field (`recv_slots`, `slot_len`, `eager_threshold`, `max_frame_len`).
+        field: &'static str,
+        /// What the peer said.
+        value: u64,
+        /// Smallest allowed.
+        min: u64,
+        /// Largest allowed.
+        max: u64,
+        /// Where the bound comes from.
+        why: &'static str,
+    },
+}
+
+fn within(
+    field: &'static str,
+    value: u64,
+    min: u64,
+    max: u64,
+    why: &'static str,
+) -> Result<(), GeometryError> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(GeometryError::OutOfBounds {
+            field,
+            value,
+            min,
+            max,
+            why,
+        })
+    }
+}
 
 impl Geometry {
     /// Fixed-size little-endian form for the hello.
@@ -88,7 +192,7 @@ impl Geometry {
     pub fn decode(bytes: &[u8]) -> Result<Geometry, ProtocolError> {
         let bytes: &[u8; GEOMETRY_LEN] = bytes
             .try_into()
-            .map_err(|_| ProtocolError::Geometry("wrong length"))?;
+            .map_err(|_| GeometryError::Length { len: bytes.len() })?;
         let geometry = Geometry {
             recv_slots: u32::from_le_bytes(bytes[0..4].try_into().expect("4")),
             slot_len: u32::from_le_bytes(bytes[4..8].try_into().expect("4")),
@@ -99,21 +203,39 @@ impl Geometry {
         Ok(geometry)
     }
 
-    /// Checks the invariants the protocol relies on.
-    pub fn validate(&self) -> Result<(), ProtocolError> {
-        if self.recv_slots < MIN_RECV_SLOTS {
-            return Err(ProtocolError::Geometry("fewer than 3 receive slots"));
-        }
-        if (self.slot_len as usize) < HEADER_LEN + message::ANNOUNCE_BODY_LEN {
-            return Err(ProtocolError::Geometry(
-                "receive slots too small for an announcement",
-            ));
-        }
-        if self.eager_threshold as usize > self.slot_len as usize - HEADER_LEN {
-            return Err(ProtocolError::Geometry(
-                "eager threshold larger than a slot's payload",
-            ));
-        }
+    /// Checks every field against its bounds ([`MIN_RECV_SLOTS`]..=[`MAX_RECV_SLOTS`],
+    /// [`MIN_SLOT_LEN`]..=[`MAX_SLOT_LEN`], an eager threshold that fits a
+    /// slot's payload, `max_frame_len` ≤ [`MAX_FRAME_LEN`]): the invariants
+    /// the protocol relies on, and sanity for what a peer claims.
+    pub fn validate(&self) -> Result<(), GeometryError> {
+        within(
+            "recv_slots",
+            self.recv_slots.into(),
+            MIN_RECV_SLOTS.into(),
+            MAX_RECV_SLOTS.into(),
+            "one credit in reserve; at most MAX_RECV_SLOTS",
+        )?;
+        within(
+            "slot_len",
+            self.slot_len.into(),
+            MIN_SLOT_LEN.into(),
+            MAX_SLOT_LEN.into(),
+            "a header plus an announcement, up to a header plus MAX_EAGER_THRESHOLD",
+        )?;
+        within(
+            "eager_threshold",
+            self.eager_threshold.into(),
+            0,
+            u64::from(self.slot_len) - HEADER_LEN as u64,
+            "a slot's payload: slot_len minus the 16-byte header",
+        )?;
+        within(
+            "max_frame_len",
+            self.max_frame_len,
+            0,
+            MAX_FRAME_LEN,
+            "the wire format's 4 GiB - 1",
+        )?;
         Ok(())
     }
 }
@@ -129,10 +251,15 @@ pub struct Limits {
     pub read_chunk_len: u64,
     /// Rendezvous frames being pulled at once (each holds a destination buffer).
     pub max_active_pulls: u32,
-    /// Our announced frames awaiting DONE before we stop taking large frames.
+    /// Our announced frames awaiting DONE before we stop taking large frames
+    /// (at most [`MAX_EXPOSED`]; more counts as that).
     pub max_exposed: u32,
     /// Frames queued for sending before the application waits.
     pub max_queued: usize,
+    /// Received messages waiting for the application (eager frames behind a
+    /// frame still being pulled, announced frames not yet pulled) before
+    /// credit grants are held back, so the peer stops sending.
+    pub max_pending: u32,
     /// An announced frame not DONE by then is revoked.
     pub rendezvous_timeout: Duration,
 }
@@ -146,6 +273,7 @@ impl Default for Limits {
             max_active_pulls: 4,
             max_exposed: 16,
             max_queued: 256,
+            max_pending: 256,
             rendezvous_timeout: Duration::from_secs(30),
         }
     }
@@ -193,9 +321,25 @@ pub enum ProtocolError {
     /// A frame after the peer's CLOSE.
     #[error("frame after CLOSE")]
     AfterClose,
+    /// An announced range that wraps around the address space.
+    #[error("announced frame of {len} bytes at {addr:#x} wraps around the address space")]
+    AnnounceRange {
+        /// Announced address.
+        addr: u64,
+        /// Announced length.
+        len: u64,
+    },
+    /// More announcements awaiting DONE than any honest peer makes.
+    #[error(
+        "more than {max} announced frames await DONE (an honest peer exposes at most {MAX_EXPOSED})"
+    )]
+    TooManyUnanswered {
+        /// [`MAX_UNANSWERED`].
+        max: u32,
+    },
     /// The peer's geometry is unusable.
     #[error("bad geometry: {0}")]
-    Geometry(&'static str),
+    Geometry(#[from] GeometryError),
 }
 
 /// How a frame travels.
@@ -296,6 +440,8 @@ pub struct Protocol {
     exposed: HashMap<u64, Instant>,
     // Incoming.
     pulls: HashMap<u64, Pull>,
+    /// The peer's announcements whose DONE we have not transmitted.
+    unanswered: u32,
     pull_order: VecDeque<u64>,
     active_pulls: u32,
     reads_outstanding: u32,
@@ -307,6 +453,10 @@ pub struct Protocol {
 impl Protocol {
     /// A connection between `local` and `peer` (both validated).
     pub fn new(local: Geometry, peer: Geometry, limits: Limits) -> Protocol {
+        let limits = Limits {
+            max_exposed: limits.max_exposed.min(MAX_EXPOSED),
+            ..limits
+        };
         Protocol {
             local,
             peer,
@@ -326,6 +476,7 @@ impl Protocol {
             next_token: 1,
             exposed: HashMap::new(),
             pulls: HashMap::new(),
+            unanswered: 0,
             pull_order: VecDeque::new(),
             active_pulls: 0,
             reads_outstanding: 0,
@@ -436,9 +587,21 @@ impl Protocol {
                 if announce.len == 0 {
                     return Err(ProtocolError::EmptyAnnounce);
                 }
+                if announce.addr.checked_add(announce.len).is_none() {
+                    return Err(ProtocolError::AnnounceRange {
+                        addr: announce.addr,
+                        len: announce.len,
+                    });
+                }
                 if self.pulls.contains_key(&announce.token) {
                     return Err(ProtocolError::DuplicateToken(announce.token));
                 }
+                if self.unanswered >= MAX_UNANSWERED {
+                    return Err(ProtocolError::TooManyUnanswered {
+                        max: MAX_UNANSWERED,
+                    });
+                }
+                self.unanswered += 1;
                 self.pulls.insert(
                     announce.token,
                     Pull {
@@ -534,10 +697,12 @@ impl Protocol {
             None if self.needs_credit_message() => Body::Credit,
             None => return None,
         };
-        if matches!(body, Body::Close) {
-            self.close_sent = true;
+        match body {
+            Body::Close => self.close_sent = true,
+            Body::Done { .. } => self.unanswered -= 1,
+            _ => {}
         }
-        let credits = if self.hold_credits { 0 } else { self.owed };
+        let credits = if self.holding() { 0 } else { self.owed };
         self.owed -= credits;
         if credits > 0 {
             self.owed_for_data = 0;
@@ -548,8 +713,17 @@ impl Protocol {
         Some(Message { credits, body })
     }
 
+    /// Whether credit grants are held back: the driver asked (the application
+    /// is not reading), or `max_pending` messages wait for the application
+    /// (frames behind a pull, pulls not done). Either way what is pending
+    /// drains without the peer's help, so holding cannot deadlock; once held,
+    /// the peer can add at most the credits it still has (our receive slots).
+    fn holding(&self) -> bool {
+        self.hold_credits || self.pending.len() >= self.limits.max_pending.max(1) as usize
+    }
+
     fn needs_credit_message(&self) -> bool {
-        if self.hold_credits || self.owed == 0 {
+        if self.holding() || self.owed == 0 {
             return false;
         }
         // What the peer can still send as far as it knows (an upper bound:
@@ -658,6 +832,18 @@ impl Protocol {
     /// Frames of the peer being (or waiting to be) pulled.
     pub fn pulls(&self) -> usize {
         self.pulls.len()
+    }
+
+    /// Received messages not yet handed to the application (at most
+    /// `max_pending` plus our receive slots).
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The peer's announcements not yet answered by a DONE we transmitted
+    /// (at most [`MAX_UNANSWERED`]).
+    pub fn unanswered(&self) -> usize {
+        self.unanswered as usize
     }
 
     /// Credits we hold for sending.

@@ -473,3 +473,321 @@ fn geometry_round_trips_and_bad_geometry_is_refused() {
     };
     assert!(Geometry::decode(&eager_too_big.encode()).is_err());
 }
+
+#[test]
+fn every_geometry_field_out_of_bounds_is_refused_by_name_value_and_bound() {
+    let g = geometry(128, 8192 + HEADER_LEN as u32);
+    g.validate().unwrap();
+    // The extremes are accepted.
+    for ok in [
+        Geometry {
+            recv_slots: MIN_RECV_SLOTS,
+            slot_len: MIN_SLOT_LEN,
+            eager_threshold: 0,
+            max_frame_len: 0,
+        },
+        Geometry {
+            recv_slots: MAX_RECV_SLOTS,
+            slot_len: MAX_SLOT_LEN,
+            eager_threshold: MAX_EAGER_THRESHOLD,
+            max_frame_len: MAX_FRAME_LEN,
+        },
+    ] {
+        assert_eq!(Geometry::decode(&ok.encode()), Ok(ok));
+    }
+    let cases = [
+        (
+            Geometry { recv_slots: 2, ..g },
+            "recv_slots = 2 ",
+            "3..=65536",
+        ),
+        (
+            Geometry {
+                recv_slots: MAX_RECV_SLOTS + 1,
+                ..g
+            },
+            "recv_slots = 65537 ",
+            "3..=65536",
+        ),
+        (
+            Geometry {
+                recv_slots: u32::MAX,
+                ..g
+            },
+            "recv_slots = 4294967295 ",
+            "3..=65536",
+        ),
+        (
+            Geometry {
+                slot_len: MIN_SLOT_LEN - 1,
+                eager_threshold: 0,
+                ..g
+            },
+            "slot_len = 39 ",
+            "40..=1048592",
+        ),
+        (
+            Geometry {
+                slot_len: u32::MAX,
+                ..g
+            },
+            "slot_len = 4294967295 ",
+            "40..=1048592",
+        ),
+        (
+            Geometry {
+                eager_threshold: 8193,
+                ..g
+            },
+            "eager_threshold = 8193 ",
+            "0..=8192",
+        ),
+        (
+            Geometry {
+                eager_threshold: u32::MAX,
+                ..g
+            },
+            "eager_threshold = 4294967295 ",
+            "0..=8192",
+        ),
+        (
+            Geometry {
+                max_frame_len: MAX_FRAME_LEN + 1,
+                ..g
+            },
+            "max_frame_len = 4294967296 ",
+            "0..=4294967295",
+        ),
+        (
+            Geometry {
+                max_frame_len: u64::MAX,
+                ..g
+            },
+            "max_frame_len = 18446744073709551615 ",
+            "0..=4294967295",
+        ),
+    ];
+    for (bad, field, bound) in cases {
+        let error = Geometry::decode(&bad.encode()).unwrap_err();
+        assert!(matches!(error, ProtocolError::Geometry(_)), "{error:?}");
+        let message = error.to_string();
+        assert!(message.contains(field), "{message}");
+        assert!(message.contains(bound), "{message}");
+    }
+    // The attack hello's geometry: everything at its type's maximum.
+    let absurd = Geometry {
+        recv_slots: u32::MAX,
+        slot_len: u32::MAX,
+        eager_threshold: u32::MAX - HEADER_LEN as u32,
+        max_frame_len: u64::MAX,
+    };
+    assert!(Geometry::decode(&absurd.encode()).is_err());
+    let error = Geometry::decode(&[0; 7]).unwrap_err().to_string();
+    assert!(error.contains("7 bytes"), "{error}");
+}
+
+/// Found while writing the protocol_state fuzz target (forged announcements):
+/// an announcement whose range wraps around the address space made the READ
+/// of its second chunk compute `addr + offset` past `u64::MAX` (a panic with
+/// overflow checks, a READ at a wrapped address without).
+#[test]
+fn an_announcement_whose_range_wraps_is_refused() {
+    let g = geometry(4, 1024);
+    let limits = Limits {
+        read_chunk_len: 64,
+        ..Limits::default()
+    };
+    let mut p = Protocol::new(g, g, limits);
+    let error = received(
+        &mut p,
+        0,
+        Body::Announce(Announce {
+            token: 1,
+            addr: u64::MAX - 100,
+            len: 1000,
+            rkey: 1,
+        }),
+    )
+    .unwrap_err();
+    assert_eq!(
+        error,
+        ProtocolError::AnnounceRange {
+            addr: u64::MAX - 100,
+            len: 1000
+        }
+    );
+    assert!(error.to_string().contains("wraps"), "{error}");
+    assert_eq!(p.poll_event(), None, "nothing allocated");
+    // The last byte of the address space is a valid end.
+    let mut p = Protocol::new(g, g, limits);
+    received(
+        &mut p,
+        0,
+        Body::Announce(Announce {
+            token: 1,
+            addr: u64::MAX - 1000,
+            len: 1000,
+            rkey: 1,
+        }),
+    )
+    .unwrap();
+    assert!(matches!(p.poll_event(), Some(Event::Allocate { .. })));
+    let mut end = 0;
+    while let Some(read) = p.poll_read() {
+        end = read.remote_addr + read.len;
+        p.handle_read_complete(read.token, read.len);
+    }
+    assert_eq!(end, u64::MAX);
+}
+
+/// A peer that follows the credit rules exactly (else it only earns a
+/// CreditOverrun) and otherwise does what hurts: what it may send and grant
+/// is tracked here, the rest is up to each test.
+#[derive(Default)]
+struct Hostile {
+    /// Credits `p` granted it and it has not spent.
+    credits: u64,
+    /// `p`'s messages it received and has not granted back.
+    owed: u32,
+}
+
+impl Hostile {
+    /// Takes everything `p` transmits now (its SENDs complete at once).
+    fn take(&mut self, p: &mut Protocol) -> usize {
+        let mut count = 0;
+        while let Some(message) = p.poll_transmit() {
+            p.handle_send_complete();
+            self.credits += u64::from(message.credits);
+            self.owed += 1;
+            count += 1;
+        }
+        count
+    }
+
+    /// Sends `body` to `p` granting `grant` (≤ what it owes) if it has a credit.
+    fn send(
+        &mut self,
+        p: &mut Protocol,
+        grant: u32,
+        body: Body,
+    ) -> Option<Result<(), ProtocolError>> {
+        if self.credits == 0 {
+            return None;
+        }
+        self.credits -= 1;
+        let grant = grant.min(self.owed);
+        self.owed -= grant;
+        Some(received(p, grant, body))
+    }
+}
+
+/// What a hostile peer can make this side hold: it announces one frame that
+/// is never pulled to the end and floods eager frames behind it, granting
+/// back every credit it may so this side keeps granting too. Without a bound
+/// the queue of messages waiting for the application grew with every round;
+/// now credits are held once `max_pending` wait, and the peer can add at
+/// most what it still has (our receive slots), then stalls.
+#[test]
+fn a_flooding_peer_cannot_grow_what_waits_for_the_application() {
+    let g = geometry(8, 1024);
+    let limits = Limits {
+        max_pending: 16,
+        ..Limits::default()
+    };
+    let mut p = Protocol::new(g, g, limits);
+    let mut peer = Hostile {
+        credits: 8,
+        owed: 0,
+    };
+    let announce = Body::Announce(Announce {
+        token: 1,
+        addr: 0x1000,
+        len: 1 << 20,
+        rkey: 1,
+    });
+    peer.send(&mut p, 0, announce).unwrap().unwrap();
+    let mut stalled = false;
+    for _ in 0..10_000 {
+        let mut sent = 0;
+        while let Some(result) = peer.send(&mut p, u32::MAX, Body::Data(Bytes::from_static(b"x"))) {
+            result.unwrap();
+            sent += 1;
+        }
+        let transmitted = peer.take(&mut p);
+        assert!(
+            p.pending() <= 16 + 8,
+            "{} messages wait for the application",
+            p.pending()
+        );
+        if sent == 0 && transmitted == 0 {
+            stalled = true;
+            break;
+        }
+    }
+    assert!(stalled, "the peer was stopped");
+    // Once the application takes what waits (here: the pull finishes), the
+    // credits flow again.
+    while let Some(event) = p.poll_event() {
+        assert!(matches!(event, Event::Allocate { .. }));
+    }
+    while let Some(read) = p.poll_read() {
+        p.handle_read_complete(read.token, read.len);
+    }
+    while p.poll_inbound().is_some() {}
+    assert!(peer.take(&mut p) > 0);
+    assert!(peer.credits > 0);
+}
+
+/// A peer that keeps announcing (the same window under new tokens) while it
+/// grants this side just enough credits for CREDIT messages, never two for
+/// a DONE: the DONEs queued without bound. Now more than MAX_UNANSWERED
+/// announcements awaiting DONE are a protocol error.
+#[test]
+fn announcements_awaiting_done_are_bounded() {
+    let g = geometry(8, 1024);
+    let mut p = Protocol::new(g, g, Limits::default());
+    let mut peer = Hostile {
+        credits: 8,
+        owed: 0,
+    };
+    let mut token = 0;
+    let error = 'run: loop {
+        assert!(token < 100_000, "never refused");
+        // One credit when this side has none: enough for a CREDIT message.
+        let grant = u32::from(p.send_credits() == 0);
+        if peer.credits == 0 && grant == 0 && peer.take(&mut p) == 0 {
+            panic!("stalled after {token} announcements");
+        }
+        while peer.credits > 0 {
+            token += 1;
+            let announce = Body::Announce(Announce {
+                token,
+                addr: 0x1000,
+                len: 1,
+                rkey: 1,
+            });
+            let grant = u32::from(p.send_credits() == 0);
+            if let Some(Err(error)) = peer.send(&mut p, grant, announce) {
+                break 'run error;
+            }
+            // This side pulls and delivers at once.
+            while let Some(event) = p.poll_event() {
+                assert!(matches!(event, Event::Allocate { .. }));
+            }
+            while let Some(read) = p.poll_read() {
+                p.handle_read_complete(read.token, read.len);
+            }
+            while p.poll_inbound().is_some() {}
+            assert_eq!(p.pulls(), 0);
+        }
+        peer.take(&mut p);
+        assert!(p.unanswered() <= MAX_UNANSWERED as usize);
+    };
+    assert_eq!(
+        error,
+        ProtocolError::TooManyUnanswered {
+            max: MAX_UNANSWERED
+        }
+    );
+    assert_eq!(p.unanswered(), MAX_UNANSWERED as usize);
+}
