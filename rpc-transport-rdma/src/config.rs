@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use crate::pool::LargePoolConfig;
-use crate::protocol::{HEADER_LEN, Limits, MIN_RECV_SLOTS};
+use crate::protocol::{
+    HEADER_LEN, Limits, MAX_EAGER_THRESHOLD, MAX_EXPOSED, MAX_RECV_SLOTS, MIN_RECV_SLOTS,
+};
 use crate::verbs::ConnectOptions;
 
 /// How a connection's driver waits for completions.
@@ -144,10 +146,12 @@ impl RdmaConfig {
     /// Checks the settings against each other.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let fail = |what: &str| Err(ConfigError(what.to_owned()));
-        if self.recv_slots < MIN_RECV_SLOTS {
-            return fail("recv_slots must be at least 3 (one credit stays in reserve)");
+        if !(MIN_RECV_SLOTS..=MAX_RECV_SLOTS).contains(&self.recv_slots) {
+            return fail(
+                "recv_slots must be 3..=65536 (one credit stays in reserve; peers refuse more)",
+            );
         }
-        if self.eager_threshold < 64 || self.eager_threshold > 1 << 20 {
+        if self.eager_threshold < 64 || self.eager_threshold > MAX_EAGER_THRESHOLD {
             return fail("eager_threshold must be between 64 bytes and 1 MiB");
         }
         if self.limits.send_slots == 0 || self.limits.max_outstanding_reads == 0 {
@@ -158,6 +162,12 @@ impl RdmaConfig {
         }
         if self.limits.max_active_pulls == 0 || self.limits.max_exposed == 0 {
             return fail("max_active_pulls and max_exposed must be above 0");
+        }
+        if self.limits.max_exposed > MAX_EXPOSED {
+            return fail("max_exposed must be at most 1024 (peers refuse more unanswered frames)");
+        }
+        if self.limits.max_pending == 0 {
+            return fail("max_pending must be above 0");
         }
         if self.inbound_backlog == 0 {
             return fail("inbound_backlog must be above 0");
@@ -191,7 +201,15 @@ mod tests {
             recv_slots: 2,
             ..RdmaConfig::default()
         };
-        assert!(two_slots.validate().unwrap_err().0.contains("at least 3"));
+        assert!(two_slots.validate().unwrap_err().0.contains("3..=65536"));
+        let too_many = RdmaConfig {
+            recv_slots: 1 << 17,
+            ..RdmaConfig::default()
+        };
+        assert!(too_many.validate().unwrap_err().0.contains("3..=65536"));
+        let mut exposed = RdmaConfig::default();
+        exposed.limits.max_exposed = 5000;
+        assert!(exposed.validate().unwrap_err().0.contains("max_exposed"));
         let tiny = RdmaConfig {
             eager_threshold: 10,
             ..RdmaConfig::default()

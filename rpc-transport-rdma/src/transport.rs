@@ -552,7 +552,8 @@ async fn establish(
         recv_slots: config.recv_slots,
         slot_len: config.slot_len() as u32,
         eager_threshold: config.eager_threshold,
-        max_frame_len: max_frame_len as u64,
+        // Nothing larger fits the wire format: announce at most that.
+        max_frame_len: (max_frame_len as u64).min(crate::protocol::MAX_FRAME_LEN),
     };
     let host = host_identity();
     let requires_cm = device.context.requires_connection_manager();
