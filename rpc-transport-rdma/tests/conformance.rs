@@ -1349,7 +1349,10 @@ fn peer_killed_mid_transfer_errors_everything_within_a_second() {
     let mut done = wait(&side.send_cq, 256);
     if done.iter().all(|c| c.status == WcStatus::Success) {
         // The device finished the whole transfer before the kill landed: the
-        // next READ meets the dead peer instead.
+        // next READ meets the dead peer instead. Reap the child first: until
+        // its exit has released its verbs objects, its QP may still answer
+        // (seen once on rxe under TCG: the 257th READ succeeded).
+        let _ = child.process.wait();
         post_sends(
             &side.qp,
             vec![wr(
