@@ -158,6 +158,7 @@ impl ChannelInner {
     async fn open_connection(&self) -> Result<Arc<ClientConnection>, Error> {
         let config = TransportConfig {
             max_frame_len: self.config.max_frame_len,
+            receive_budget: None,
         };
         let endpoint = &self.config.endpoint;
         match tokio::time::timeout(

@@ -138,6 +138,7 @@ where
         let endpoint = endpoint.try_into().map_err(Into::into)?;
         let transport_config = TransportConfig {
             max_frame_len: self.server.config.max_frame_len,
+            receive_budget: None,
         };
         let listener = transport::bind(&endpoint, &transport_config).await?;
         let service = self.server.layer.layer(self.routes);
