@@ -1,28 +1,4 @@
 //! [`ReceiveBudget`]: bytes of received frames a server may hold, across all its connections.
-//!
-//! A transport that receives frames for a server reserves each frame's length
-//! here *before* it allocates the buffer for the frame's bytes, and attaches
-//! the reservation to the frame it hands up ([`Reservation::attach`]): the
-//! bytes count until the last reference to the frame's buffer is dropped —
-//! while the frame is being received, while it waits to be dispatched, and for
-//! as long as the handler keeps (a slice of) the request payload. A frame
-//! that does not fit waits for others to be released, and its connection
-//! reads nothing meanwhile, which pushes back on the peer through the
-//! transport's own flow control (TCP's window, RDMA's credits).
-//!
-//! Each connection also has a small allowance of its own
-//! ([`PER_CONNECTION_ALLOWANCE`]) for frames up to that size: small requests
-//! are not queued behind large frames that peers are slow to send, so a few
-//! peers stalling half-way through huge frames cannot starve everyone else's
-//! small calls. The memory a server's received frames can occupy is therefore
-//! at most `capacity + connections × PER_CONNECTION_ALLOWANCE` (plus what each
-//! transport buffers before a frame's length is known, e.g. TCP's 8 KiB read
-//! buffer per connection).
-//!
-//! No deadlock: a reservation never exceeds the capacity (a frame larger than
-//! the capacity reserves all of it), and waiters are served first come, first
-//! served, so a frame waits only for frames that are already held and will be
-//! released when they are processed.
 
 use std::fmt;
 use std::sync::Arc;
@@ -39,7 +15,31 @@ use super::TransportError;
 pub const PER_CONNECTION_ALLOWANCE: usize = 16 << 10;
 
 /// A server-wide budget of bytes for received frames; cheap to clone (all
-/// clones share one budget). See the [module documentation](self).
+/// clones share one budget).
+///
+/// A transport that receives frames for a server reserves each frame's length
+/// here *before* it allocates the buffer for the frame's bytes, and attaches
+/// the reservation to the frame it hands up ([`Reservation::attach`]): the
+/// bytes count until the last reference to the frame's buffer is dropped —
+/// while the frame is being received, while it waits to be dispatched, and for
+/// as long as the handler keeps (a slice of) the request payload. A frame
+/// that does not fit waits for others to be released, and its connection
+/// reads nothing meanwhile, which pushes back on the peer through the
+/// transport's own flow control (TCP's window, RDMA's credits).
+///
+/// Each connection also has a small allowance of its own
+/// ([`PER_CONNECTION_ALLOWANCE`]) for frames up to that size: small requests
+/// are not queued behind large frames that peers are slow to send, so a few
+/// peers stalling half-way through huge frames cannot starve everyone else's
+/// small calls. The memory a server's received frames can occupy is therefore
+/// at most `capacity + connections × PER_CONNECTION_ALLOWANCE` (plus what each
+/// transport buffers before a frame's length is known, e.g. TCP's 8 KiB read
+/// buffer per connection).
+///
+/// No deadlock: a reservation never exceeds the capacity (a frame larger than
+/// the capacity reserves all of it), and waiters are served first come, first
+/// served, so a frame waits only for frames that are already held and will be
+/// released when they are processed.
 #[derive(Clone)]
 pub struct ReceiveBudget {
     inner: Arc<BudgetInner>,
