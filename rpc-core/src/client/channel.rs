@@ -9,11 +9,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tokio_util::sync::PollSemaphore;
 use tower_service::Service;
 use tracing::Instrument;
 
 use super::connection::{ClientConnection, Keepalive};
+use crate::conn_io::DEFAULT_OUTBOUND_QUEUE_BYTES;
 use crate::error::Error;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame};
 use crate::request::{Request, Response};
@@ -61,7 +64,13 @@ pub struct ChannelBuilder {
     max_frame_len: usize,
     backoff: Backoff,
     keepalive: Option<Keepalive>,
+    outbound_queue_bytes: usize,
 }
+
+/// Attempts of one call: a call that a server provably never saw (it sent
+/// GOAWAY first, or the connection was already closed) is sent once more on a
+/// new connection.
+const MAX_ATTEMPTS: usize = 2;
 
 impl ChannelBuilder {
     /// Time allowed for establishing a connection (default 5 s).
@@ -98,6 +107,17 @@ impl ChannelBuilder {
         self
     }
 
+    /// Bytes of request frames queued for the transport (default 1 MiB,
+    /// [`crate::server::DEFAULT_OUTBOUND_QUEUE_BYTES`]). A request frame holds
+    /// its room until it is flushed; when the queue is full, new calls wait for
+    /// room and `poll_ready` (tower) is pending, so a server that stops reading
+    /// pushes back on the application instead of the channel buffering. A
+    /// request larger than the queue is sent alone.
+    pub fn outbound_queue_bytes(mut self, bytes: usize) -> Self {
+        self.outbound_queue_bytes = bytes;
+        self
+    }
+
     /// Waits between failed connection attempts.
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
@@ -107,6 +127,7 @@ impl ChannelBuilder {
     /// A channel that connects on its first call.
     pub fn connect_lazy(self) -> Channel {
         Channel {
+            ready: Ready::default(),
             inner: Arc::new(ChannelInner {
                 current: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(Reconnect {
@@ -158,6 +179,7 @@ impl ChannelInner {
     async fn open_connection(&self) -> Result<Arc<ClientConnection>, Error> {
         let config = TransportConfig {
             max_frame_len: self.config.max_frame_len,
+            receive_budget: None,
         };
         let endpoint = &self.config.endpoint;
         match tokio::time::timeout(
@@ -170,6 +192,7 @@ impl ChannelInner {
                 connection,
                 self.config.max_frame_len,
                 self.config.keepalive,
+                self.config.outbound_queue_bytes,
             )),
             Ok(Err(error)) => Err(error.into()),
             Err(_) => Err(Error::ConnectTimeout {
@@ -235,12 +258,36 @@ impl ChannelInner {
 /// between failed attempts as [`Backoff`] says (calls during that wait fail
 /// fast with `Unavailable`).
 ///
+/// When the server closes the connection gracefully (GOAWAY: shutting down,
+/// or the connection was idle), calls it never saw are sent again on a new
+/// connection, once; so an idle channel whose connection the server reaped
+/// just reconnects on its next call.
+///
 /// A call's timeout is sent to the server as a deadline and enforced here
 /// too: [`Code::DeadlineExceeded`] when it passes. Dropping a call's future
 /// sends a cancel frame and the server aborts the handler.
-#[derive(Clone)]
+///
+/// As a tower `Service`, `poll_ready` is pending while the connection's
+/// outbound queue is full ([`ChannelBuilder::outbound_queue_bytes`]).
 pub struct Channel {
     inner: Arc<ChannelInner>,
+    ready: Ready,
+}
+
+/// `poll_ready`'s state, per clone: the queue it waits on, and the room it saw.
+#[derive(Default)]
+struct Ready {
+    queue: Option<(Arc<Semaphore>, PollSemaphore)>,
+    room: Option<OwnedSemaphorePermit>,
+}
+
+impl Clone for Channel {
+    fn clone(&self) -> Channel {
+        Channel {
+            inner: self.inner.clone(),
+            ready: Ready::default(),
+        }
+    }
 }
 
 impl fmt::Debug for Channel {
@@ -261,6 +308,7 @@ impl Channel {
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             backoff: Backoff::default(),
             keepalive: Some(Keepalive::default()),
+            outbound_queue_bytes: DEFAULT_OUTBOUND_QUEUE_BYTES,
         }
     }
 
@@ -312,16 +360,35 @@ async fn call(
         peer = %inner.config.endpoint,
     );
     let work = async {
-        let connection = inner.connection().await?;
-        let remaining = deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
-        if remaining == Some(Duration::ZERO) {
-            return Err(deadline_exceeded(started, deadline));
+        let mut attempt = 1;
+        loop {
+            let connection = inner.connection().await?;
+            let remaining =
+                deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
+            if remaining == Some(Duration::ZERO) {
+                return Err(deadline_exceeded(started, deadline));
+            }
+            let metadata = request.metadata().clone();
+            let payload = request.get_ref().clone();
+            let failure = match connection
+                .start_call(&path, remaining, metadata, payload)
+                .await
+            {
+                Ok(pending) => {
+                    tracing::Span::current().record("call_id", pending.call_id());
+                    match pending.await {
+                        Ok(frame) => return Ok(into_response(frame)),
+                        Err(failure) => failure,
+                    }
+                }
+                Err(failure) => failure,
+            };
+            if !failure.unprocessed || attempt >= MAX_ATTEMPTS {
+                return Err(failure.status);
+            }
+            tracing::debug!(status = %failure.status, "the server never saw the call: sending it again on a new connection");
+            attempt += 1;
         }
-        let metadata = request.metadata().clone();
-        let pending = connection.start_call(&path, remaining, metadata, request.into_inner())?;
-        tracing::Span::current().record("call_id", pending.call_id());
-        let frame = pending.await?;
-        Ok(into_response(frame))
     };
     let outcome = match deadline {
         Some(deadline) => {
@@ -378,13 +445,40 @@ impl Service<Request<Bytes>> for Channel {
     type Error = Status;
     type Future = ResponseFuture;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
-        // Calls are multiplexed without a local limit; put a ConcurrencyLimit
-        // layer in front to bound them.
-        Poll::Ready(Ok(()))
+    /// Ready unless the live connection's outbound queue is full. Calls are
+    /// multiplexed without a limit on their number; put a ConcurrencyLimit
+    /// layer in front to bound them.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        if self.ready.room.is_some() {
+            return Poll::Ready(Ok(()));
+        }
+        // Not connected yet (or the connection is going away): the call connects.
+        let Some(connection) = self.inner.usable() else {
+            self.ready.queue = None;
+            return Poll::Ready(Ok(()));
+        };
+        let space = connection.outbound().space_semaphore();
+        let queue = match &mut self.ready.queue {
+            Some((semaphore, queue)) if Arc::ptr_eq(semaphore, space) => queue,
+            slot => {
+                &mut slot
+                    .insert((space.clone(), PollSemaphore::new(space.clone())))
+                    .1
+            }
+        };
+        match queue.poll_acquire(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(room) => {
+                // `None`: the queue closed with its connection; the call reconnects.
+                self.ready.room = room;
+                Poll::Ready(Ok(()))
+            }
+        }
     }
 
     fn call(&mut self, request: Request<Bytes>) -> ResponseFuture {
+        // The room seen by poll_ready goes back; the call waits for its own.
+        self.ready.room = None;
         ResponseFuture {
             inner: Box::pin(call(self.inner.clone(), request)),
         }

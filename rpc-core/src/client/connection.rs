@@ -5,6 +5,15 @@
 //! is queued, the reader removes it to deliver the response, a dropped call
 //! removes it and queues a cancel frame, and closing the connection drains it,
 //! failing every pending call at once.
+//!
+//! Requests go through a queue bounded in bytes; a call waits for room before
+//! its request is queued (and [`crate::Channel`]'s `poll_ready` waits while
+//! the queue is full). The reader never waits for that queue (a ping's answer
+//! is dropped when there is no room), so responses always drain.
+//!
+//! A GOAWAY from the server names the highest call id it saw: calls above it
+//! were never processed there, so they fail with a failure the channel may
+//! retry on a new connection; once no call is left, the connection closes.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -16,22 +25,54 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::conn_io::write_frames;
+use crate::conn_io::{OutboundQueue, write_frames};
 use crate::frame::{Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::status::{Code, Status};
 use crate::transport::{Connection, FrameStream};
 
-type CallResult = Result<Frame, Status>;
+/// Why a call failed, and whether it may be sent again on another connection
+/// because this server never saw it.
+#[derive(Debug)]
+pub(crate) struct CallFailure {
+    pub(crate) status: Status,
+    pub(crate) unprocessed: bool,
+}
+
+impl CallFailure {
+    fn processed(status: Status) -> CallFailure {
+        CallFailure {
+            status,
+            unprocessed: false,
+        }
+    }
+
+    fn unprocessed(status: Status) -> CallFailure {
+        CallFailure {
+            status,
+            unprocessed: true,
+        }
+    }
+}
+
+impl From<Status> for CallFailure {
+    fn from(status: Status) -> CallFailure {
+        CallFailure::processed(status)
+    }
+}
+
+type CallResult = Result<Frame, CallFailure>;
 
 #[derive(Default)]
 struct CallTable {
     pending: HashMap<u64, oneshot::Sender<CallResult>>,
     /// Set once the connection is closed: why, as the status new calls get.
     closed: Option<Status>,
+    /// Set by a graceful GOAWAY: the highest call id the server saw.
+    goaway: Option<u64>,
 }
 
 struct Shared {
@@ -62,7 +103,7 @@ impl Shared {
             tracing::debug!(peer = %self.peer, calls = pending.len(), "failing pending calls: {}", status.message());
         }
         for (_, waiter) in pending {
-            let _ = waiter.send(Err(status.clone()));
+            let _ = waiter.send(Err(CallFailure::processed(status.clone())));
         }
         self.shutdown.cancel();
     }
@@ -71,7 +112,7 @@ impl Shared {
 /// A live connection shared by every clone of a [`crate::Channel`].
 pub(crate) struct ClientConnection {
     shared: Arc<Shared>,
-    outbound: mpsc::UnboundedSender<Bytes>,
+    outbound: OutboundQueue,
     next_call_id: AtomicU64,
     max_frame_len: usize,
 }
@@ -82,6 +123,7 @@ impl ClientConnection {
         connection: Connection,
         max_frame_len: usize,
         keepalive: Option<Keepalive>,
+        outbound_queue_bytes: usize,
     ) -> Arc<ClientConnection> {
         let Connection { sink, stream, peer } = connection;
         let shared = Arc::new(Shared {
@@ -90,12 +132,13 @@ impl ClientConnection {
             shutdown: CancellationToken::new(),
             peer,
         });
-        let (outbound, outbound_rx) = mpsc::unbounded_channel();
+        let (outbound, outbound_rx) = OutboundQueue::new(outbound_queue_bytes, None);
 
         let writer_shared = shared.clone();
+        let writer_queue = outbound.clone();
         tokio::spawn(async move {
             let outcome = tokio::select! {
-                outcome = write_frames(sink, outbound_rx) => outcome,
+                outcome = write_frames(sink, outbound_rx, None) => outcome,
                 () = writer_shared.shutdown.cancelled() => Ok(()),
             };
             let reason = match outcome {
@@ -103,6 +146,7 @@ impl ClientConnection {
                 Err(error) => format!("connection lost: {error}"),
             };
             writer_shared.close(Status::unavailable(reason));
+            writer_queue.close();
         });
 
         tokio::spawn(read_frames(
@@ -126,14 +170,23 @@ impl ClientConnection {
         !self.shared.draining.load(Ordering::Acquire) && !self.shared.shutdown.is_cancelled()
     }
 
-    /// Registers a call and queues its request frame.
-    pub(crate) fn start_call(
+    /// The queue this connection's frames wait in.
+    pub(crate) fn outbound(&self) -> &OutboundQueue {
+        &self.outbound
+    }
+
+    /// Waits for room in the outbound queue, registers a call and queues its
+    /// request frame. A failure marked unprocessed never reached the server.
+    pub(crate) async fn start_call(
         self: &Arc<Self>,
         path: &str,
         deadline: Option<Duration>,
         metadata: Metadata,
         payload: Bytes,
-    ) -> Result<PendingCall, Status> {
+    ) -> Result<PendingCall, CallFailure> {
+        if path.len() > crate::frame::MAX_PATH_LEN {
+            return Err(Status::invalid_argument("method path longer than 65535 bytes").into());
+        }
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
         let frame = Frame::request(call_id, path, deadline, metadata, payload);
         let len = frame.encoded_len();
@@ -141,24 +194,40 @@ impl ClientConnection {
             return Err(Status::resource_exhausted(format!(
                 "request frame of {len} bytes exceeds the frame limit of {} bytes",
                 self.max_frame_len
-            )));
+            ))
+            .into());
         }
-        if path.len() > crate::frame::MAX_PATH_LEN {
-            return Err(Status::invalid_argument(
-                "method path longer than 65535 bytes",
-            ));
-        }
+        let encoded = frame.encode();
+        let closed = || {
+            let status = self
+                .shared
+                .table()
+                .closed
+                .clone()
+                .unwrap_or_else(|| Status::unavailable("connection closed"));
+            CallFailure::unprocessed(status)
+        };
+        let space = self
+            .outbound
+            .reserve(encoded.len())
+            .await
+            .map_err(|_| closed())?;
         let (sender, receiver) = oneshot::channel();
         {
             let mut table = self.shared.table();
             if let Some(status) = &table.closed {
-                return Err(status.clone());
+                return Err(CallFailure::unprocessed(status.clone()));
+            }
+            if table.goaway.is_some() {
+                return Err(CallFailure::unprocessed(Status::unavailable(
+                    "the server sent GOAWAY; retry on a new connection",
+                )));
             }
             table.pending.insert(call_id, sender);
         }
-        if self.outbound.send(frame.encode()).is_err() {
+        if self.outbound.send_reserved(encoded, space).is_err() {
             self.shared.table().pending.remove(&call_id);
-            return Err(Status::unavailable("connection closed"));
+            return Err(closed());
         }
         Ok(PendingCall {
             connection: self.clone(),
@@ -171,8 +240,9 @@ impl ClientConnection {
     fn abandon(&self, call_id: u64) {
         let was_pending = self.shared.table().pending.remove(&call_id).is_some();
         if was_pending {
+            // At most one per call: bounded without taking room from requests.
             let cancel = Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
-            let _ = self.outbound.send(cancel.encode());
+            let _ = self.outbound.send_unbounded(cancel.encode());
         }
     }
 }
@@ -206,7 +276,9 @@ impl Future for PendingCall {
         let outcome = match Pin::new(&mut self.receiver).poll(cx) {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(Ok(outcome)) => outcome,
-            Poll::Ready(Err(_)) => Err(Status::unavailable("connection closed")),
+            Poll::Ready(Err(_)) => Err(CallFailure::processed(Status::unavailable(
+                "connection closed",
+            ))),
         };
         self.finished = true;
         Poll::Ready(outcome)
@@ -253,7 +325,7 @@ async fn keepalive_tick(ticker: &mut Option<tokio::time::Interval>) {
 async fn read_frames(
     shared: Arc<Shared>,
     mut stream: FrameStream,
-    outbound: mpsc::UnboundedSender<Bytes>,
+    outbound: OutboundQueue,
     max_frame_len: usize,
     keepalive: Option<Keepalive>,
 ) {
@@ -278,8 +350,9 @@ async fn read_frames(
                     break format!("connection lost: nothing heard from the server for {silent:?} (keepalive)");
                 }
                 if silent >= keepalive.interval {
+                    // One per period at most: bounded without taking room from requests.
                     let ping = Frame::control(FrameKind::Ping, FrameFlags::EMPTY, 0);
-                    let _ = outbound.send(ping.encode());
+                    let _ = outbound.send_unbounded(ping.encode());
                 }
                 continue;
             }
@@ -300,15 +373,25 @@ async fn read_frames(
         };
         match frame.kind {
             FrameKind::Response => {
-                let waiter = shared.table().pending.remove(&frame.call_id);
+                let (waiter, drained) = {
+                    let mut table = shared.table();
+                    let waiter = table.pending.remove(&frame.call_id);
+                    (waiter, table.goaway.is_some() && table.pending.is_empty())
+                };
                 // No waiter: the call was cancelled or timed out; drop the late response.
                 if let Some(waiter) = waiter {
                     let _ = waiter.send(Ok(frame));
                 }
+                if drained {
+                    break "the server sent GOAWAY and no call is left".to_owned();
+                }
             }
             FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
-                let _ = outbound
-                    .send(Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id).encode());
+                // Never wait here (responses must keep draining): no room, no answer.
+                let pong = Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id).encode();
+                if let Some(space) = outbound.try_reserve(pong.len()) {
+                    let _ = outbound.send_reserved(pong, space);
+                }
             }
             FrameKind::Ping => {}
             FrameKind::GoAway if frame.status != Code::Ok => {
@@ -317,8 +400,31 @@ async fn read_frames(
                 break format!("server closed the connection: {reason}");
             }
             FrameKind::GoAway => {
-                tracing::debug!(peer = %shared.peer, "server sent GOAWAY; new calls use a new connection");
+                tracing::debug!(peer = %shared.peer, last_call_id = frame.call_id, "server sent GOAWAY; new calls use a new connection");
                 shared.draining.store(true, Ordering::Release);
+                let (unprocessed, drained) = {
+                    let mut table = shared.table();
+                    table.goaway = Some(frame.call_id);
+                    let unseen: Vec<u64> = table
+                        .pending
+                        .keys()
+                        .copied()
+                        .filter(|&call_id| call_id > frame.call_id)
+                        .collect();
+                    let unprocessed: Vec<_> = unseen
+                        .into_iter()
+                        .filter_map(|call_id| table.pending.remove(&call_id))
+                        .collect();
+                    (unprocessed, table.pending.is_empty())
+                };
+                for waiter in unprocessed {
+                    let _ = waiter.send(Err(CallFailure::unprocessed(Status::unavailable(
+                        "the server sent GOAWAY before it saw this call",
+                    ))));
+                }
+                if drained {
+                    break "the server sent GOAWAY and no call is left".to_owned();
+                }
             }
             FrameKind::Request | FrameKind::Cancel => {
                 tracing::warn!(peer = %shared.peer, kind = ?frame.kind, "closing connection: server sent a client-only frame");

@@ -1,20 +1,32 @@
 //! One server connection: read frames, run a task per call, write responses.
+//!
+//! The connection task owns the read side. Responses and control frames go
+//! through a queue bounded in bytes ([`OutboundQueue`]) to a writer task. When
+//! a frame the connection task must send (a pong, a refusal) finds the queue
+//! full, the task stops reading until the frame is queued: a peer that does
+//! not read our frames cannot make us buffer. Calls that finish while the
+//! queue is full wait for room with their response; they can always drain,
+//! because the writer depends on nothing but the peer reading.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::time::Instant;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt};
-use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinSet};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 use tower::util::BoxCloneSyncService;
 use tracing::Instrument;
 
-use super::ServerConfig;
-use crate::conn_io::write_frames;
+use super::stats::{ConnectionSlot, PausedGuard, StatsInner};
+use super::{CLOSE_LINGER, ServerConfig};
+use crate::conn_io::{OutboundQueue, QueueClosed, Space, write_frames};
 use crate::frame::{Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::request::{PeerInfo, Request, Response};
@@ -23,42 +35,105 @@ use crate::transport::{Connection, TransportError};
 
 pub(crate) type ServerService = BoxCloneSyncService<Request<Bytes>, Response<Bytes>, Status>;
 
+type Reserving = Pin<Box<dyn Future<Output = Result<Space, QueueClosed>> + Send>>;
+
 /// Why a connection ended, for the log.
 enum Ending {
     PeerClosed,
     Drained,
+    /// No call in flight and no frame for the idle time-out.
+    Idle,
     /// The transport failed; nothing more can be sent.
     Failed(String),
+    /// The writer gave up: the peer took none of our frames for the time-out.
+    Stalled(String),
     /// The peer broke the protocol: tell it why (GOAWAY with the reason), then close.
     ProtocolError(String),
 }
 
-/// Serves one connection until the peer closes it, it breaks, or `shutdown`
-/// fires and its in-flight calls are done.
+/// A frame the connection task must send but has no room for yet; while one
+/// waits, the connection reads nothing.
+struct Blocked {
+    frame: Bytes,
+    room: Reserving,
+    _paused: PausedGuard,
+}
+
+/// Waits for the blocked frame's room, or forever when nothing is blocked.
+async fn room_for(blocked: &mut Option<Blocked>) -> Result<Space, QueueClosed> {
+    match blocked {
+        Some(blocked) => blocked.room.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Queues `frame` now if there is room, else parks it in `blocked`.
+fn queue_or_block(
+    outbound: &OutboundQueue,
+    stats: &Arc<StatsInner>,
+    blocked: &mut Option<Blocked>,
+    frame: Bytes,
+) {
+    debug_assert!(
+        blocked.is_none(),
+        "nothing is read while a frame is blocked"
+    );
+    match outbound.try_reserve(frame.len()) {
+        Some(space) => {
+            // A closed queue means the writer is gone; its end is noticed by the loop.
+            let _ = outbound.send_reserved(frame, space);
+        }
+        None => {
+            let queue = outbound.clone();
+            let len = frame.len();
+            *blocked = Some(Blocked {
+                frame,
+                room: Box::pin(async move { queue.reserve(len).await }),
+                _paused: stats.paused(),
+            });
+        }
+    }
+}
+
+/// Serves one connection until the peer closes it, it breaks, it idles out, or
+/// `shutdown` fires and its in-flight calls are done.
 pub(crate) async fn serve_connection(
     connection: Connection,
     service: ServerService,
     config: ServerConfig,
     shutdown: CancellationToken,
+    stats: Arc<StatsInner>,
+    slot: ConnectionSlot,
 ) {
+    let _slot = slot;
     let Connection {
         sink,
         mut stream,
         peer,
     } = connection;
-    let (outbound, outbound_rx) = mpsc::unbounded_channel::<Bytes>();
-    let writer = tokio::spawn(write_frames(sink, outbound_rx));
+    let idle_timeout = config.idle_timeout;
+    let (outbound, outbound_rx) =
+        OutboundQueue::new(config.outbound_queue_bytes, Some(stats.queues.clone()));
+    let mut writer = tokio::spawn(write_frames(sink, outbound_rx, Some(idle_timeout)));
+    let mut writer_done = false;
     let mut calls: JoinSet<u64> = JoinSet::new();
     let mut in_flight: HashMap<u64, AbortHandle> = HashMap::new();
     let mut draining = false;
     let mut last_call_id = 0;
+    let mut blocked: Option<Blocked> = None;
+    // Idle means: no call in flight, and no frame completed (nor call
+    // finished) since `last_activity`. The timer is re-armed lazily when it
+    // fires, so a busy connection does not touch the timer wheel per frame.
+    let mut last_activity = Instant::now();
+    let idle = tokio::time::sleep(idle_timeout);
+    tokio::pin!(idle);
 
     let ending = loop {
         tokio::select! {
             () = shutdown.cancelled(), if !draining => {
                 draining = true;
                 let goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
-                let _ = outbound.send(goaway.encode());
+                let _ = outbound.send_unbounded(goaway.encode());
                 if in_flight.is_empty() {
                     break Ending::Drained;
                 }
@@ -67,11 +142,41 @@ pub(crate) async fn serve_connection(
                 if let Ok(call_id) = done {
                     in_flight.remove(&call_id);
                 }
-                if draining && in_flight.is_empty() {
-                    break Ending::Drained;
+                if in_flight.is_empty() {
+                    last_activity = Instant::now();
+                    if draining {
+                        break Ending::Drained;
+                    }
                 }
             }
-            next = stream.next() => {
+            outcome = &mut writer, if !writer_done => {
+                writer_done = true;
+                break match outcome {
+                    Ok(Err(TransportError::Io(error))) if error.kind() == std::io::ErrorKind::TimedOut => {
+                        Ending::Stalled(error.to_string())
+                    }
+                    Ok(Err(error)) => Ending::Failed(format!("writing failed: {error}")),
+                    Ok(Ok(())) | Err(_) => Ending::Failed("writer ended".to_owned()),
+                };
+            }
+            room = room_for(&mut blocked) => {
+                let Some(Blocked { frame, .. }) = blocked.take() else { continue };
+                match room {
+                    Ok(space) => {
+                        let _ = outbound.send_reserved(frame, space);
+                    }
+                    Err(QueueClosed) => break Ending::Failed("writer gone".to_owned()),
+                }
+            }
+            () = &mut idle, if in_flight.is_empty() && !draining => {
+                let quiet_until = last_activity + idle_timeout;
+                if Instant::now() < quiet_until {
+                    idle.as_mut().reset(quiet_until);
+                    continue;
+                }
+                break Ending::Idle;
+            }
+            next = stream.next(), if blocked.is_none() => {
                 let bytes = match next {
                     None => break Ending::PeerClosed,
                     Some(Err(rpc_error @ TransportError::Frame(_))) => {
@@ -80,6 +185,8 @@ pub(crate) async fn serve_connection(
                     Some(Err(error)) => break Ending::Failed(error.to_string()),
                     Some(Ok(bytes)) => bytes,
                 };
+                last_activity = Instant::now();
+                stats.frames_received.fetch_add(1, Ordering::Relaxed);
                 let frame = match Frame::decode(bytes, config.max_frame_len) {
                     Ok(frame) => frame,
                     Err(error) => break Ending::ProtocolError(format!("bad frame: {error}")),
@@ -102,7 +209,9 @@ pub(crate) async fn serve_connection(
                             None
                         };
                         if let Some(status) = refusal {
-                            let _ = outbound.send(status_frame(call_id, status).encode());
+                            drop(frame);
+                            let refusal = status_frame(call_id, status).encode();
+                            queue_or_block(&outbound, &stats, &mut blocked, refusal);
                             continue;
                         }
                         let call = run_call(frame, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len);
@@ -119,7 +228,7 @@ pub(crate) async fn serve_connection(
                     }
                     FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
                         let pong = Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id);
-                        let _ = outbound.send(pong.encode());
+                        queue_or_block(&outbound, &stats, &mut blocked, pong.encode());
                     }
                     FrameKind::Ping | FrameKind::GoAway => {}
                     FrameKind::Response => {
@@ -130,24 +239,54 @@ pub(crate) async fn serve_connection(
         }
     };
 
+    // Endings on purpose say goodbye and linger, so the peer reads the GOAWAY.
+    let mut linger = false;
     match &ending {
         Ending::PeerClosed => tracing::debug!(%peer, "connection closed by client"),
-        Ending::Drained => tracing::debug!(%peer, "connection drained for shutdown"),
+        Ending::Drained => {
+            tracing::debug!(%peer, "connection drained for shutdown");
+            linger = true;
+        }
+        Ending::Idle => {
+            tracing::debug!(%peer, ?idle_timeout, "closing idle connection");
+            stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+            let goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
+            let _ = outbound.send_unbounded(goaway.encode());
+            linger = true;
+        }
         Ending::Failed(reason) => tracing::warn!(%peer, "connection failed: {reason}"),
+        Ending::Stalled(reason) => {
+            tracing::warn!(%peer, "closing connection: {reason}");
+            stats.stalled_closed.fetch_add(1, Ordering::Relaxed);
+        }
         Ending::ProtocolError(reason) => {
             tracing::warn!(%peer, "closing connection: {reason}");
             let mut goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
             goaway.status = Code::Internal;
             goaway.payload = Bytes::from(reason.clone());
-            let _ = outbound.send(goaway.encode());
+            let _ = outbound.send_unbounded(goaway.encode());
         }
     }
+    drop(blocked);
     // Handlers of a connection that is gone can deliver nothing: abort them.
     calls.shutdown().await;
     drop(outbound);
-    match writer.await {
-        Ok(Ok(())) | Err(_) => {}
-        Ok(Err(error)) => tracing::debug!(%peer, %error, "flushing the last frames failed"),
+    let flushed = async {
+        if writer_done {
+            return;
+        }
+        match writer.await {
+            Ok(Ok(())) | Err(_) => {}
+            Ok(Err(error)) => tracing::debug!(%peer, %error, "flushing the last frames failed"),
+        }
+    };
+    if linger {
+        // Read and drop whatever the peer still sends until it closes too.
+        let drain = async { while let Some(Ok(_)) = stream.next().await {} };
+        let _ =
+            tokio::time::timeout(CLOSE_LINGER, futures_util::future::join(flushed, drain)).await;
+    } else {
+        flushed.await;
     }
 }
 
@@ -165,7 +304,7 @@ async fn run_call(
     frame: Frame,
     service: ServerService,
     peer: String,
-    outbound: mpsc::UnboundedSender<Bytes>,
+    outbound: OutboundQueue,
     max_frame_len: usize,
 ) -> u64 {
     let call_id = frame.call_id;
@@ -218,6 +357,7 @@ async fn run_call(
         response
     };
     tracing::debug!(parent: &span, code = ?response.status, elapsed_us = started.elapsed().as_micros() as u64, "call finished");
-    let _ = outbound.send(response.encode());
+    // Waits for room in the queue; if the writer is gone there is no one to tell.
+    let _ = outbound.send(response.encode()).await;
     call_id
 }

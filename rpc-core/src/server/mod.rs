@@ -19,16 +19,40 @@
 //! ([`Code::Internal`](crate::Code) for that call only); a cancel frame aborts
 //! its task. A connection that sends a malformed frame is closed; the server
 //! and its other connections carry on.
+//!
+//! # Limits
+//!
+//! Every resource a peer can make the server hold is bounded; each bound has a
+//! builder method and a default:
+//!
+//! | what | builder method | default |
+//! |---|---|---|
+//! | size of one frame | [`Server::max_frame_len`] | 64 MiB |
+//! | bytes of received frames held, all connections together | [`Server::receive_budget`] | 256 MiB, at least 4 × `max_frame_len` |
+//! | bytes of frames queued for sending, per connection | [`Server::outbound_queue_bytes`] | 1 MiB |
+//! | calls in flight, per connection | [`Server::max_concurrent_calls_per_connection`] | 4096 |
+//! | connections | [`Server::max_connections`] | 10,000 |
+//! | silence of a connection with no call in flight; a peer that takes none of our frames | [`Server::idle_timeout`] | 60 s |
+//!
+//! When a bound is reached the server pushes back instead of buffering: a
+//! connection whose outbound queue is full, or whose next frame does not fit
+//! the receive budget, reads nothing until there is room, which stalls the
+//! peer through the transport's flow control. [`Listening::stats`] shows the
+//! gauges. `docs/security.md` explains what each limit protects.
 
 mod connection;
 mod routes;
+mod stats;
 pub mod unary;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::{SinkExt, StreamExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::util::BoxCloneSyncService;
@@ -36,23 +60,64 @@ use tower_layer::{Identity, Layer, Stack};
 use tower_service::Service;
 
 use crate::error::Error;
-use crate::frame::DEFAULT_MAX_FRAME_LEN;
+use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame, FrameFlags, FrameKind};
 use crate::request::{Request, Response};
-use crate::status::{BoxError, Status};
-use crate::transport::{self, Endpoint, Listener, TransportConfig};
+use crate::status::{BoxError, Code, Status};
+use crate::transport::{
+    self, Connection, Endpoint, Listener, ReceiveBudget, TransportConfig, TransportError,
+};
 
+pub use crate::conn_io::DEFAULT_OUTBOUND_QUEUE_BYTES;
 pub use routes::{NamedService, RoutableService, Routes};
+pub use stats::ServerStats;
 
 /// Default per-connection limit on concurrent calls.
 pub const DEFAULT_MAX_CONCURRENT_CALLS_PER_CONNECTION: usize = 4096;
 
-/// Pause after a failed accept (e.g. out of file descriptors) before the next one.
-const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(20);
+/// Default limit on open connections.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+
+/// Default idle time-out; see [`Server::idle_timeout`].
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Smallest default receive budget; see [`Server::receive_budget`].
+pub const DEFAULT_RECEIVE_BUDGET: usize = 256 << 20;
+
+/// Pause after an accept failed for lack of resources (out of file
+/// descriptors, buffers or memory) before the next attempt: the pending
+/// connection stays in the kernel's backlog, and retrying at once would spin.
+const ACCEPT_EXHAUSTED_PAUSE: Duration = Duration::from_millis(100);
+
+/// At most one warning per this interval for each kind of repeated event
+/// (failed accepts, refused connections); the others are counted and reported
+/// with the next warning.
+const WARN_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long a connection being closed on purpose (refused, idle, drained) is
+/// still read and discarded after our last frame, so that the peer reads that
+/// frame (GOAWAY) rather than a reset caused by unread bytes.
+pub(crate) const CLOSE_LINGER: Duration = Duration::from_secs(1);
+
+/// Refused connections lingering at once; beyond this they are dropped at once.
+const MAX_LINGERING_REFUSALS: usize = 64;
 
 #[derive(Debug, Clone)]
 pub(crate) struct ServerConfig {
     pub(crate) max_concurrent_calls_per_connection: usize,
     pub(crate) max_frame_len: usize,
+    pub(crate) max_connections: usize,
+    pub(crate) idle_timeout: Duration,
+    /// `None`: the default, which depends on `max_frame_len`.
+    pub(crate) receive_budget: Option<usize>,
+    pub(crate) outbound_queue_bytes: usize,
+}
+
+impl ServerConfig {
+    fn receive_budget(&self) -> usize {
+        self.receive_budget
+            .unwrap_or(DEFAULT_RECEIVE_BUDGET.max(self.max_frame_len.saturating_mul(4)))
+            .max(self.max_frame_len)
+    }
 }
 
 /// Builds a server: layers, limits, then services.
@@ -70,6 +135,10 @@ impl Server {
             config: ServerConfig {
                 max_concurrent_calls_per_connection: DEFAULT_MAX_CONCURRENT_CALLS_PER_CONNECTION,
                 max_frame_len: DEFAULT_MAX_FRAME_LEN,
+                max_connections: DEFAULT_MAX_CONNECTIONS,
+                idle_timeout: DEFAULT_IDLE_TIMEOUT,
+                receive_budget: None,
+                outbound_queue_bytes: DEFAULT_OUTBOUND_QUEUE_BYTES,
             },
         }
     }
@@ -94,6 +163,83 @@ impl<L> Server<L> {
     /// Largest frame accepted or sent (default 64 MiB).
     pub fn max_frame_len(mut self, len: usize) -> Self {
         self.config.max_frame_len = len;
+        self
+    }
+
+    /// Connections served at once (default [`DEFAULT_MAX_CONNECTIONS`], 10,000;
+    /// at least 1).
+    ///
+    /// A connection beyond the limit is accepted only to be refused: the server
+    /// sends it a GOAWAY with status `RESOURCE_EXHAUSTED` and the reason
+    /// ("connection limit of N reached"), then closes it. A [`crate::Channel`]
+    /// fails its calls with `UNAVAILABLE` carrying that reason. Protects file
+    /// descriptors and the per-connection memory the other limits allow; keep
+    /// it below the process's `RLIMIT_NOFILE`. (Accepting fails for lack of file
+    /// descriptors anyway: the server then backs off 100 ms, warns at most once
+    /// per 5 s, and keeps accepting.)
+    pub fn max_connections(mut self, limit: usize) -> Self {
+        self.config.max_connections = limit.max(1);
+        self
+    }
+
+    /// Closes connections that do nothing (default [`DEFAULT_IDLE_TIMEOUT`], 60 s).
+    ///
+    /// A connection with no call in flight that has not completed a frame for
+    /// `timeout` gets a GOAWAY and is closed. This reclaims connections that
+    /// never send a frame (including an `rdma://` connection whose peer never
+    /// gets going) and "slowloris" peers that trickle a frame's bytes without
+    /// ever completing it. The same limit applies to the other direction: a
+    /// peer that takes none of our frames for `timeout` (its receive window
+    /// stays closed while we have frames for it) is disconnected, which ends
+    /// the calls that wait to send it their responses. So a response frame must
+    /// leave within `timeout`: 64 MiB in 60 s needs about 1.1 MB/s.
+    ///
+    /// Pings are frames: a [`crate::Channel`] with keepalive (by default a ping
+    /// after 30 s of silence) keeps its idle connection open; the 60 s default
+    /// is twice that interval so healthy idle clients are never cut. A channel
+    /// whose idle connection was closed reconnects on its next call, and a call
+    /// that raced with the GOAWAY is retried there transparently.
+    pub fn idle_timeout(mut self, timeout: Duration) -> Self {
+        self.config.idle_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Bytes of received frames the server holds at once, all connections
+    /// together (default: [`DEFAULT_RECEIVE_BUDGET`], 256 MiB, or 4 ×
+    /// [`max_frame_len`](Self::max_frame_len) if that is larger; never less
+    /// than `max_frame_len`, so that any frame fits once others are released).
+    ///
+    /// The transport reserves a frame's length here before it buffers the
+    /// frame, and the frame holds its reservation until its last reference is
+    /// dropped: while it is received and dispatched and, for requests, while
+    /// the handler keeps (a slice of) the request payload — with generated
+    /// services, until the message is decoded. A frame that does not fit waits
+    /// for others to be released; meanwhile its connection reads nothing, so
+    /// the peer is held back by the transport's flow control instead of the
+    /// server buffering. Each connection may also hold up to 16 KiB of small
+    /// frames outside the budget ([`transport::PER_CONNECTION_ALLOWANCE`]), so
+    /// ordinary small calls go on while peers hold the budget with large
+    /// frames they are slow to finish. `tcp://` and `mem://` honour the
+    /// budget; other transports may (see [`TransportConfig::receive_budget`]).
+    /// A handler that keeps request payloads for good holds budget for good.
+    pub fn receive_budget(mut self, bytes: usize) -> Self {
+        self.config.receive_budget = Some(bytes);
+        self
+    }
+
+    /// Bytes of frames (responses, pongs, refusals) one connection may queue
+    /// for its transport (default [`DEFAULT_OUTBOUND_QUEUE_BYTES`], 1 MiB).
+    ///
+    /// A frame holds its room until the transport has flushed it. When the
+    /// queue is full, finished calls wait to queue their responses and the
+    /// connection stops reading new frames, so a peer that sends requests but
+    /// never reads the responses is held back by its own send window instead of
+    /// growing the server's memory. A frame larger than the queue is sent alone.
+    /// Memory per such connection is bounded by this queue plus the responses of
+    /// the calls in flight ([`max_concurrent_calls_per_connection`](Self::max_concurrent_calls_per_connection)),
+    /// and lasts until [`idle_timeout`](Self::idle_timeout) ends a peer that takes nothing.
+    pub fn outbound_queue_bytes(mut self, bytes: usize) -> Self {
+        self.config.outbound_queue_bytes = bytes;
         self
     }
 
@@ -136,8 +282,10 @@ where
         E::Error: Into<Error>,
     {
         let endpoint = endpoint.try_into().map_err(Into::into)?;
+        let budget = ReceiveBudget::new(self.server.config.receive_budget());
         let transport_config = TransportConfig {
             max_frame_len: self.server.config.max_frame_len,
+            receive_budget: Some(budget.clone()),
         };
         let listener = transport::bind(&endpoint, &transport_config).await?;
         let service = self.server.layer.layer(self.routes);
@@ -151,6 +299,7 @@ where
             listener,
             service: BoxCloneSyncService::new(service),
             config: self.server.config,
+            stats: ServerStats::new(budget),
         })
     }
 
@@ -184,6 +333,7 @@ pub struct Listening {
     listener: Box<dyn Listener>,
     service: connection::ServerService,
     config: ServerConfig,
+    stats: ServerStats,
 }
 
 impl std::fmt::Debug for Listening {
@@ -200,6 +350,12 @@ impl Listening {
         self.listener.local_endpoint()
     }
 
+    /// Live gauges and counters of this server (connections, budgets, queues);
+    /// the handle stays valid while and after it serves.
+    pub fn stats(&self) -> ServerStats {
+        self.stats.clone()
+    }
+
     /// Serves until the process ends.
     pub async fn serve(self) -> Result<(), Error> {
         self.serve_with_shutdown(std::future::pending()).await
@@ -214,28 +370,78 @@ impl Listening {
             mut listener,
             service,
             config,
+            stats,
         } = self;
         let endpoint = listener.local_endpoint();
-        tracing::info!(%endpoint, "serving");
+        tracing::info!(%endpoint, max_connections = config.max_connections, "serving");
         let connections = TaskTracker::new();
         let shutdown = CancellationToken::new();
+        let slots = Arc::new(Semaphore::new(config.max_connections));
+        let lingering_refusals = Arc::new(Semaphore::new(MAX_LINGERING_REFUSALS));
+        let mut accept_warnings = RateLimit::new(WARN_INTERVAL);
+        let mut refusal_warnings = RateLimit::new(WARN_INTERVAL);
         let mut signal = std::pin::pin!(signal);
         loop {
             tokio::select! {
                 () = &mut signal => break,
                 accepted = listener.next() => match accepted {
-                    Some(Ok(connection)) => {
-                        tracing::debug!(peer = %connection.peer, "accepted connection");
-                        connections.spawn(connection::serve_connection(
-                            connection,
-                            service.clone(),
-                            config.clone(),
-                            shutdown.child_token(),
-                        ));
-                    }
+                    Some(Ok(connection)) => match slots.clone().try_acquire_owned() {
+                        Ok(slot) => {
+                            tracing::debug!(peer = %connection.peer, "accepted connection");
+                            let slot = stats.inner.connection_slot(slot);
+                            connections.spawn(connection::serve_connection(
+                                connection,
+                                service.clone(),
+                                config.clone(),
+                                shutdown.child_token(),
+                                stats.inner.clone(),
+                                slot,
+                            ));
+                        }
+                        Err(_) => {
+                            stats.inner.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if let Some(suppressed) = refusal_warnings.allow() {
+                                tracing::warn!(
+                                    %endpoint,
+                                    peer = %connection.peer,
+                                    limit = config.max_connections,
+                                    suppressed,
+                                    "connection limit reached: refusing connections"
+                                );
+                            }
+                            let reason = format!(
+                                "server connection limit of {} reached; try again later",
+                                config.max_connections
+                            );
+                            connections.spawn(refuse(
+                                connection,
+                                reason,
+                                lingering_refusals.clone().try_acquire_owned().ok(),
+                                shutdown.child_token(),
+                            ));
+                        }
+                    },
                     Some(Err(error)) => {
-                        tracing::warn!(%endpoint, %error, "accept failed");
-                        tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                        stats.inner.accept_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let exhausted = is_resource_exhaustion(&error);
+                        if let Some(suppressed) = accept_warnings.allow() {
+                            if exhausted {
+                                tracing::warn!(
+                                    %endpoint,
+                                    %error,
+                                    suppressed,
+                                    "accept failed for lack of resources; pausing accepts for {ACCEPT_EXHAUSTED_PAUSE:?}"
+                                );
+                            } else {
+                                tracing::warn!(%endpoint, %error, suppressed, "accept failed");
+                            }
+                        }
+                        if exhausted {
+                            tokio::select! {
+                                () = &mut signal => break,
+                                () = tokio::time::sleep(ACCEPT_EXHAUSTED_PAUSE) => {}
+                            }
+                        }
                     }
                     None => break,
                 },
@@ -247,5 +453,133 @@ impl Listening {
         connections.close();
         connections.wait().await;
         Ok(())
+    }
+}
+
+/// True when a failed accept means the process or system ran out of something
+/// (file descriptors, buffers, memory) rather than that one incoming connection
+/// failed: then retrying at once would fail again (and spin).
+fn is_resource_exhaustion(error: &TransportError) -> bool {
+    use std::io::ErrorKind;
+    match error {
+        TransportError::Io(error) => !matches!(
+            error.kind(),
+            ErrorKind::ConnectionAborted
+                | ErrorKind::ConnectionReset
+                | ErrorKind::ConnectionRefused
+                | ErrorKind::BrokenPipe
+                | ErrorKind::NotConnected
+                | ErrorKind::TimedOut
+                | ErrorKind::UnexpectedEof
+                | ErrorKind::InvalidData
+                | ErrorKind::Interrupted
+                | ErrorKind::WouldBlock
+        ),
+        // A failed set-up of one connection (e.g. RDMA's exchange) or a bad frame.
+        _ => false,
+    }
+}
+
+/// Lets one event of a repeated kind through per interval and counts the rest.
+#[derive(Debug)]
+struct RateLimit {
+    interval: Duration,
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl RateLimit {
+    fn new(interval: Duration) -> RateLimit {
+        RateLimit {
+            interval,
+            last: None,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(events suppressed since the last one allowed)`, or `None` to stay quiet.
+    fn allow(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        match self.last {
+            Some(last) if now.duration_since(last) < self.interval => {
+                self.suppressed += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.suppressed))
+            }
+        }
+    }
+}
+
+/// Refuses a connection over the limit: a GOAWAY with `RESOURCE_EXHAUSTED` and
+/// `reason`, then the close. With a `linger` slot it reads and discards what
+/// the peer sends meanwhile (at most [`CLOSE_LINGER`]), so that the peer sees
+/// the GOAWAY rather than a reset; without one it closes at once.
+async fn refuse(
+    connection: Connection,
+    reason: String,
+    linger: Option<OwnedSemaphorePermit>,
+    shutdown: CancellationToken,
+) {
+    let Connection {
+        mut sink,
+        mut stream,
+        peer,
+    } = connection;
+    let mut goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, 0);
+    goaway.status = Code::ResourceExhausted;
+    goaway.payload = Bytes::from(reason);
+    let refusal = async {
+        if sink.send(goaway.encode()).await.is_ok()
+            && sink.close().await.is_ok()
+            && linger.is_some()
+        {
+            while let Some(Ok(_)) = stream.next().await {}
+        }
+    };
+    tokio::select! {
+        () = refusal => {}
+        () = tokio::time::sleep(CLOSE_LINGER) => {}
+        () = shutdown.cancelled() => {}
+    }
+    tracing::debug!(%peer, "refused connection closed");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_limit_lets_one_through_per_interval_and_counts_the_rest() {
+        let mut limit = RateLimit::new(Duration::from_secs(3600));
+        assert_eq!(limit.allow(), Some(0));
+        assert_eq!(limit.allow(), None);
+        assert_eq!(limit.allow(), None);
+        limit.last = Some(Instant::now() - Duration::from_secs(3601));
+        assert_eq!(limit.allow(), Some(2));
+        assert_eq!(limit.allow(), None);
+    }
+
+    #[test]
+    fn out_of_descriptors_is_exhaustion_and_a_reset_is_not() {
+        let emfile = TransportError::Io(std::io::Error::from_raw_os_error(24));
+        let enfile = TransportError::Io(std::io::Error::from_raw_os_error(23));
+        let reset = TransportError::Io(std::io::ErrorKind::ConnectionAborted.into());
+        assert!(is_resource_exhaustion(&emfile));
+        assert!(is_resource_exhaustion(&enfile));
+        assert!(!is_resource_exhaustion(&reset));
+        assert!(!is_resource_exhaustion(&TransportError::Closed));
+    }
+
+    #[test]
+    fn receive_budget_default_scales_with_the_frame_limit_and_fits_a_frame() {
+        let mut config = Server::builder().config;
+        assert_eq!(config.receive_budget(), DEFAULT_RECEIVE_BUDGET);
+        config.max_frame_len = 256 << 20;
+        assert_eq!(config.receive_budget(), 1 << 30);
+        config.receive_budget = Some(1000);
+        assert_eq!(config.receive_budget(), 256 << 20, "never below one frame");
     }
 }

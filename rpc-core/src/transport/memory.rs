@@ -3,7 +3,10 @@
 //!
 //! Binding registers `name` in a process-wide table until the listener is
 //! dropped; connecting creates a pair of bounded frame queues. Frames move as
-//! `Bytes` handles, never copied.
+//! `Bytes` handles, never copied. The server's side reserves each frame in the
+//! server's [`ReceiveBudget`] before handing it up (the bytes already exist —
+//! the sender made them — so this bounds what the server holds and stops its
+//! reading, like TCP's, rather than an allocation).
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -18,7 +21,10 @@ use futures_util::{FutureExt, SinkExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::PollSender;
 
-use super::{Connection, Endpoint, Listener, Transport, TransportConfig, TransportError};
+use super::{
+    Connection, ConnectionBudget, Endpoint, Listener, ReceiveBudget, Transport, TransportConfig,
+    TransportError,
+};
 use crate::frame::FrameError;
 
 /// Frames a direction of a connection buffers before the sender waits.
@@ -30,12 +36,14 @@ pub struct MemoryTransport;
 
 type AcceptQueue = mpsc::UnboundedSender<Connection>;
 
-/// Bound names → (listener id, its accept queue).
-static LISTENERS: LazyLock<Mutex<HashMap<String, (u64, AcceptQueue)>>> =
-    LazyLock::new(Default::default);
+/// A bound name: listener id, its accept queue, and its server's receive budget.
+type Bound = (u64, AcceptQueue, Option<ReceiveBudget>);
+
+/// Bound names → their listeners.
+static LISTENERS: LazyLock<Mutex<HashMap<String, Bound>>> = LazyLock::new(Default::default);
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-fn listeners() -> std::sync::MutexGuard<'static, HashMap<String, (u64, AcceptQueue)>> {
+fn listeners() -> std::sync::MutexGuard<'static, HashMap<String, Bound>> {
     LISTENERS
         .lock()
         .unwrap_or_else(|poison| poison.into_inner())
@@ -44,26 +52,39 @@ fn listeners() -> std::sync::MutexGuard<'static, HashMap<String, (u64, AcceptQue
 struct FrameReceiver {
     receiver: mpsc::Receiver<Bytes>,
     max_frame_len: usize,
+    budget: Option<ConnectionBudget>,
+    /// A received frame waiting for room in the budget.
+    waiting: Option<Bytes>,
 }
 
 impl Stream for FrameReceiver {
     type Item = Result<Bytes, TransportError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let max = self.max_frame_len;
-        self.receiver.poll_recv(cx).map(|frame| {
-            frame.map(|frame| {
-                if frame.len() > max {
-                    Err(FrameError::TooLarge {
-                        len: frame.len(),
-                        max,
-                    }
-                    .into())
-                } else {
-                    Ok(frame)
+        let this = &mut *self;
+        let frame = match this.waiting.take() {
+            Some(frame) => frame,
+            None => match this.receiver.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Ready(Some(frame)) if frame.len() > this.max_frame_len => {
+                    let (len, max) = (frame.len(), this.max_frame_len);
+                    return Poll::Ready(Some(Err(FrameError::TooLarge { len, max }.into())));
                 }
-            })
-        })
+                Poll::Ready(Some(frame)) => frame,
+            },
+        };
+        let Some(budget) = &mut this.budget else {
+            return Poll::Ready(Some(Ok(frame)));
+        };
+        match budget.poll_reserve(cx, frame.len()) {
+            Poll::Pending => {
+                this.waiting = Some(frame);
+                Poll::Pending
+            }
+            Poll::Ready(Err(error)) => Poll::Ready(Some(Err(error))),
+            Poll::Ready(Ok(reservation)) => Poll::Ready(Some(Ok(reservation.attach(frame)))),
+        }
     }
 }
 
@@ -71,6 +92,7 @@ fn half(
     sender: mpsc::Sender<Bytes>,
     receiver: mpsc::Receiver<Bytes>,
     max_frame_len: usize,
+    budget: Option<ConnectionBudget>,
     peer: String,
 ) -> Connection {
     Connection {
@@ -78,6 +100,8 @@ fn half(
         stream: Box::pin(FrameReceiver {
             receiver,
             max_frame_len,
+            budget,
+            waiting: None,
         }),
         peer,
     }
@@ -98,9 +122,9 @@ impl Transport for MemoryTransport {
                     format!("nothing listens on mem://{name}"),
                 ))
             };
-            let accept = listeners()
+            let (accept, budget) = listeners()
                 .get(&name)
-                .map(|(_, accept)| accept.clone())
+                .map(|(_, accept, budget)| (accept.clone(), budget.clone()))
                 .ok_or_else(refused)?;
             let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
             let (to_server, server_rx) = mpsc::channel(QUEUE_FRAMES);
@@ -109,10 +133,17 @@ impl Transport for MemoryTransport {
                 to_client,
                 server_rx,
                 max,
+                budget.as_ref().map(ReceiveBudget::connection),
                 format!("mem://{name}#client-{id}"),
             );
             accept.send(server_side).map_err(|_| refused())?;
-            Ok(half(to_server, client_rx, max, format!("mem://{name}")))
+            Ok(half(
+                to_server,
+                client_rx,
+                max,
+                None,
+                format!("mem://{name}"),
+            ))
         }
         .boxed()
     }
@@ -123,14 +154,14 @@ impl Transport for MemoryTransport {
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>> {
         let endpoint = endpoint.clone();
-        let _ = config;
+        let budget = config.receive_budget.clone();
         async move {
             let name = endpoint.authority().to_owned();
             let (accept, incoming) = mpsc::unbounded_channel();
             let mut table = listeners();
             if table
                 .get(&name)
-                .is_some_and(|(_, existing)| !existing.is_closed())
+                .is_some_and(|(_, existing, _)| !existing.is_closed())
             {
                 return Err(TransportError::Io(std::io::Error::new(
                     std::io::ErrorKind::AddrInUse,
@@ -138,7 +169,7 @@ impl Transport for MemoryTransport {
                 )));
             }
             let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-            table.insert(name.clone(), (id, accept));
+            table.insert(name.clone(), (id, accept, budget));
             Ok(Box::new(MemoryListener {
                 id,
                 name,
@@ -174,7 +205,10 @@ impl Listener for MemoryListener {
 impl Drop for MemoryListener {
     fn drop(&mut self) {
         let mut table = listeners();
-        if table.get(&self.name).is_some_and(|(id, _)| *id == self.id) {
+        if table
+            .get(&self.name)
+            .is_some_and(|(id, _, _)| *id == self.id)
+        {
             table.remove(&self.name);
         }
     }

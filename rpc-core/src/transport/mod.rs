@@ -17,6 +17,7 @@
 //! | listener: a stream of connections | [`Transport::bind`] → [`Listener`] |
 //! | connection: a frame sink and a frame stream | [`Connection`] |
 
+mod budget;
 mod endpoint;
 pub mod memory;
 pub mod tcp;
@@ -35,6 +36,7 @@ use futures_util::future::BoxFuture;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, FrameError};
 use crate::status::BoxError;
 
+pub use budget::{ConnectionBudget, PER_CONNECTION_ALLOWANCE, ReceiveBudget, Reservation};
 pub use endpoint::Endpoint;
 
 /// Sends whole frames. `poll_flush` pushes everything fed so far to the peer.
@@ -66,12 +68,20 @@ pub struct TransportConfig {
     /// Largest frame accepted from the peer; a larger one is a [`FrameError::TooLarge`]
     /// detected before its bytes are buffered where the transport can.
     pub max_frame_len: usize,
+    /// Where a listener's connections reserve the bytes of each frame they
+    /// receive, before buffering it (see [`ReceiveBudget`]). A server sets it
+    /// for [`Transport::bind`]; `None` (clients) means no limit beyond
+    /// `max_frame_len`. A transport that cannot reserve before it buffers
+    /// should still reserve before it hands a frame up, so that a server's
+    /// pending frames stay bounded and its reading stops when the budget is spent.
+    pub receive_budget: Option<ReceiveBudget>,
 }
 
 impl Default for TransportConfig {
     fn default() -> Self {
         TransportConfig {
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
+            receive_budget: None,
         }
     }
 }

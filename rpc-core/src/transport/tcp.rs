@@ -2,19 +2,29 @@
 //!
 //! TCP_NODELAY is on (an RPC frame should leave now, not after Nagle's delay).
 //! The length prefix is checked against the frame limit before the frame is
-//! buffered, so an oversized announcement costs nothing but the close.
+//! buffered, so an oversized announcement costs nothing but the close; on a
+//! server, a frame's bytes are also reserved in the server's
+//! [`ReceiveBudget`] before its buffer is allocated ([`FrameReader`]). Frames
+//! are written without a copy ([`FrameWriter`]).
 
+use std::collections::VecDeque;
+use std::io::IoSlice;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures_core::Stream;
-use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
+use futures_util::{FutureExt, Sink};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_util::codec::{Decoder, Encoder, FramedRead, FramedWrite};
+use tokio_util::codec::{Decoder, Encoder};
+use tokio_util::io::poll_read_buf;
 
-use super::{Connection, Endpoint, Listener, Transport, TransportConfig, TransportError};
+use super::{
+    Connection, ConnectionBudget, Endpoint, Listener, ReceiveBudget, Reservation, Transport,
+    TransportConfig, TransportError,
+};
 use crate::frame::FrameError;
 
 /// Size of the length prefix in front of every frame.
@@ -24,7 +34,9 @@ pub const LENGTH_PREFIX_LEN: usize = 4;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TcpTransport;
 
-/// Length-prefixed framing: `len: u32 LE` then `len` bytes of frame.
+/// Length-prefixed framing: `len: u32 LE` then `len` bytes of frame, as a
+/// `tokio_util` codec for tools and fuzzing. The transport itself reads with
+/// [`FrameReader`] (which reserves before it buffers) and writes with [`FrameWriter`].
 #[derive(Debug, Clone)]
 pub struct LengthPrefixCodec {
     max_frame_len: usize,
@@ -91,14 +103,331 @@ impl Encoder<Bytes> for LengthPrefixCodec {
     }
 }
 
-fn into_connection(stream: TcpStream, max_frame_len: usize) -> Result<Connection, TransportError> {
+/// Bytes a connection reads ahead before it knows how long the next frame is.
+/// Frames up to this size are assembled here and copied out; longer ones get
+/// a buffer of their exact length once their bytes are reserved.
+pub const READ_AHEAD: usize = 8 << 10;
+
+/// Bytes buffered by [`FrameWriter`] before `poll_ready` flushes first.
+const WRITE_HIGH_WATER: usize = 256 << 10;
+
+/// Slices handed to one vectored write.
+const MAX_IOV: usize = 64;
+
+/// Reads length-prefixed frames from a byte stream.
+///
+/// Unlike a `FramedRead` with [`LengthPrefixCodec`], it allocates a frame's
+/// buffer only after it reserved the frame's bytes in the server's
+/// [`ReceiveBudget`] (when there is one), and at the frame's exact length; until
+/// then it holds at most [`READ_AHEAD`] bytes. While it waits for the budget it
+/// reads nothing, so the peer's sends stall on TCP's window. Each frame it
+/// yields holds its reservation until the frame's last reference is dropped.
+pub struct FrameReader<R> {
+    io: R,
+    staging: BytesMut,
+    max_frame_len: usize,
+    budget: Option<ConnectionBudget>,
+    state: ReadState,
+    eof: bool,
+    done: bool,
+}
+
+enum ReadState {
+    /// Waiting for the 4-byte length.
+    Prefix,
+    /// Length known (and consumed); reserving its bytes.
+    Reserve { len: usize },
+    /// A frame of at most [`READ_AHEAD`] bytes, being assembled in `staging`.
+    Small {
+        len: usize,
+        reservation: Option<Reservation>,
+    },
+    /// A larger frame, read straight into its own buffer.
+    Large {
+        buf: BytesMut,
+        len: usize,
+        reservation: Option<Reservation>,
+    },
+}
+
+impl<R> std::fmt::Debug for FrameReader<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameReader")
+            .field("buffered", &self.staging.len())
+            .field("max_frame_len", &self.max_frame_len)
+            .finish_non_exhaustive()
+    }
+}
+
+fn closed_inside_a_frame(received: usize) -> TransportError {
+    TransportError::Io(std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        format!("connection closed inside a frame ({received} bytes of it received)"),
+    ))
+}
+
+fn with_reservation(frame: Bytes, reservation: Option<Reservation>) -> Bytes {
+    match reservation {
+        Some(reservation) => reservation.attach(frame),
+        None => frame,
+    }
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// Frames of at most `max_frame_len` bytes from `io`, reserved in `budget` if given.
+    pub fn new(io: R, max_frame_len: usize, budget: Option<ConnectionBudget>) -> FrameReader<R> {
+        FrameReader {
+            io,
+            staging: BytesMut::new(),
+            max_frame_len,
+            budget,
+            state: ReadState::Prefix,
+            eof: false,
+            done: false,
+        }
+    }
+
+    /// Reads more into `staging`, never beyond [`READ_AHEAD`] bytes in all.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), TransportError>> {
+        let room = READ_AHEAD - self.staging.len();
+        self.staging.reserve(room);
+        let mut limited = (&mut self.staging).limit(room);
+        let read = ready!(poll_read_buf(Pin::new(&mut self.io), cx, &mut limited))?;
+        if read == 0 {
+            self.eof = true;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, TransportError>>> {
+        loop {
+            match &mut self.state {
+                ReadState::Prefix => {
+                    if self.staging.len() >= LENGTH_PREFIX_LEN {
+                        let len = self.staging.get_u32_le() as usize;
+                        if len > self.max_frame_len {
+                            let max = self.max_frame_len;
+                            return Poll::Ready(Some(
+                                Err(FrameError::TooLarge { len, max }.into()),
+                            ));
+                        }
+                        self.state = ReadState::Reserve { len };
+                    } else if self.eof {
+                        return Poll::Ready(match self.staging.len() {
+                            0 => None,
+                            partial => Some(Err(closed_inside_a_frame(partial))),
+                        });
+                    } else {
+                        ready!(self.poll_fill(cx))?;
+                    }
+                }
+                ReadState::Reserve { len } => {
+                    let len = *len;
+                    let reservation = match &mut self.budget {
+                        Some(budget) => Some(ready!(budget.poll_reserve(cx, len))?),
+                        None => None,
+                    };
+                    self.state = if len <= READ_AHEAD {
+                        ReadState::Small { len, reservation }
+                    } else {
+                        let mut buf = BytesMut::with_capacity(len);
+                        buf.extend_from_slice(&self.staging);
+                        self.staging.clear();
+                        ReadState::Large {
+                            buf,
+                            len,
+                            reservation,
+                        }
+                    };
+                }
+                ReadState::Small { len, reservation } => {
+                    let len = *len;
+                    if self.staging.len() >= len {
+                        let reservation = reservation.take();
+                        let frame = Bytes::copy_from_slice(&self.staging[..len]);
+                        self.staging.advance(len);
+                        self.state = ReadState::Prefix;
+                        return Poll::Ready(Some(Ok(with_reservation(frame, reservation))));
+                    }
+                    if self.eof {
+                        return Poll::Ready(Some(Err(closed_inside_a_frame(self.staging.len()))));
+                    }
+                    ready!(self.poll_fill(cx))?;
+                }
+                ReadState::Large {
+                    buf,
+                    len,
+                    reservation,
+                } => {
+                    let missing = *len - buf.len();
+                    if missing == 0 {
+                        let frame = std::mem::take(buf).freeze();
+                        let reservation = reservation.take();
+                        self.state = ReadState::Prefix;
+                        return Poll::Ready(Some(Ok(with_reservation(frame, reservation))));
+                    }
+                    let mut limited = (&mut *buf).limit(missing);
+                    let read = ready!(poll_read_buf(Pin::new(&mut self.io), cx, &mut limited))?;
+                    if read == 0 {
+                        self.eof = true;
+                        return Poll::Ready(Some(Err(closed_inside_a_frame(buf.len()))));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<R: AsyncRead + Unpin> Stream for FrameReader<R> {
+    type Item = Result<Bytes, TransportError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        let next = ready!(this.poll_frame(cx));
+        // After an error or the end, the stream is over.
+        if !matches!(next, Some(Ok(_))) {
+            this.done = true;
+            this.staging = BytesMut::new();
+            this.state = ReadState::Prefix;
+        }
+        Poll::Ready(next)
+    }
+}
+
+/// Writes frames behind their length prefixes without copying them: a flush
+/// hands the queued prefixes and frames to one vectored write after another.
+pub struct FrameWriter<W> {
+    io: W,
+    queue: VecDeque<Outgoing>,
+    buffered: usize,
+}
+
+struct Outgoing {
+    prefix: [u8; LENGTH_PREFIX_LEN],
+    /// Bytes of the prefix already written.
+    prefix_sent: usize,
+    /// What is left of the frame.
+    frame: Bytes,
+}
+
+impl<W> std::fmt::Debug for FrameWriter<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameWriter")
+            .field("queued_frames", &self.queue.len())
+            .field("buffered", &self.buffered)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<W: AsyncWrite + Unpin> FrameWriter<W> {
+    /// A frame sink over `io`.
+    pub fn new(io: W) -> FrameWriter<W> {
+        FrameWriter {
+            io,
+            queue: VecDeque::new(),
+            buffered: 0,
+        }
+    }
+
+    fn poll_write_queue(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), TransportError>> {
+        while !self.queue.is_empty() {
+            let mut slices = [IoSlice::new(&[]); MAX_IOV];
+            let mut count = 0;
+            for outgoing in &self.queue {
+                if count + 2 > MAX_IOV {
+                    break;
+                }
+                if outgoing.prefix_sent < LENGTH_PREFIX_LEN {
+                    slices[count] = IoSlice::new(&outgoing.prefix[outgoing.prefix_sent..]);
+                    count += 1;
+                }
+                if !outgoing.frame.is_empty() {
+                    slices[count] = IoSlice::new(&outgoing.frame);
+                    count += 1;
+                }
+            }
+            let mut written =
+                ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices[..count]))?;
+            if written == 0 {
+                return Poll::Ready(Err(
+                    std::io::Error::from(std::io::ErrorKind::WriteZero).into()
+                ));
+            }
+            self.buffered -= written;
+            while written > 0 {
+                let front = self.queue.front_mut().expect("written bytes were queued");
+                let prefix = (LENGTH_PREFIX_LEN - front.prefix_sent).min(written);
+                front.prefix_sent += prefix;
+                written -= prefix;
+                let body = front.frame.len().min(written);
+                front.frame.advance(body);
+                written -= body;
+                if front.prefix_sent == LENGTH_PREFIX_LEN && front.frame.is_empty() {
+                    self.queue.pop_front();
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<W: AsyncWrite + Unpin> Sink<Bytes> for FrameWriter<W> {
+    type Error = TransportError;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), TransportError>> {
+        let this = self.get_mut();
+        if this.buffered >= WRITE_HIGH_WATER {
+            ready!(this.poll_write_queue(cx))?;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn start_send(self: Pin<&mut Self>, frame: Bytes) -> Result<(), TransportError> {
+        let this = self.get_mut();
+        let len = u32::try_from(frame.len()).map_err(|_| FrameError::TooLarge {
+            len: frame.len(),
+            max: u32::MAX as usize,
+        })?;
+        this.buffered += LENGTH_PREFIX_LEN + frame.len();
+        this.queue.push_back(Outgoing {
+            prefix: len.to_le_bytes(),
+            prefix_sent: 0,
+            frame,
+        });
+        Ok(())
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), TransportError>> {
+        let this = self.get_mut();
+        ready!(this.poll_write_queue(cx))?;
+        Pin::new(&mut this.io).poll_flush(cx).map_err(Into::into)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), TransportError>> {
+        let this = self.get_mut();
+        ready!(this.poll_write_queue(cx))?;
+        Pin::new(&mut this.io).poll_shutdown(cx).map_err(Into::into)
+    }
+}
+
+fn into_connection(
+    stream: TcpStream,
+    max_frame_len: usize,
+    budget: Option<&ReceiveBudget>,
+) -> Result<Connection, TransportError> {
     stream.set_nodelay(true)?;
     let peer = stream.peer_addr()?.to_string();
     let (read, write) = stream.into_split();
-    let codec = LengthPrefixCodec::new(max_frame_len);
     Ok(Connection {
-        sink: Box::pin(FramedWrite::new(write, codec.clone())),
-        stream: Box::pin(FramedRead::new(read, codec)),
+        sink: Box::pin(FrameWriter::new(write)),
+        stream: Box::pin(FrameReader::new(
+            read,
+            max_frame_len,
+            budget.map(ReceiveBudget::connection),
+        )),
         peer,
     })
 }
@@ -113,7 +442,7 @@ impl Transport for TcpTransport {
         let max = config.max_frame_len;
         async move {
             let stream = TcpStream::connect(&authority).await?;
-            into_connection(stream, max)
+            into_connection(stream, max, None)
         }
         .boxed()
     }
@@ -125,6 +454,7 @@ impl Transport for TcpTransport {
     ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>> {
         let authority = endpoint.authority().to_owned();
         let max_frame_len = config.max_frame_len;
+        let budget = config.receive_budget.clone();
         async move {
             let listener = TcpListener::bind(&authority).await?;
             let local = Endpoint::new("tcp", &listener.local_addr()?.to_string())?;
@@ -132,6 +462,7 @@ impl Transport for TcpTransport {
                 listener,
                 local,
                 max_frame_len,
+                budget,
             }) as Box<dyn Listener>)
         }
         .boxed()
@@ -142,6 +473,7 @@ struct TcpFrameListener {
     listener: TcpListener,
     local: Endpoint,
     max_frame_len: usize,
+    budget: Option<ReceiveBudget>,
 }
 
 impl Stream for TcpFrameListener {
@@ -150,9 +482,11 @@ impl Stream for TcpFrameListener {
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
         match this.listener.poll_accept(cx) {
-            Poll::Ready(Ok((stream, _))) => {
-                Poll::Ready(Some(into_connection(stream, this.max_frame_len)))
-            }
+            Poll::Ready(Ok((stream, _))) => Poll::Ready(Some(into_connection(
+                stream,
+                this.max_frame_len,
+                this.budget.as_ref(),
+            ))),
             Poll::Ready(Err(error)) => Poll::Ready(Some(Err(error.into()))),
             Poll::Pending => Poll::Pending,
         }
@@ -196,5 +530,79 @@ mod tests {
         cut.put_u32_le(4);
         cut.put_u8(1);
         assert!(codec.decode_eof(&mut cut).is_err());
+    }
+
+    #[tokio::test]
+    async fn reader_and_writer_carry_small_and_large_frames_and_reserve_before_buffering() {
+        use futures_util::{SinkExt, StreamExt};
+        use tokio::io::AsyncWriteExt;
+
+        let budget = ReceiveBudget::new(1 << 20);
+        let (client, server) = tokio::io::duplex(64 << 10);
+        let (_, client_write) = tokio::io::split(client);
+        let (server_read, _) = tokio::io::split(server);
+        let mut writer = FrameWriter::new(client_write);
+        let mut reader = FrameReader::new(server_read, 1 << 20, Some(budget.connection()));
+
+        let small = Bytes::from_static(b"hello");
+        let large = Bytes::from((0..300_000u32).map(|i| i as u8).collect::<Vec<u8>>());
+        let sending = tokio::spawn(async move {
+            writer.feed(small).await.unwrap();
+            writer.feed(Bytes::new()).await.unwrap();
+            writer.feed(large).await.unwrap();
+            writer.flush().await.unwrap();
+            writer
+        });
+        assert_eq!(&reader.next().await.unwrap().unwrap()[..], b"hello");
+        assert!(reader.next().await.unwrap().unwrap().is_empty());
+        let received = reader.next().await.unwrap().unwrap();
+        assert_eq!(received.len(), 300_000);
+        assert!(received.iter().enumerate().all(|(i, b)| *b == i as u8));
+        assert_eq!(budget.in_use(), 300_000, "the frame holds its reservation");
+        drop(received);
+        assert_eq!(budget.in_use(), 0);
+
+        // A frame announced but cut short by the end of the stream.
+        let writer = sending.await.unwrap();
+        let mut raw = writer.io;
+        raw.write_all(&100u32.to_le_bytes()).await.unwrap();
+        raw.write_all(&[1u8; 10]).await.unwrap();
+        raw.shutdown().await.unwrap();
+        let error = reader.next().await.unwrap().unwrap_err();
+        assert!(
+            error.to_string().contains("closed inside a frame"),
+            "{error}"
+        );
+        assert!(reader.next().await.is_none());
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    #[tokio::test]
+    async fn reader_waits_for_the_budget_before_reading_a_large_frame() {
+        use futures_util::StreamExt;
+        use tokio::io::AsyncWriteExt;
+
+        let budget = ReceiveBudget::new(100_000);
+        let mut holder = budget.connection();
+        let held = holder.reserve(90_000).await.unwrap();
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        let mut reader = FrameReader::new(server, 1 << 20, Some(budget.connection()));
+        client.write_all(&50_000u32.to_le_bytes()).await.unwrap();
+        client.write_all(&[9u8; 50_000]).await.unwrap();
+        let waiting = futures_util::poll!(reader.next());
+        assert!(waiting.is_pending(), "no room: the frame waits");
+        drop(held);
+        let frame = reader.next().await.unwrap().unwrap();
+        assert_eq!(frame.len(), 50_000);
+        assert_eq!(budget.in_use(), 50_000);
+
+        // Oversized announcements fail before anything is reserved.
+        client.write_all(&(2u32 << 20).to_le_bytes()).await.unwrap();
+        assert!(matches!(
+            reader.next().await.unwrap(),
+            Err(TransportError::Frame(FrameError::TooLarge { .. }))
+        ));
+        drop(frame);
+        assert_eq!(budget.in_use(), 0);
     }
 }

@@ -144,6 +144,8 @@ impl tower::Service<Request<Bytes>> for Probe {
 pub struct RunningServer {
     pub endpoint: Endpoint,
     pub events: mpsc::UnboundedReceiver<Event>,
+    /// The server's gauges and counters.
+    pub stats: rpc_core::server::ServerStats,
     shutdown: Option<oneshot::Sender<()>>,
     pub task: tokio::task::JoinHandle<Result<(), rpc_core::Error>>,
 }
@@ -178,6 +180,7 @@ pub async fn start_with(bed: &dyn Bed, configure: impl FnOnce(Server) -> Server)
         .await
         .expect("bind");
     let endpoint = listening.local_endpoint();
+    let stats = listening.stats();
     let (shutdown, signal) = oneshot::channel::<()>();
     let task = tokio::spawn(listening.serve_with_shutdown(async move {
         let _ = signal.await;
@@ -185,6 +188,7 @@ pub async fn start_with(bed: &dyn Bed, configure: impl FnOnce(Server) -> Server)
     RunningServer {
         endpoint,
         events,
+        stats,
         shutdown: Some(shutdown),
         task,
     }
