@@ -51,6 +51,11 @@ const TAG_READ: u64 = 2;
 const CQ_BATCH: usize = 32;
 /// Longest close reason accepted from the peer.
 const MAX_REASON_LEN: usize = 4096;
+/// How long a driver whose application closed the connection waits for the
+/// peer to take its last frames (and pull its windows) before it ends the
+/// connection anyway: a peer whose queue pair never connected, or that
+/// stopped reading, cannot hold a closed connection's resources.
+const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long a side whose QP was flushed waits for the peer to say why.
 const PEER_REASON_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -111,6 +116,8 @@ pub(crate) struct Driver {
     socket_eof: bool,
     /// The peer closed cleanly and then dropped the set-up socket.
     peer_left: bool,
+    /// When the application dropped both halves (with work still in flight).
+    gone_since: Option<Instant>,
     /// The failure was a flush: our QP went to ERROR because the peer's did.
     flushed: bool,
     poll_mode: PollMode,
@@ -175,6 +182,7 @@ impl Driver {
             peer_reason: Vec::new(),
             socket_eof: false,
             peer_left: false,
+            gone_since: None,
             flushed: false,
             poll_mode: config.poll_mode,
             fault: config.fault,
@@ -273,7 +281,28 @@ impl Driver {
     /// Waits for a completion event, an outgoing frame, the socket, room in
     /// the inbound backlog, or the rendezvous timer.
     async fn sleep(&mut self) -> Result<(), String> {
-        let timer = self.protocol.poll_timeout();
+        let linger = self.gone_since.map(|since| since + CLOSE_LINGER);
+        // The application dropped its stream half but may still hold the
+        // sink (its writer flushing): look again shortly, as no event says
+        // when it lets go.
+        let inbound_closed = self
+            .inbound
+            .as_ref()
+            .is_none_or(mpsc::UnboundedSender::is_closed);
+        let recheck = (inbound_closed && self.gone_since.is_none())
+            .then(|| Instant::now() + std::time::Duration::from_millis(100));
+        let timer = [self.protocol.poll_timeout(), linger, recheck]
+            .into_iter()
+            .flatten()
+            .min();
+        // Wakes when the application drops its stream half.
+        let inbound = self.inbound.clone();
+        let mut application_left = std::pin::pin!(async move {
+            match inbound {
+                Some(inbound) => inbound.closed().await,
+                None => std::future::pending().await,
+            }
+        });
         let sleep = timer.map(|at| tokio::time::sleep_until(at.into()));
         let mut sleep = sleep.map(Box::pin);
         let drained = self.inbound_shared.clone();
@@ -302,6 +331,9 @@ impl Driver {
             if drained.as_mut().poll(cx).is_ready() {
                 ready = true;
             }
+            if !inbound_closed && application_left.as_mut().poll(cx).is_ready() {
+                ready = true;
+            }
             if let Some(sleep) = sleep.as_mut() {
                 if sleep.as_mut().poll(cx).is_ready() {
                     ready = true;
@@ -317,7 +349,7 @@ impl Driver {
     }
 
     /// When the connection is over.
-    fn ended(&self) -> Option<End> {
+    fn ended(&mut self) -> Option<End> {
         let nothing_in_flight = self.protocol.close_sent()
             && self.protocol.sends_idle()
             && self.protocol.exposed() == 0
@@ -326,13 +358,23 @@ impl Driver {
             return Some(End::Clean);
         }
         // The application dropped both halves: nobody waits for anything more.
-        let application_gone = !self.outgoing_open
+        // (A frame stashed for lack of credits keeps `outgoing_open` set; the
+        // channel itself says whether the application still holds its end.)
+        let application_gone = (!self.outgoing_open || self.outgoing.is_closed())
             && self
                 .inbound
                 .as_ref()
                 .is_none_or(mpsc::UnboundedSender::is_closed);
         if application_gone && nothing_in_flight {
             return Some(End::Clean);
+        }
+        if application_gone {
+            let since = *self.gone_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= CLOSE_LINGER {
+                return Some(End::Failed(format!(
+                    "closed by this side; the peer did not take its last frames within {CLOSE_LINGER:?}"
+                )));
+            }
         }
         None
     }

@@ -551,6 +551,77 @@ async fn hellos_that_make_the_server_dial_a_silent_socket_block_no_runtime_threa
     target.assert_still_serving().await;
 }
 
+// ------------------------------------------------- limits over rdma://
+
+/// A peer that completes the TCP set-up (hello and readiness) but never
+/// connects its queue pair sends no frame: the server's idle time-out
+/// closes it, while a normal client is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_up_whose_queue_pair_never_connects_is_closed_by_the_idle_timeout() {
+    crate::require_device!();
+    let server = start_with(&RdmaBed, |s| s.idle_timeout(Duration::from_millis(500))).await;
+    let normal = Channel::connect(server.endpoint.clone()).await.unwrap();
+    assert_serves(&normal).await;
+    let addr = server.endpoint.authority().to_owned();
+    // Our hello claims the larger address, so the server waits for us to
+    // dial its soft device, which we never do; we confirm readiness anyway.
+    let (mut tcp, _server_qp) = begin_setup(&addr, HIGH_PID, 1, 1).await;
+    tcp.write_all(&[0x52]).await.unwrap();
+    let started = Instant::now();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut rest)).await;
+    assert!(
+        closed.is_ok(),
+        "the connection is held past the idle time-out"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(400),
+        "closed by the time-out, not at once"
+    );
+    assert_serves(&normal).await;
+}
+
+/// Beyond `max_connections` an rdma:// client is refused with a message
+/// that names the limit; existing connections are unaffected, and a slot
+/// that frees is taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_connections_beyond_the_limit_are_refused_cleanly() {
+    crate::require_device!();
+    let server = start_with(&RdmaBed, |s| s.max_connections(2)).await;
+    let first = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let second = Channel::connect(server.endpoint.clone()).await.unwrap();
+    assert_serves(&first).await;
+    assert_serves(&second).await;
+    let third = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let status = third
+        .unary(probe("Echo", Bytes::from_static(b"three")))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), rpc_core::Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().contains("connection limit of 2"),
+        "{status:?}"
+    );
+    assert_serves(&first).await;
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
+        match fresh
+            .unary(probe("Echo", Bytes::from_static(b"four")))
+            .await
+        {
+            Ok(_) => break,
+            Err(status) if Instant::now() < deadline => {
+                assert!(status.message().contains("connection limit"), "{status:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(status) => panic!("the freed slot was never taken again: {status:?}"),
+        }
+    }
+    assert_serves(&second).await;
+}
+
 // ------------------------------------------------------------ READ windows
 
 mod windows {
