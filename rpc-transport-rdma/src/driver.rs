@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use rpc_core::frame::FrameError;
-use rpc_core::transport::TransportError;
+use rpc_core::transport::{ConnectionBudget, Reservation, TransportError};
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc};
 
@@ -118,6 +118,15 @@ pub(crate) struct Driver {
     peer_left: bool,
     /// When the application dropped both halves (with work still in flight).
     gone_since: Option<Instant>,
+    /// The server-wide receive budget (accepted connections of a `Server`):
+    /// a rendezvous destination is taken only once its bytes are reserved.
+    budget: Option<ConnectionBudget>,
+    /// The pull waiting for budget (token, length).
+    budget_wait: Option<(u64, u64)>,
+    /// A reservation that came in while waiting, for that token.
+    budget_ready: Option<(u64, Reservation)>,
+    /// Reservations of pulls in progress, attached to their frames when handed up.
+    reservations: HashMap<u64, Reservation>,
     /// The failure was a flush: our QP went to ERROR because the peer's did.
     flushed: bool,
     poll_mode: PollMode,
@@ -149,6 +158,7 @@ impl Driver {
         outgoing: mpsc::Receiver<Bytes>,
         inbound: mpsc::UnboundedSender<Result<Bytes, TransportError>>,
         inbound_shared: Arc<InboundShared>,
+        budget: Option<ConnectionBudget>,
     ) -> Driver {
         let Endpoint {
             qp,
@@ -183,6 +193,10 @@ impl Driver {
             socket_eof: false,
             peer_left: false,
             gone_since: None,
+            budget,
+            budget_wait: None,
+            budget_ready: None,
+            reservations: HashMap::new(),
             flushed: false,
             poll_mode: config.poll_mode,
             fault: config.fault,
@@ -333,6 +347,20 @@ impl Driver {
             }
             if !inbound_closed && application_left.as_mut().poll(cx).is_ready() {
                 ready = true;
+            }
+            if let (Some((token, len)), None, Some(budget)) =
+                (self.budget_wait, &self.budget_ready, self.budget.as_mut())
+            {
+                match budget.poll_reserve(cx, len as usize) {
+                    Poll::Ready(Ok(reservation)) => {
+                        self.budget_ready = Some((token, reservation));
+                        ready = true;
+                    }
+                    Poll::Ready(Err(error)) => {
+                        return Poll::Ready(Err(format!("receive budget: {error}")));
+                    }
+                    Poll::Pending => {}
+                }
             }
             if let Some(sleep) = sleep.as_mut() {
                 if sleep.as_mut().poll(cx).is_ready() {
@@ -550,19 +578,55 @@ impl Driver {
         Ok(())
     }
 
+    /// Reserves `len` bytes of the receive budget for pull `token`; false
+    /// when they are not free yet (the sleep waits for them).
+    fn reserve(&mut self, token: u64, len: u64) -> Result<bool, String> {
+        let Some(budget) = self.budget.as_mut() else {
+            return Ok(true);
+        };
+        if let Some((ready, _)) = &self.budget_ready {
+            if *ready == token {
+                let (_, reservation) = self.budget_ready.take().expect("checked");
+                self.reservations.insert(token, reservation);
+                self.budget_wait = None;
+                return Ok(true);
+            }
+        }
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match budget.poll_reserve(&mut cx, len as usize) {
+            Poll::Ready(Ok(reservation)) => {
+                self.reservations.insert(token, reservation);
+                self.budget_wait = None;
+                Ok(true)
+            }
+            Poll::Ready(Err(error)) => Err(format!("receive budget: {error}")),
+            Poll::Pending => {
+                self.budget_wait = Some((token, len));
+                Ok(false)
+            }
+        }
+    }
+
     /// Events, READs and transmits the protocol asks for.
     fn carry_out(&mut self) -> Result<bool, String> {
         let mut progressed = false;
         while let Some(event) = self.protocol.poll_event() {
-            progressed = true;
             match event {
                 Event::Allocate { token, len } => {
+                    if !self.reserve(token, len)? {
+                        // No budget yet: the pull waits (no READ for it), and
+                        // the driver sleeps until the budget frees up.
+                        self.protocol.defer_allocation(token);
+                        break;
+                    }
+                    progressed = true;
                     let destination = self.device.large.take(len as usize).map_err(|error| {
                         format!("destination of {len} bytes for a rendezvous frame: {error}")
                     })?;
                     self.destinations.insert(token, destination);
                 }
                 Event::Release { token, expired } => {
+                    progressed = true;
                     if expired {
                         tracing::warn!(token, "rendezvous frame not pulled in time: revoked");
                     }
@@ -642,7 +706,11 @@ impl Driver {
                         .destinations
                         .remove(&token)
                         .expect("a pulled frame has its destination");
-                    destination.into_bytes(len as usize)
+                    let frame = destination.into_bytes(len as usize);
+                    match self.reservations.remove(&token) {
+                        Some(reservation) => reservation.attach(frame),
+                        None => frame,
+                    }
                 }
                 Inbound::Closed => {
                     // The stream ends after everything the peer sent.

@@ -111,6 +111,7 @@ impl Transport for RdmaTransport {
         // The scheme it was registered under (`rdma`, or a test's own).
         let scheme = endpoint.scheme().to_owned();
         let max_frame_len = config.max_frame_len;
+        let receive_budget = config.receive_budget.clone();
         Box::pin(async move {
             // Open the device now: a missing device fails the bind, not each accept.
             let device = device::open(&rdma).map_err(other)?;
@@ -147,6 +148,7 @@ impl Transport for RdmaTransport {
                 device,
                 rdma,
                 max_frame_len,
+                receive_budget,
                 accepted,
             ));
             Ok(Box::new(RdmaListener {
@@ -164,6 +166,7 @@ async fn accept_loop(
     device: Arc<Device>,
     config: Arc<RdmaConfig>,
     max_frame_len: usize,
+    receive_budget: Option<rpc_core::transport::ReceiveBudget>,
     accepted: mpsc::Sender<Result<Connection, TransportError>>,
 ) {
     let pending = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_SETUPS));
@@ -202,12 +205,16 @@ async fn accept_loop(
         let config = config.clone();
         let accepted = accepted.clone();
         let cm = cm.clone();
+        let budget = receive_budget
+            .as_ref()
+            .map(rpc_core::transport::ReceiveBudget::connection);
         tokio::spawn(async move {
             let _permit = permit;
             let _ = socket.set_nodelay(true);
             let role = Role::Accept {
                 cm: cm.clone(),
                 token: new_token(),
+                budget,
             };
             let attempt = establish(
                 socket,
@@ -437,6 +444,8 @@ enum Role {
     Accept {
         cm: Option<Arc<dyn CmListener>>,
         token: u64,
+        /// This connection's share of the server's receive budget.
+        budget: Option<rpc_core::transport::ConnectionBudget>,
     },
 }
 
@@ -469,7 +478,7 @@ async fn connect_queue_pair(
     let qp = qp.clone();
     let options = *options;
     let connection = match role {
-        Role::Accept { cm, token } => {
+        Role::Accept { cm, token, .. } => {
             let listener = cm.ok_or_else(no_cm)?;
             tokio::task::spawn_blocking(move || listener.accept(&qp, token, &options, CM_TIMEOUT))
                 .await
@@ -545,8 +554,12 @@ async fn establish(
     config: &RdmaConfig,
     max_frame_len: usize,
     peer: String,
-    role: Role,
+    mut role: Role,
 ) -> Result<Connection, TransportError> {
+    let budget = match &mut role {
+        Role::Accept { budget, .. } => budget.take(),
+        Role::Connect => None,
+    };
     let endpoint = prepare(device, config).map_err(other)?;
     let local = Geometry {
         recv_slots: config.recv_slots,
@@ -561,6 +574,7 @@ async fn establish(
         Role::Accept {
             cm: Some(listener),
             token,
+            ..
         } => (listener.local_addr().port(), *token),
         _ => (0, 0),
     };
@@ -602,6 +616,7 @@ async fn establish(
         outgoing_rx,
         inbound_tx,
         shared.clone(),
+        budget,
     );
     tokio::spawn(driver.run());
     Ok(Connection {

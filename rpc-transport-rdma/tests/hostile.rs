@@ -622,6 +622,81 @@ async fn rdma_connections_beyond_the_limit_are_refused_cleanly() {
     assert_serves(&second).await;
 }
 
+/// Large frames over rdma:// count against the server's receive budget:
+/// a pull waits for its bytes (no READ, no destination) while the budget is
+/// spent, and goes on when it frees. Other connections' small frames pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendezvous_frames_wait_for_the_servers_receive_budget() {
+    crate::require_device!();
+    const FRAME: usize = 1 << 20;
+    // Four requests: each frame is the payload plus a small header.
+    const BUDGET: usize = 4 * FRAME + (64 << 10);
+    let mut server = start_with(&RdmaBed, |s| {
+        s.max_frame_len(2 * FRAME).receive_budget(BUDGET)
+    })
+    .await;
+    let stats = server.stats.clone();
+    let payload = Bytes::from(vec![7u8; FRAME]);
+    let hang = |channel: &Channel| {
+        let channel = channel.clone();
+        let payload = payload.clone();
+        tokio::spawn(async move { channel.unary(probe("Hang", payload)).await })
+    };
+    async fn handlers_started(
+        events: &mut tokio::sync::mpsc::UnboundedReceiver<crate::suite::Event>,
+        count: usize,
+        within: Duration,
+    ) -> usize {
+        let mut started = 0;
+        let deadline = tokio::time::Instant::now() + within;
+        while started < count {
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Ok(Some(crate::suite::Event::HangStarted)) => started += 1,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        started
+    }
+    // Connection A: four calls whose handlers hold their 1 MiB requests.
+    let a = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let mut held: Vec<_> = (0..4).map(|_| hang(&a)).collect();
+    assert_eq!(
+        handlers_started(&mut server.events, 4, Duration::from_secs(10)).await,
+        4
+    );
+    // Connection C: two more wait for budget; no handler starts.
+    let c = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let _waiting: Vec<_> = (0..2).map(|_| hang(&c)).collect();
+    assert_eq!(
+        handlers_started(&mut server.events, 1, Duration::from_millis(500)).await,
+        0,
+        "a pull went past a spent budget"
+    );
+    assert!(
+        stats.receive_budget().peak() <= BUDGET,
+        "the budget was exceeded"
+    );
+    // Frames queue in order on a connection, so C waits; other connections'
+    // small frames (within the per-connection allowance) pass.
+    let other = Channel::connect(server.endpoint.clone()).await.unwrap();
+    for i in 0..10u8 {
+        let small = Bytes::from(vec![i; 4000]);
+        let reply = other.unary(probe("Echo", small.clone())).await.unwrap();
+        assert_eq!(reply.into_inner(), small);
+    }
+    // Cancelling two of A's calls frees their bytes: C's pulls go on.
+    for call in held.drain(..2) {
+        call.abort();
+    }
+    assert_eq!(
+        handlers_started(&mut server.events, 2, Duration::from_secs(10)).await,
+        2,
+        "the waiting pulls went on once the budget freed"
+    );
+    assert!(stats.receive_budget().peak() <= BUDGET);
+}
+
 // ------------------------------------------------------------ READ windows
 
 mod windows {

@@ -757,6 +757,18 @@ impl Protocol {
         None
     }
 
+    /// The destination of an [`Event::Allocate`] cannot be had yet (e.g. the
+    /// server-wide receive budget is spent): the pull goes back to waiting,
+    /// no READ is issued for it, and the next `poll_event` asks again.
+    pub fn defer_allocation(&mut self, token: u64) {
+        if let Some(pull) = self.pulls.get_mut(&token) {
+            if pull.allocated && pull.next_offset == 0 {
+                pull.allocated = false;
+                self.active_pulls -= 1;
+            }
+        }
+    }
+
     /// The next READ chunk to post.
     #[must_use]
     pub fn poll_read(&mut self) -> Option<ReadRequest> {

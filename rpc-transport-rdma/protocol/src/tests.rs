@@ -640,6 +640,39 @@ fn an_announcement_whose_range_wraps_is_refused() {
     assert_eq!(end, u64::MAX);
 }
 
+#[test]
+fn a_deferred_allocation_issues_no_read_and_is_asked_for_again() {
+    let g = Geometry {
+        recv_slots: 16,
+        slot_len: 4096,
+        eager_threshold: 4096 - HEADER_LEN as u32,
+        max_frame_len: 1 << 20,
+    };
+    let mut p = Protocol::new(g, g, Limits::default());
+    received(
+        &mut p,
+        0,
+        Body::Announce(Announce {
+            token: 9,
+            addr: 4096,
+            len: 100_000,
+            rkey: 1,
+        }),
+    )
+    .unwrap();
+    let Some(Event::Allocate { token, len }) = p.poll_event() else {
+        panic!("allocation asked for");
+    };
+    assert_eq!((token, len), (9, 100_000));
+    p.defer_allocation(token);
+    assert_eq!(p.poll_read(), None, "no READ without a destination");
+    assert!(
+        matches!(p.poll_event(), Some(Event::Allocate { token: 9, .. })),
+        "asked for again"
+    );
+    assert!(p.poll_read().is_some(), "READs once allocated");
+}
+
 /// A peer that follows the credit rules exactly (else it only earns a
 /// CreditOverrun) and otherwise does what hurts: what it may send and grant
 /// is tracked here, the rest is up to each test.
