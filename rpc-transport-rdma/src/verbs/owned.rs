@@ -119,19 +119,27 @@ impl OwnedQueue {
             wr_id,
             sg_list: vec![buffer.sge(0, buffer.len())],
         };
-        // SAFETY: the SGE covers `buffer`, which moves into `in_flight` below
-        // (or back to the caller on failure): nothing can reach it until
-        // `poll` returns it with this wr_id's completion, and if the queue is
-        // dropped first the buffer is deregistered before it is freed.
-        match unsafe { self.qp.post_recv(vec![wr]) } {
+        // SAFETY: the SGE covers `buffer`, which moves into `in_flight` (or
+        // back to the caller on failure) in `track`: nothing can reach it
+        // until `poll` returns it with this wr_id's completion, and if the
+        // queue is dropped first the buffer is deregistered before it is freed.
+        let posted = unsafe { self.qp.post_recv(vec![wr]) };
+        self.track(wr_id, buffer, posted.map_err(|failed| failed.error))
+    }
+
+    /// Keeps a posted buffer until its completion, or hands it back.
+    fn track(
+        &mut self,
+        wr_id: u64,
+        buffer: RegisteredBuffer,
+        posted: Result<(), VerbsError>,
+    ) -> Result<u64, PostFailed> {
+        match posted {
             Ok(()) => {
                 self.in_flight.insert(wr_id, buffer);
                 Ok(wr_id)
             }
-            Err(failed) => Err(PostFailed {
-                error: failed.error,
-                buffer,
-            }),
+            Err(error) => Err(PostFailed { error, buffer }),
         }
     }
 
@@ -154,16 +162,8 @@ impl OwnedQueue {
         let wr = SendWr::new(wr_id, op, vec![sge]);
         // SAFETY: as in `post_recv`: the buffer is owned by `in_flight` until
         // its completion is polled (or deregistered before it is freed).
-        match unsafe { self.qp.post_send(vec![wr]) } {
-            Ok(()) => {
-                self.in_flight.insert(wr_id, buffer);
-                Ok(wr_id)
-            }
-            Err(failed) => Err(PostFailed {
-                error: failed.error,
-                buffer,
-            }),
-        }
+        let posted = unsafe { self.qp.post_send(vec![wr]) };
+        self.track(wr_id, buffer, posted.map_err(|failed| failed.error))
     }
 
     /// Polls the CQ once: every completion of ours that arrived, each with
