@@ -6,9 +6,9 @@
 //!
 //! - **Identity** comes from `SO_PEERCRED` on the Unix socket (pid and uid
 //!   at `connect`/`listen` time), never from the hello. The pid is then held
-//!   by a pidfd, and every transfer into or out of the peer's address space
-//!   checks that pidfd first and after: a pid that was recycled for another
-//!   process is never written to or read from.
+//!   by a pidfd, and every transfer from the peer's address space (we only
+//!   ever read it) checks that pidfd afterwards: bytes read through a pid
+//!   recycled for another process are discarded, never delivered.
 //! - **Users.** By default only processes of our own effective uid may
 //!   connect ([`PeerPolicy::SameUser`]); `RDMA_SOFT_PEERS` widens it.
 //! - **Binding to the set-up.** Every soft queue pair has a random 128-bit
@@ -140,9 +140,11 @@ pub(crate) struct PeerProcess {
 
 impl PeerProcess {
     /// Holds the process the kernel named for `socket`, if `policy` allows
-    /// its user. The pidfd is opened after `SO_PEERCRED` and the socket is
-    /// checked again afterwards: if the process had died (and its pid been
-    /// reused) in between, the socket would have no live peer with that pid.
+    /// its user. The pidfd is opened right after `SO_PEERCRED`; should the
+    /// peer have died and its pid been recycled in between (the pid space
+    /// wrapping within two system calls), the process now behind the pid
+    /// must still run as the same user, or it is refused: one of the same
+    /// user could be ptraced by the attacker anyway.
     pub(crate) fn of_socket(socket: &UnixStream, policy: &PeerPolicy) -> io::Result<PeerProcess> {
         let cred = peer_credentials(socket)?;
         if !policy.allows(cred.uid) {
@@ -172,6 +174,16 @@ impl PeerProcess {
                 "soft peer process exited during set-up",
             ));
         }
+        let now = effective_uid_of(cred.pid)?;
+        if now != cred.uid {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "soft peer process {} changed user during set-up ({} -> {now})",
+                    cred.pid, cred.uid
+                ),
+            ));
+        }
         Ok(process)
     }
 
@@ -193,20 +205,33 @@ impl PeerProcess {
         ready == 0
     }
 
-    /// Runs `transfer` with the peer's pid if the peer is alive before and
-    /// after it; an exited peer (whose pid may since name another process)
-    /// fails the transfer instead.
+    /// Runs `transfer` with the peer's pid and keeps its result only if the
+    /// peer is still alive afterwards. Transfers only ever *read* the peer
+    /// (`process_vm_readv` into our own memory), so one check after is
+    /// enough: if the peer had exited (and its pid been reused) before or
+    /// during the call, what was read is discarded as an error, never
+    /// delivered as the peer's bytes.
     pub(crate) fn transfer<T>(&self, transfer: impl FnOnce(u32) -> io::Result<T>) -> io::Result<T> {
-        let gone = || io::Error::new(io::ErrorKind::ConnectionAborted, "soft peer process exited");
+        let result = transfer(self.pid);
         if !self.alive() {
-            return Err(gone());
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "soft peer process exited",
+            ));
         }
-        let result = transfer(self.pid)?;
-        if !self.alive() {
-            return Err(gone());
-        }
-        Ok(result)
+        result
     }
+}
+
+/// The effective uid of process `pid` (`/proc/<pid>/status`, second field of `Uid:`).
+fn effective_uid_of(pid: u32) -> io::Result<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .and_then(|uids| uids.split_whitespace().nth(1))
+        .and_then(|uid| uid.parse().ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no Uid line in /proc status"))
 }
 
 /// A fresh secret from the OS RNG.
