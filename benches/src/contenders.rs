@@ -399,6 +399,13 @@ pub async fn in_memory(contender: Contender) -> Option<Client> {
 #[derive(Debug)]
 pub struct ServerProcess(std::process::Child);
 
+impl ServerProcess {
+    /// The server's pid.
+    pub fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
 impl Drop for ServerProcess {
     fn drop(&mut self) {
         let _ = self.0.kill();

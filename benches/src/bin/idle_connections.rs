@@ -1,0 +1,145 @@
+//! What idle connections cost a server, and how many it holds.
+//!
+//! ```text
+//! cargo run --release -p rdma-rpc-benches --bin idle_connections -- rdma 1000
+//! cargo run --release -p rdma-rpc-benches --bin idle_connections -- tcp 10000
+//! ```
+//! Starts an echo server in a child process (this binary again, with
+//! `--serve`), opens N connections to it from this process, makes one call
+//! on each, and prints the server's resident memory, threads and file
+//! descriptors before and with the connections held, and per connection.
+//! Raise `ulimit -n` first for thousands of connections (both processes
+//! need one descriptor per connection, the soft provider several).
+
+use std::time::{Duration, Instant};
+
+use rdma_rpc_benches::contenders::spawn_server;
+use rdma_rpc_examples::EchoService;
+use rdma_rpc_examples::echo::echo_server::EchoServer;
+use rdma_rpc_examples::echo::{EchoRequest, echo_client::EchoClient};
+use rpc_core::{Channel, Server};
+
+/// The server's gauges from /proc.
+#[derive(Debug, Clone, Copy)]
+struct Gauges {
+    rss_kib: u64,
+    threads: u64,
+    fds: u64,
+}
+
+fn gauges(pid: u32) -> Gauges {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(0)
+    };
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |dir| dir.count() as u64);
+    Gauges {
+        rss_kib: field("VmRSS:"),
+        threads: field("Threads:"),
+        fds,
+    }
+}
+
+fn serve(scheme: &str) {
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async {
+        rpc_transport_rdma::register().expect("rdma");
+        let listening = Server::builder()
+            .max_connections(20_000)
+            .idle_timeout(Duration::from_secs(600))
+            .add_service(EchoServer::new(EchoService))
+            .listen(format!("{scheme}://127.0.0.1:0").as_str())
+            .await
+            .expect("listen");
+        println!("LISTENING {}", listening.local_endpoint());
+        listening.serve().await.expect("serve");
+    });
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--serve") {
+        serve(&args[2]);
+        return;
+    }
+    if args.iter().any(|a| a == "--help" || a == "-h") || args.len() < 3 {
+        println!("usage: idle_connections <rdma|tcp> <count>");
+        return;
+    }
+    let scheme = args[1].clone();
+    let count: usize = args[2].parse().expect("count");
+    let (server, endpoint) = spawn_server(&scheme, "adaptive");
+    let pid = server.id();
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async move {
+        rpc_transport_rdma::register().expect("rdma");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let before = gauges(pid);
+        let started = Instant::now();
+        let mut held = Vec::with_capacity(count);
+        let mut errors = 0usize;
+        let mut first_error = None;
+        for _ in 0..count {
+            let connected = async {
+                let channel = Channel::builder(endpoint.parse()?)
+                    .no_keepalive()
+                    .connect()
+                    .await?;
+                let mut client = EchoClient::new(channel.clone());
+                client
+                    .say(EchoRequest {
+                        message: "hi".into(),
+                        payload: Default::default(),
+                    })
+                    .await?;
+                Ok::<_, Box<dyn std::error::Error>>(channel)
+            };
+            match connected.await {
+                Ok(channel) => held.push(channel),
+                Err(error) => {
+                    errors += 1;
+                    first_error.get_or_insert_with(|| error.to_string());
+                }
+            }
+        }
+        let opened = started.elapsed();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let with = gauges(pid);
+        let n = held.len().max(1) as f64;
+        println!(
+            "| {scheme}:// idle connections | {} held, {errors} errors, opened in {:.1} s |",
+            held.len(),
+            opened.as_secs_f64()
+        );
+        if let Some(error) = first_error {
+            println!("first error: {error}");
+        }
+        println!("| server | before | with the connections | per connection |");
+        println!("|---|---|---|---|");
+        println!(
+            "| RSS | {:.1} MiB | {:.1} MiB | {:.1} KiB |",
+            before.rss_kib as f64 / 1024.0,
+            with.rss_kib as f64 / 1024.0,
+            (with.rss_kib as f64 - before.rss_kib as f64) / n
+        );
+        println!(
+            "| threads | {} | {} | {:.2} |",
+            before.threads,
+            with.threads,
+            (with.threads as f64 - before.threads as f64) / n
+        );
+        println!(
+            "| fds | {} | {} | {:.2} |",
+            before.fds,
+            with.fds,
+            (with.fds as f64 - before.fds as f64) / n
+        );
+        drop(held);
+    });
+    drop(server);
+}
