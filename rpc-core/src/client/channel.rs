@@ -9,9 +9,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use tokio_util::sync::PollSemaphore;
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -274,11 +272,13 @@ pub struct Channel {
     ready: Ready,
 }
 
-/// `poll_ready`'s state, per clone: the queue it waits on, and the room it saw.
+/// `poll_ready`'s state, per clone: the connection it last looked at (kept,
+/// so a ready check costs two atomic loads, not the channel's lock) and the
+/// wait for room in a full queue.
 #[derive(Default)]
 struct Ready {
-    queue: Option<(Arc<Semaphore>, PollSemaphore)>,
-    room: Option<OwnedSemaphorePermit>,
+    connection: Option<Arc<ClientConnection>>,
+    waiting: Option<Pin<Box<dyn Future<Output = ()> + Send + Sync>>>,
 }
 
 impl Clone for Channel {
@@ -449,36 +449,40 @@ impl Service<Request<Bytes>> for Channel {
     /// multiplexed without a limit on their number; put a ConcurrencyLimit
     /// layer in front to bound them.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
-        if self.ready.room.is_some() {
-            return Poll::Ready(Ok(()));
+        if !self
+            .ready
+            .connection
+            .as_ref()
+            .is_some_and(|connection| connection.is_usable())
+        {
+            self.ready.connection = self.inner.usable();
+            self.ready.waiting = None;
         }
         // Not connected yet (or the connection is going away): the call connects.
-        let Some(connection) = self.inner.usable() else {
-            self.ready.queue = None;
+        let Some(connection) = &self.ready.connection else {
             return Poll::Ready(Ok(()));
         };
-        let space = connection.outbound().space_semaphore();
-        let queue = match &mut self.ready.queue {
-            Some((semaphore, queue)) if Arc::ptr_eq(semaphore, space) => queue,
-            slot => {
-                &mut slot
-                    .insert((space.clone(), PollSemaphore::new(space.clone())))
-                    .1
-            }
-        };
-        match queue.poll_acquire(cx) {
+        let outbound = connection.outbound();
+        if outbound.has_room() {
+            self.ready.waiting = None;
+            return Poll::Ready(Ok(()));
+        }
+        let waiting = self
+            .ready
+            .waiting
+            .get_or_insert_with(|| Box::pin(outbound.not_full()));
+        match waiting.as_mut().poll(cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(room) => {
-                // `None`: the queue closed with its connection; the call reconnects.
-                self.ready.room = room;
+            Poll::Ready(()) => {
+                self.ready.waiting = None;
                 Poll::Ready(Ok(()))
             }
         }
     }
 
     fn call(&mut self, request: Request<Bytes>) -> ResponseFuture {
-        // The room seen by poll_ready goes back; the call waits for its own.
-        self.ready.room = None;
+        // poll_ready saw room; the call reserves its own (and waits if the
+        // queue filled up meanwhile).
         ResponseFuture {
             inner: Box::pin(call(self.inner.clone(), request)),
         }
