@@ -207,11 +207,14 @@ impl ClientConnection {
                 .unwrap_or_else(|| Status::unavailable("connection closed"));
             CallFailure::unprocessed(status)
         };
-        let space = self
-            .outbound
-            .reserve(encoded.len())
-            .await
-            .map_err(|_| closed())?;
+        let space = match self.outbound.try_reserve(encoded.len()) {
+            Some(space) => space,
+            None => self
+                .outbound
+                .reserve(encoded.len())
+                .await
+                .map_err(|_| closed())?,
+        };
         let (sender, receiver) = oneshot::channel();
         {
             let mut table = self.shared.table();

@@ -358,6 +358,14 @@ async fn run_call(
     };
     tracing::debug!(parent: &span, code = ?response.status, elapsed_us = started.elapsed().as_micros() as u64, "call finished");
     // Waits for room in the queue; if the writer is gone there is no one to tell.
-    let _ = outbound.send(response.encode()).await;
+    let response = response.encode();
+    match outbound.try_reserve(response.len()) {
+        Some(space) => {
+            let _ = outbound.send_reserved(response, space);
+        }
+        None => {
+            let _ = outbound.send(response).await;
+        }
+    }
     call_id
 }
