@@ -127,7 +127,25 @@ impl Transport for RdmaTransport {
             let cm = match device.context.connection_manager() {
                 Some(manager) => {
                     let addr = SocketAddr::new(listener.local_addr()?.ip(), 0);
-                    match tokio::task::spawn_blocking(move || manager.listen(addr)).await {
+                    // On iWARP the port rdma_cm picks must also be free in the
+                    // kernel's TCP port space, where an ephemeral port of an
+                    // unrelated connection may already hold it (EADDRINUSE):
+                    // another pick then succeeds.
+                    let listen = move || {
+                        let mut attempt = 1;
+                        loop {
+                            match manager.listen(addr) {
+                                Err(VerbsError::Io(error))
+                                    if error.kind() == std::io::ErrorKind::AddrInUse
+                                        && attempt < CM_LISTEN_ATTEMPTS =>
+                                {
+                                    attempt += 1;
+                                }
+                                result => return result,
+                            }
+                        }
+                    };
+                    match tokio::task::spawn_blocking(listen).await {
                         Ok(Ok(cm)) => Some(cm),
                         Ok(Err(error)) if device.context.requires_connection_manager() => {
                             return Err(other(error));
@@ -448,6 +466,9 @@ enum Role {
         budget: Option<rpc_core::transport::ConnectionBudget>,
     },
 }
+
+/// Picks of an rdma_cm listening port before giving up on EADDRINUSE.
+const CM_LISTEN_ATTEMPTS: u32 = 8;
 
 /// How long rdma_cm may take to connect a QP (slow under emulation).
 const CM_TIMEOUT: Duration = Duration::from_secs(20);
