@@ -330,6 +330,8 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
     }
     let mut pending: VecDeque<PendingHandshake> = VecDeque::new();
     let mut pollfds: Vec<libc::pollfd> = Vec::new();
+    let mut failed_accepts: u64 = 0;
+    let mut last_warning: Option<Instant> = None;
     loop {
         let now = Instant::now();
         pending.retain(|waiting| waiting.deadline > now);
@@ -389,9 +391,17 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
                     Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(error) => {
-                        // Out of fds, say: back off instead of spinning.
-                        tracing::warn!(%error, "soft device: accept failed");
-                        std::thread::sleep(Duration::from_millis(10));
+                        // Out of fds, say: back off instead of spinning, and
+                        // say so at most once per 5 s.
+                        failed_accepts += 1;
+                        if last_warning
+                            .is_none_or(|at: Instant| at.elapsed() >= Duration::from_secs(5))
+                        {
+                            tracing::warn!(%error, failed_accepts, "soft device: accept failed");
+                            last_warning = Some(Instant::now());
+                            failed_accepts = 0;
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
                         break;
                     }
                 }
