@@ -79,6 +79,9 @@ struct Shared {
     calls: Mutex<CallTable>,
     /// A GOAWAY arrived: pending calls finish here, new calls go elsewhere.
     draining: AtomicBool,
+    /// Set with `shutdown`: read per call, where the token's own check
+    /// takes a lock.
+    closed: AtomicBool,
     shutdown: CancellationToken,
     peer: String,
 }
@@ -105,6 +108,7 @@ impl Shared {
         for (_, waiter) in pending {
             let _ = waiter.send(Err(CallFailure::processed(status.clone())));
         }
+        self.closed.store(true, Ordering::Release);
         self.shutdown.cancel();
     }
 }
@@ -129,6 +133,7 @@ impl ClientConnection {
         let shared = Arc::new(Shared {
             calls: Mutex::default(),
             draining: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             shutdown: CancellationToken::new(),
             peer,
         });
@@ -167,7 +172,7 @@ impl ClientConnection {
 
     /// True while new calls may start here.
     pub(crate) fn is_usable(&self) -> bool {
-        !self.shared.draining.load(Ordering::Acquire) && !self.shared.shutdown.is_cancelled()
+        !self.shared.draining.load(Ordering::Acquire) && !self.shared.closed.load(Ordering::Acquire)
     }
 
     /// The queue this connection's frames wait in.
