@@ -58,6 +58,7 @@ mod request;
 pub mod server;
 mod status;
 pub mod transport;
+mod wake_gate;
 
 pub use client::{Channel, RpcClient};
 pub use error::Error;

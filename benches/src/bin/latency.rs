@@ -147,13 +147,15 @@ fn micros(nanos: u64) -> String {
 fn main() {
     let mut calls = 20_000u64;
     let mut warmup = 2_000u64;
+    let mut only: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().and_then(|v| v.parse().ok());
         match arg.as_str() {
             "--calls" => calls = value().expect("--calls N"),
             "--warmup" => warmup = value().expect("--warmup N"),
-            other => panic!("unknown argument {other}; use --calls N --warmup N"),
+            "--only" => only = args.next(),
+            other => panic!("unknown argument {other}; use --calls N --warmup N --only TEXT"),
         }
     }
     let mut rows = Vec::new();
@@ -166,6 +168,13 @@ fn main() {
             ("tcp://127.0.0.1:0", "tcp://"),
             ("mem://latency-bench", "mem://"),
         ] {
+            let row_name = format!("{transport} {}", flavor.label());
+            if only
+                .as_ref()
+                .is_some_and(|only| !row_name.contains(only.as_str()))
+            {
+                continue;
+            }
             eprintln!(
                 "measuring {transport}, {} ({calls} calls)...",
                 flavor.label()

@@ -348,17 +348,18 @@ async fn call(
             "request has no method path: set one with Request::set_method or use a generated client",
         ));
     };
-    let started = Instant::now();
-    let deadline = request
-        .timeout()
-        .or(inner.config.default_timeout)
-        .map(|timeout| started + timeout);
+    let timeout = request.timeout().or(inner.config.default_timeout);
     let span = tracing::debug_span!(
         "rpc.client",
         method = %path,
         call_id = tracing::field::Empty,
         peer = %inner.config.endpoint,
     );
+    // The clock is read for a deadline or a traced call, not for every call.
+    let started = (timeout.is_some() || !span.is_disabled()).then(Instant::now);
+    let deadline = timeout
+        .zip(started)
+        .map(|(timeout, started)| started + timeout);
     let work = async {
         let mut attempt = 1;
         loop {
@@ -366,7 +367,7 @@ async fn call(
             let remaining =
                 deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
             if remaining == Some(Duration::ZERO) {
-                return Err(deadline_exceeded(started, deadline));
+                return Err(deadline_exceeded(timeout));
             }
             let metadata = request.metadata().clone();
             let payload = request.get_ref().clone();
@@ -375,7 +376,7 @@ async fn call(
                 .await
             {
                 Ok(pending) => {
-                    tracing::Span::current().record("call_id", pending.call_id());
+                    span.record("call_id", pending.call_id());
                     match pending.await {
                         Ok(frame) => return Ok(into_response(frame)),
                         Err(failure) => failure,
@@ -394,21 +395,19 @@ async fn call(
         Some(deadline) => {
             match tokio::time::timeout_at(deadline, work.instrument(span.clone())).await {
                 Ok(outcome) => outcome,
-                Err(_) => Err(deadline_exceeded(started, Some(deadline))),
+                Err(_) => Err(deadline_exceeded(timeout)),
             }
         }
         None => work.instrument(span.clone()).await,
     };
     let outcome = outcome.and_then(|response| response);
     let code = outcome.as_ref().map_or_else(Status::code, |_| Code::Ok);
-    tracing::debug!(parent: &span, ?code, elapsed_us = started.elapsed().as_micros() as u64, "call finished");
+    tracing::debug!(parent: &span, ?code, elapsed_us = started.map_or(0, |started| started.elapsed().as_micros() as u64), "call finished");
     outcome
 }
 
-fn deadline_exceeded(started: Instant, deadline: Option<Instant>) -> Status {
-    let budget = deadline
-        .map(|deadline| deadline.saturating_duration_since(started))
-        .unwrap_or_default();
+fn deadline_exceeded(timeout: Option<Duration>) -> Status {
+    let budget = timeout.unwrap_or_default();
     Status::deadline_exceeded(format!("deadline of {budget:?} exceeded"))
 }
 

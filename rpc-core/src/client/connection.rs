@@ -33,6 +33,7 @@ use crate::frame::{Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::status::{Code, Status};
 use crate::transport::{Connection, FrameStream};
+use crate::wake_gate::WakeGated;
 
 /// Why a call failed, and whether it may be sent again on another connection
 /// because this server never saw it.
@@ -144,7 +145,7 @@ impl ClientConnection {
         tokio::spawn(async move {
             let outcome = tokio::select! {
                 outcome = write_frames(sink, outbound_rx, None) => outcome,
-                () = writer_shared.shutdown.cancelled() => Ok(()),
+                () = WakeGated::new(writer_shared.shutdown.cancelled()) => Ok(()),
             };
             let reason = match outcome {
                 Ok(()) => "connection closed".to_owned(),
@@ -347,9 +348,12 @@ async fn read_frames(
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker
     });
+    // Polled only when the token wakes it, not once per frame.
+    let shutting_down = WakeGated::new(shared.shutdown.cancelled());
+    tokio::pin!(shutting_down);
     let reason = loop {
         let next = tokio::select! {
-            () = shared.shutdown.cancelled() => return,
+            () = &mut shutting_down => return,
             () = keepalive_tick(&mut ticker) => {
                 let Some(keepalive) = keepalive else { continue };
                 let silent = last_heard.elapsed();
@@ -366,7 +370,9 @@ async fn read_frames(
             }
             next = stream.next() => next,
         };
-        last_heard = tokio::time::Instant::now();
+        if keepalive.is_some() {
+            last_heard = tokio::time::Instant::now();
+        }
         let bytes = match next {
             None => break "connection closed by peer".to_owned(),
             Some(Err(error)) => break format!("connection lost: {error}"),

@@ -32,6 +32,7 @@ use crate::metadata::Metadata;
 use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
 use crate::transport::{Connection, TransportError};
+use crate::wake_gate::WakeGated;
 
 pub(crate) type ServerService = BoxCloneSyncService<Request<Bytes>, Response<Bytes>, Status>;
 
@@ -123,14 +124,18 @@ pub(crate) async fn serve_connection(
     let mut blocked: Option<Blocked> = None;
     // Idle means: no call in flight, and no frame completed (nor call
     // finished) since `last_activity`. The timer is re-armed lazily when it
-    // fires, so a busy connection does not touch the timer wheel per frame.
+    // fires, so a busy connection does not touch the timer wheel per frame;
+    // and a request that starts a call reads no clock (the call's end does).
     let mut last_activity = Instant::now();
     let idle = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle);
+    // Polled only when the token wakes it, not on every turn of the loop.
+    let shutting_down = WakeGated::new(shutdown.cancelled());
+    tokio::pin!(shutting_down);
 
     let ending = loop {
         tokio::select! {
-            () = shutdown.cancelled(), if !draining => {
+            () = &mut shutting_down, if !draining => {
                 draining = true;
                 let goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
                 let _ = outbound.send_unbounded(goaway.encode());
@@ -185,12 +190,14 @@ pub(crate) async fn serve_connection(
                     Some(Err(error)) => break Ending::Failed(error.to_string()),
                     Some(Ok(bytes)) => bytes,
                 };
-                last_activity = Instant::now();
                 stats.frames_received.fetch_add(1, Ordering::Relaxed);
                 let frame = match Frame::decode(bytes, config.max_frame_len) {
                     Ok(frame) => frame,
                     Err(error) => break Ending::ProtocolError(format!("bad frame: {error}")),
                 };
+                if frame.kind != FrameKind::Request {
+                    last_activity = Instant::now();
+                }
                 match frame.kind {
                     FrameKind::Request => {
                         let call_id = frame.call_id;
@@ -209,6 +216,7 @@ pub(crate) async fn serve_connection(
                             None
                         };
                         if let Some(status) = refusal {
+                            last_activity = Instant::now();
                             drop(frame);
                             let refusal = status_frame(call_id, status).encode();
                             queue_or_block(&outbound, &stats, &mut blocked, refusal);
@@ -308,8 +316,9 @@ async fn run_call(
     max_frame_len: usize,
 ) -> u64 {
     let call_id = frame.call_id;
-    let started = Instant::now();
     let span = tracing::debug_span!("rpc.server", method = %frame.path, call_id, %peer);
+    // Only a call someone traces reads the clock for its duration.
+    let started = (!span.is_disabled()).then(Instant::now);
     let deadline = frame.deadline;
     let mut request = Request::new(frame.payload);
     *request.metadata_mut() = frame.metadata;
@@ -356,7 +365,7 @@ async fn run_call(
     } else {
         response
     };
-    tracing::debug!(parent: &span, code = ?response.status, elapsed_us = started.elapsed().as_micros() as u64, "call finished");
+    tracing::debug!(parent: &span, code = ?response.status, elapsed_us = started.map_or(0, |started| started.elapsed().as_micros() as u64), "call finished");
     // Waits for room in the queue; if the writer is gone there is no one to tell.
     let response = response.encode();
     match outbound.try_reserve(response.len()) {

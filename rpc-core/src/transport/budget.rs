@@ -102,7 +102,10 @@ impl ReceiveBudget {
         ConnectionBudget {
             budget: self.clone(),
             poll: PollSemaphore::new(self.inner.semaphore.clone()),
-            allowance: Arc::new(AtomicUsize::new(0)),
+            allowance: Arc::new(Allowance {
+                used: AtomicUsize::new(0),
+                budget: self.inner.clone(),
+            }),
         }
     }
 
@@ -120,13 +123,22 @@ impl ReceiveBudget {
 pub struct ConnectionBudget {
     budget: ReceiveBudget,
     poll: PollSemaphore,
-    allowance: Arc<AtomicUsize>,
+    allowance: Arc<Allowance>,
+}
+
+/// A connection's own allowance; a reservation from it holds one `Arc` of it.
+struct Allowance {
+    used: AtomicUsize,
+    budget: Arc<BudgetInner>,
 }
 
 impl fmt::Debug for ConnectionBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConnectionBudget")
-            .field("allowance_in_use", &self.allowance.load(Ordering::Relaxed))
+            .field(
+                "allowance_in_use",
+                &self.allowance.used.load(Ordering::Relaxed),
+            )
             .field("budget", &self.budget)
             .finish()
     }
@@ -143,19 +155,19 @@ impl ConnectionBudget {
         len: usize,
     ) -> Poll<Result<Reservation, TransportError>> {
         if len <= PER_CONNECTION_ALLOWANCE {
-            let taken = self
-                .allowance
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                    (used + len <= PER_CONNECTION_ALLOWANCE).then_some(used + len)
-                });
+            let taken =
+                self.allowance
+                    .used
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                        (used + len <= PER_CONNECTION_ALLOWANCE).then_some(used + len)
+                    });
             if taken.is_ok() {
                 self.budget
                     .inner
                     .allowance_in_use
                     .fetch_add(len, Ordering::Relaxed);
                 return Poll::Ready(Ok(Reservation(Held::Allowance {
-                    connection: self.allowance.clone(),
-                    budget: self.budget.inner.clone(),
+                    allowance: self.allowance.clone(),
                     len,
                 })));
             }
@@ -184,22 +196,19 @@ pub struct Reservation(Held);
 enum Held {
     Shared(OwnedSemaphorePermit),
     Allowance {
-        connection: Arc<AtomicUsize>,
-        budget: Arc<BudgetInner>,
+        allowance: Arc<Allowance>,
         len: usize,
     },
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if let Held::Allowance {
-            connection,
-            budget,
-            len,
-        } = self
-        {
-            connection.fetch_sub(*len, Ordering::AcqRel);
-            budget.allowance_in_use.fetch_sub(*len, Ordering::Relaxed);
+        if let Held::Allowance { allowance, len } = self {
+            allowance.used.fetch_sub(*len, Ordering::AcqRel);
+            allowance
+                .budget
+                .allowance_in_use
+                .fetch_sub(*len, Ordering::Relaxed);
         }
     }
 }
