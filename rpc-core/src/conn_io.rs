@@ -6,11 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_util::SinkExt;
 use tokio::sync::{Notify, mpsc};
 
-use crate::frame::HEADER_LEN;
+use crate::frame::{EncodedFrame, HEADER_LEN};
 use crate::transport::{FrameSink, TransportError};
 
 /// Most frames written before one flush.
@@ -31,7 +30,7 @@ pub(crate) struct QueueGauges {
 
 /// A frame in the queue, with the queue space it holds until it is written.
 pub(crate) struct Queued {
-    frame: Bytes,
+    frame: EncodedFrame,
     _space: Option<Space>,
 }
 
@@ -262,7 +261,11 @@ impl OutboundQueue {
     }
 
     /// Queues `frame` in the room reserved for it.
-    pub(crate) fn send_reserved(&self, frame: Bytes, space: Space) -> Result<(), QueueClosed> {
+    pub(crate) fn send_reserved(
+        &self,
+        frame: EncodedFrame,
+        space: Space,
+    ) -> Result<(), QueueClosed> {
         self.shared
             .tx
             .send(Queued {
@@ -273,13 +276,13 @@ impl OutboundQueue {
     }
 
     /// Waits for room, then queues `frame`.
-    pub(crate) async fn send(&self, frame: Bytes) -> Result<(), QueueClosed> {
+    pub(crate) async fn send(&self, frame: EncodedFrame) -> Result<(), QueueClosed> {
         let space = self.reserve(frame.len()).await?;
         self.send_reserved(frame, space)
     }
 
     /// Queues a small control frame without waiting for room.
-    pub(crate) fn send_unbounded(&self, frame: Bytes) -> Result<(), QueueClosed> {
+    pub(crate) fn send_unbounded(&self, frame: EncodedFrame) -> Result<(), QueueClosed> {
         self.shared
             .tx
             .send(Queued {

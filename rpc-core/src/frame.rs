@@ -150,6 +150,60 @@ pub enum FrameError {
     Metadata(#[from] InvalidMetadata),
 }
 
+/// Payloads shorter than this are copied behind the head by
+/// [`Frame::encode_parts`]; longer ones travel as a part of their own.
+pub const JOIN_PAYLOAD_BELOW: usize = 4 << 10;
+
+/// An encoded frame as two parts: the head (header, path, metadata) and the
+/// payload. On the wire, and to the receiver, the frame is `head` followed by
+/// `payload`; keeping them apart means a large payload (a message the codec
+/// encoded, or a `Bytes` the application handed over) is never copied just to
+/// put a header in front of it. Transports write the parts with vectored
+/// writes (tcp://) or let the peer READ the payload where it lies (rdma://).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EncodedFrame {
+    /// The first bytes of the frame.
+    pub head: Bytes,
+    /// The bytes after `head`.
+    pub payload: Bytes,
+}
+
+impl EncodedFrame {
+    /// Bytes of the whole frame.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.payload.len()
+    }
+
+    /// True for a frame of no bytes (never one [`Frame`] encodes).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The frame in one buffer: free when one part is empty, else a copy.
+    pub fn into_contiguous(self) -> Bytes {
+        if self.payload.is_empty() {
+            return self.head;
+        }
+        if self.head.is_empty() {
+            return self.payload;
+        }
+        let mut joined = BytesMut::with_capacity(self.len());
+        joined.put_slice(&self.head);
+        joined.put_slice(&self.payload);
+        joined.freeze()
+    }
+}
+
+impl From<Bytes> for EncodedFrame {
+    /// A frame already in one buffer.
+    fn from(frame: Bytes) -> EncodedFrame {
+        EncodedFrame {
+            head: frame,
+            payload: Bytes::new(),
+        }
+    }
+}
+
 /// A decoded frame. `path` is empty for every kind but [`FrameKind::Request`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Frame {
@@ -226,6 +280,25 @@ impl Frame {
         HEADER_LEN + self.path.len() + self.metadata.encoded_len() + self.payload.len()
     }
 
+    /// Encodes the frame as its head and its payload, without copying a
+    /// payload of [`JOIN_PAYLOAD_BELOW`] bytes or more (a smaller one is copied
+    /// behind the head: one buffer is cheaper for the transports then).
+    ///
+    /// # Panics
+    /// As [`Frame::encode`].
+    pub fn encode_parts(&self) -> EncodedFrame {
+        if self.payload.len() < JOIN_PAYLOAD_BELOW {
+            return EncodedFrame::from(self.encode());
+        }
+        let head_len = self.encoded_len() - self.payload.len();
+        let mut head = BytesMut::with_capacity(head_len);
+        self.encode_head_into(&mut head);
+        EncodedFrame {
+            head: head.freeze(),
+            payload: self.payload.clone(),
+        }
+    }
+
     /// Encodes the frame into one contiguous buffer.
     ///
     /// # Panics
@@ -239,6 +312,13 @@ impl Frame {
 
     /// Appends the encoded frame to `dst`.
     pub fn encode_into(&self, dst: &mut BytesMut) {
+        dst.reserve(self.encoded_len());
+        self.encode_head_into(dst);
+        dst.put_slice(&self.payload);
+    }
+
+    /// Appends everything before the payload to `dst`.
+    fn encode_head_into(&self, dst: &mut BytesMut) {
         let path_len = u16::try_from(self.path.len()).expect("method path longer than 64 KiB");
         let metadata_len = u32::try_from(self.metadata.encoded_len()).expect("metadata over 4 GiB");
         let payload_len = u32::try_from(self.payload.len()).expect("payload over 4 GiB");
@@ -246,7 +326,6 @@ impl Frame {
             .deadline
             .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1))
             .unwrap_or(0);
-        dst.reserve(self.encoded_len());
         dst.put_u8(PROTOCOL_VERSION);
         dst.put_u8(self.kind as u8);
         dst.put_u16_le(self.flags.0);
@@ -260,7 +339,6 @@ impl Frame {
         dst.put_u32_le(0);
         dst.put_slice(self.path.as_bytes());
         self.metadata.encode(dst);
-        dst.put_slice(&self.payload);
     }
 
     /// Decodes one whole message. The payload is a slice of `message` (no copy).

@@ -421,13 +421,13 @@ async fn goaway_race(last_seen: impl Fn(u64) -> u64 + Send + 'static) -> Result<
             FrameFlags::EMPTY,
             last_seen(request.call_id),
         );
-        first.sink.send(goaway.encode()).await.unwrap();
+        first.sink.send(goaway.encode_parts()).await.unwrap();
         first.sink.close().await.unwrap();
         while let Some(Ok(_)) = first.stream.next().await {}
         let mut second = listener.next().await.unwrap().unwrap();
         let request = Frame::decode(second.stream.next().await.unwrap().unwrap(), 1 << 20).unwrap();
         let response = Frame::response(request.call_id, Code::Ok, Metadata::new(), request.payload);
-        second.sink.send(response.encode()).await.unwrap();
+        second.sink.send(response.encode_parts()).await.unwrap();
         second
     });
     let channel = Channel::connect(endpoint).await.unwrap();

@@ -29,7 +29,7 @@ use std::task::Poll;
 use std::time::Instant;
 
 use bytes::Bytes;
-use rpc_core::frame::FrameError;
+use rpc_core::frame::{EncodedFrame, FrameError};
 use rpc_core::transport::{ConnectionBudget, Reservation, TransportError};
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc};
@@ -39,8 +39,8 @@ use crate::device::Device;
 use crate::pool::{LargePool, PooledBuffer, SlotPool};
 use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, ProtocolError, Route};
 use crate::verbs::{
-    AccessFlags, AsyncCompletionChannel, CmConnection, CompletionQueue, ExposedBuffer, QueuePair,
-    WcOpcode, WcStatus, WorkCompletion, pool::SendBatch,
+    AccessFlags, AsyncCompletionChannel, CmConnection, CompletionQueue, ExposedBuffer,
+    ExposedBytes, QueuePair, WcOpcode, WcStatus, WorkCompletion, pool::SendBatch,
 };
 
 const TAG_SHIFT: u32 = 62;
@@ -64,9 +64,31 @@ fn wr_id(tag: u64, index: u64) -> u64 {
 }
 
 /// A frame of ours the peer may read, with the pool it returns to.
-struct Exposed {
-    window: ExposedBuffer,
-    pool: Arc<LargePool>,
+/// A frame of ours the peer may READ until DONE (or the time-out).
+enum Exposed {
+    /// The application's payload, read where it lies (no copy).
+    Payload(ExposedBytes),
+    /// A copy of the frame in a pooled buffer.
+    Pooled {
+        window: ExposedBuffer,
+        pool: Arc<LargePool>,
+    },
+}
+
+impl Exposed {
+    /// Revokes the window and frees (or returns) its memory.
+    fn release(self) {
+        match self {
+            Exposed::Payload(window) => {
+                window.revoke();
+            }
+            Exposed::Pooled { window, pool } => {
+                if let Some(buffer) = window.revoke() {
+                    drop(PooledBuffer::restore(buffer, pool));
+                }
+            }
+        }
+    }
 }
 
 /// What the application's stream half shares with the driver.
@@ -105,9 +127,9 @@ pub(crate) struct Driver {
     next_read_id: u64,
     device: Arc<Device>,
     protocol: Protocol,
-    outgoing: mpsc::Receiver<Bytes>,
+    outgoing: mpsc::Receiver<EncodedFrame>,
     outgoing_open: bool,
-    stashed: Option<Bytes>,
+    stashed: Option<EncodedFrame>,
     inbound: Option<mpsc::UnboundedSender<Result<Bytes, TransportError>>>,
     inbound_shared: Arc<InboundShared>,
     inbound_limit: usize,
@@ -155,7 +177,7 @@ impl Driver {
         protocol: Protocol,
         config: &RdmaConfig,
         socket: TcpStream,
-        outgoing: mpsc::Receiver<Bytes>,
+        outgoing: mpsc::Receiver<EncodedFrame>,
         inbound: mpsc::UnboundedSender<Result<Bytes, TransportError>>,
         inbound_shared: Arc<InboundShared>,
         budget: Option<ConnectionBudget>,
@@ -450,7 +472,7 @@ impl Driver {
             }
             progressed = true;
             match route {
-                Route::Eager => self.protocol.send_eager(frame),
+                Route::Eager => self.protocol.send_eager(frame.into_contiguous()),
                 Route::Rendezvous => self.expose(frame)?,
             }
         }
@@ -460,8 +482,37 @@ impl Driver {
         Ok(progressed)
     }
 
+    /// Exposes a large frame to the peer's READs: its payload where it lies,
+    /// with the head inline in the announcement, when the head fits there;
+    /// else a copy of the frame in a pooled buffer.
+    fn expose(&mut self, frame: EncodedFrame) -> Result<(), String> {
+        if frame.payload.is_empty() || frame.head.len() > self.protocol.max_announce_head() {
+            return self.expose_copy(frame.into_contiguous());
+        }
+        let window = ExposedBytes::expose(&self.device.pd, &self.qp, frame.payload)
+            .map_err(|error| format!("exposing a rendezvous payload: {error}"))?;
+        let (addr, len, rkey) = self.forged(window.addr(), window.len() as u64, window.rkey());
+        let token = self
+            .protocol
+            .send_rendezvous(frame.head, addr, len, rkey, Instant::now());
+        self.exposed.insert(token, Exposed::Payload(window));
+        Ok(())
+    }
+
+    /// What the announcement says about a window: the truth, unless a test
+    /// asked this side to forge it.
+    fn forged(&self, mut addr: u64, mut len: u64, mut rkey: u32) -> (u64, u64, u32) {
+        match self.fault {
+            Some(Fault::ForgeRkey) => rkey ^= 0x5a5a_0000,
+            Some(Fault::ForgeRange) => addr += 1 << 30,
+            Some(Fault::ForgeLength(extra)) => len += extra,
+            None => {}
+        }
+        (addr, len, rkey)
+    }
+
     /// Copies a large frame into a pooled buffer and exposes exactly its bytes.
-    fn expose(&mut self, frame: Bytes) -> Result<(), String> {
+    fn expose_copy(&mut self, frame: Bytes) -> Result<(), String> {
         let mut buffer = self
             .device
             .large
@@ -476,17 +527,11 @@ impl Driver {
                 return Err(format!("exposing a rendezvous frame: {}", failed.error));
             }
         };
-        let (mut addr, mut len, mut rkey) = (window.addr(), window.len() as u64, window.rkey());
-        match self.fault {
-            Some(Fault::ForgeRkey) => rkey ^= 0x5a5a_0000,
-            Some(Fault::ForgeRange) => addr += 1 << 30,
-            Some(Fault::ForgeLength(extra)) => len += extra,
-            None => {}
-        }
+        let (addr, len, rkey) = self.forged(window.addr(), window.len() as u64, window.rkey());
         let token = self
             .protocol
-            .send_rendezvous(addr, len, rkey, Instant::now());
-        self.exposed.insert(token, Exposed { window, pool });
+            .send_rendezvous(Bytes::new(), addr, len, rkey, Instant::now());
+        self.exposed.insert(token, Exposed::Pooled { window, pool });
         Ok(())
     }
 
@@ -631,9 +676,7 @@ impl Driver {
                         tracing::warn!(token, "rendezvous frame not pulled in time: revoked");
                     }
                     if let Some(exposed) = self.exposed.remove(&token) {
-                        if let Some(buffer) = exposed.window.revoke() {
-                            drop(PooledBuffer::restore(buffer, exposed.pool));
-                        }
+                        exposed.release();
                     }
                 }
             }
@@ -701,11 +744,13 @@ impl Driver {
             progressed = true;
             let frame = match inbound {
                 Inbound::Frame(frame) => frame,
-                Inbound::Pulled { token, len } => {
-                    let destination = self
+                Inbound::Pulled { token, len, head } => {
+                    let mut destination = self
                         .destinations
                         .remove(&token)
                         .expect("a pulled frame has its destination");
+                    // Every READ completed: the head goes in front of what they wrote.
+                    destination.buffer_mut().as_mut_slice()[..head.len()].copy_from_slice(&head);
                     let frame = destination.into_bytes(len as usize);
                     match self.reservations.remove(&token) {
                         Some(reservation) => reservation.attach(frame),
@@ -819,11 +864,9 @@ fn write_message(slot: &mut [u8], message: &Message) -> usize {
         slot[len..len + body.len()].copy_from_slice(&body);
         len += body.len();
     }
-    if let crate::protocol::Body::Data(frame) = &message.body {
-        slot[len..len + frame.len()].copy_from_slice(frame);
-        len += frame.len();
-    }
-    len
+    let tail = message.tail();
+    slot[len..len + tail.len()].copy_from_slice(tail);
+    len + tail.len()
 }
 
 fn describe_failure(completion: &WorkCompletion, tag: u64) -> String {

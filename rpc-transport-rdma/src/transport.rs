@@ -641,7 +641,10 @@ async fn establish(
     );
     tokio::spawn(driver.run());
     Ok(Connection {
-        sink: Box::pin(PollSender::new(outgoing_tx).sink_map_err(|_| TransportError::Closed)),
+        sink: Box::pin(
+            PollSender::<rpc_core::frame::EncodedFrame>::new(outgoing_tx)
+                .sink_map_err(|_| TransportError::Closed),
+        ),
         stream: Box::pin(InboundFrames {
             receiver: inbound_rx,
             shared,

@@ -203,7 +203,7 @@ impl ClientConnection {
             ))
             .into());
         }
-        let encoded = frame.encode();
+        let encoded = frame.encode_parts();
         let closed = || {
             let status = self
                 .shared
@@ -251,7 +251,7 @@ impl ClientConnection {
         if was_pending {
             // At most one per call: bounded without taking room from requests.
             let cancel = Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
-            let _ = self.outbound.send_unbounded(cancel.encode());
+            let _ = self.outbound.send_unbounded(cancel.encode_parts());
         }
     }
 }
@@ -364,7 +364,7 @@ async fn read_frames(
                 if silent >= keepalive.interval {
                     // One per period at most: bounded without taking room from requests.
                     let ping = Frame::control(FrameKind::Ping, FrameFlags::EMPTY, 0);
-                    let _ = outbound.send_unbounded(ping.encode());
+                    let _ = outbound.send_unbounded(ping.encode_parts());
                 }
                 continue;
             }
@@ -402,7 +402,8 @@ async fn read_frames(
             }
             FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
                 // Never wait here (responses must keep draining): no room, no answer.
-                let pong = Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id).encode();
+                let pong =
+                    Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id).encode_parts();
                 if let Some(space) = outbound.try_reserve(pong.len()) {
                     let _ = outbound.send_reserved(pong, space);
                 }

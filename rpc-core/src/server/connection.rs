@@ -27,7 +27,7 @@ use tracing::Instrument;
 use super::stats::{ConnectionSlot, PausedGuard, StatsInner};
 use super::{CLOSE_LINGER, ServerConfig};
 use crate::conn_io::{OutboundQueue, QueueClosed, Space, write_frames};
-use crate::frame::{Frame, FrameFlags, FrameKind};
+use crate::frame::{EncodedFrame, Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
@@ -55,7 +55,7 @@ enum Ending {
 /// A frame the connection task must send but has no room for yet; while one
 /// waits, the connection reads nothing.
 struct Blocked {
-    frame: Bytes,
+    frame: EncodedFrame,
     room: Reserving,
     _paused: PausedGuard,
 }
@@ -73,7 +73,7 @@ fn queue_or_block(
     outbound: &OutboundQueue,
     stats: &Arc<StatsInner>,
     blocked: &mut Option<Blocked>,
-    frame: Bytes,
+    frame: EncodedFrame,
 ) {
     debug_assert!(
         blocked.is_none(),
@@ -138,7 +138,7 @@ pub(crate) async fn serve_connection(
             () = &mut shutting_down, if !draining => {
                 draining = true;
                 let goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
-                let _ = outbound.send_unbounded(goaway.encode());
+                let _ = outbound.send_unbounded(goaway.encode_parts());
                 if in_flight.is_empty() {
                     break Ending::Drained;
                 }
@@ -218,7 +218,7 @@ pub(crate) async fn serve_connection(
                         if let Some(status) = refusal {
                             last_activity = Instant::now();
                             drop(frame);
-                            let refusal = status_frame(call_id, status).encode();
+                            let refusal = status_frame(call_id, status).encode_parts();
                             queue_or_block(&outbound, &stats, &mut blocked, refusal);
                             continue;
                         }
@@ -236,7 +236,7 @@ pub(crate) async fn serve_connection(
                     }
                     FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
                         let pong = Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id);
-                        queue_or_block(&outbound, &stats, &mut blocked, pong.encode());
+                        queue_or_block(&outbound, &stats, &mut blocked, pong.encode_parts());
                     }
                     FrameKind::Ping | FrameKind::GoAway => {}
                     FrameKind::Response => {
@@ -259,7 +259,7 @@ pub(crate) async fn serve_connection(
             tracing::debug!(%peer, ?idle_timeout, "closing idle connection");
             stats.idle_closed.fetch_add(1, Ordering::Relaxed);
             let goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
-            let _ = outbound.send_unbounded(goaway.encode());
+            let _ = outbound.send_unbounded(goaway.encode_parts());
             linger = true;
         }
         Ending::Failed(reason) => tracing::warn!(%peer, "connection failed: {reason}"),
@@ -272,7 +272,7 @@ pub(crate) async fn serve_connection(
             let mut goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
             goaway.status = Code::Internal;
             goaway.payload = Bytes::from(reason.clone());
-            let _ = outbound.send_unbounded(goaway.encode());
+            let _ = outbound.send_unbounded(goaway.encode_parts());
         }
     }
     drop(blocked);
@@ -367,7 +367,7 @@ async fn run_call(
     };
     tracing::debug!(parent: &span, code = ?response.status, elapsed_us = started.map_or(0, |started| started.elapsed().as_micros() as u64), "call finished");
     // Waits for room in the queue; if the writer is gone there is no one to tell.
-    let response = response.encode();
+    let response = response.encode_parts();
     match outbound.try_reserve(response.len()) {
         Some(space) => {
             let _ = outbound.send_reserved(response, space);

@@ -532,7 +532,7 @@ async fn refuse(
     goaway.status = Code::ResourceExhausted;
     goaway.payload = Bytes::from(reason);
     let refusal = async {
-        if sink.send(goaway.encode()).await.is_ok()
+        if sink.send(goaway.encode_parts()).await.is_ok()
             && sink.close().await.is_ok()
             && linger.is_some()
         {

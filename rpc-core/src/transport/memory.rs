@@ -25,7 +25,7 @@ use super::{
     Connection, ConnectionBudget, Endpoint, Listener, ReceiveBudget, Transport, TransportConfig,
     TransportError,
 };
-use crate::frame::FrameError;
+use crate::frame::{EncodedFrame, FrameError};
 
 /// Frames a direction of a connection buffers before the sender waits.
 pub const QUEUE_FRAMES: usize = 256;
@@ -50,7 +50,7 @@ fn listeners() -> std::sync::MutexGuard<'static, HashMap<String, Bound>> {
 }
 
 struct FrameReceiver {
-    receiver: mpsc::Receiver<Bytes>,
+    receiver: mpsc::Receiver<EncodedFrame>,
     max_frame_len: usize,
     budget: Option<ConnectionBudget>,
     /// A received frame waiting for room in the budget.
@@ -71,7 +71,9 @@ impl Stream for FrameReceiver {
                     let (len, max) = (frame.len(), this.max_frame_len);
                     return Poll::Ready(Some(Err(FrameError::TooLarge { len, max }.into())));
                 }
-                Poll::Ready(Some(frame)) => frame,
+                // The receiver decodes one buffer: a frame sent in two parts
+                // is joined here (the one copy tcp:// saves with writev).
+                Poll::Ready(Some(frame)) => frame.into_contiguous(),
             },
         };
         let Some(budget) = &mut this.budget else {
@@ -89,8 +91,8 @@ impl Stream for FrameReceiver {
 }
 
 fn half(
-    sender: mpsc::Sender<Bytes>,
-    receiver: mpsc::Receiver<Bytes>,
+    sender: mpsc::Sender<EncodedFrame>,
+    receiver: mpsc::Receiver<EncodedFrame>,
     max_frame_len: usize,
     budget: Option<ConnectionBudget>,
     peer: String,

@@ -33,14 +33,14 @@ use futures_core::Stream;
 use futures_util::Sink;
 use futures_util::future::BoxFuture;
 
-use crate::frame::{DEFAULT_MAX_FRAME_LEN, FrameError};
+use crate::frame::{DEFAULT_MAX_FRAME_LEN, EncodedFrame, FrameError};
 use crate::status::BoxError;
 
 pub use budget::{ConnectionBudget, PER_CONNECTION_ALLOWANCE, ReceiveBudget, Reservation};
 pub use endpoint::Endpoint;
 
 /// Sends whole frames. `poll_flush` pushes everything fed so far to the peer.
-pub type FrameSink = Pin<Box<dyn Sink<Bytes, Error = TransportError> + Send>>;
+pub type FrameSink = Pin<Box<dyn Sink<EncodedFrame, Error = TransportError> + Send>>;
 /// Receives whole frames; ends (`None`) when the peer closed the connection cleanly.
 pub type FrameStream = Pin<Box<dyn Stream<Item = Result<Bytes, TransportError>> + Send>>;
 

@@ -25,7 +25,7 @@ use super::{
     Connection, ConnectionBudget, Endpoint, Listener, ReceiveBudget, Reservation, Transport,
     TransportConfig, TransportError,
 };
-use crate::frame::FrameError;
+use crate::frame::{EncodedFrame, FrameError};
 
 /// Size of the length prefix in front of every frame.
 pub const LENGTH_PREFIX_LEN: usize = 4;
@@ -309,8 +309,9 @@ struct Outgoing {
     prefix: [u8; LENGTH_PREFIX_LEN],
     /// Bytes of the prefix already written.
     prefix_sent: usize,
-    /// What is left of the frame.
-    frame: Bytes,
+    /// What is left of the frame's head, then of its payload.
+    head: Bytes,
+    payload: Bytes,
 }
 
 impl<W> std::fmt::Debug for FrameWriter<W> {
@@ -337,16 +338,18 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
             let mut slices = [IoSlice::new(&[]); MAX_IOV];
             let mut count = 0;
             for outgoing in &self.queue {
-                if count + 2 > MAX_IOV {
+                if count + 3 > MAX_IOV {
                     break;
                 }
                 if outgoing.prefix_sent < LENGTH_PREFIX_LEN {
                     slices[count] = IoSlice::new(&outgoing.prefix[outgoing.prefix_sent..]);
                     count += 1;
                 }
-                if !outgoing.frame.is_empty() {
-                    slices[count] = IoSlice::new(&outgoing.frame);
-                    count += 1;
+                for part in [&outgoing.head, &outgoing.payload] {
+                    if !part.is_empty() {
+                        slices[count] = IoSlice::new(part);
+                        count += 1;
+                    }
                 }
             }
             let mut written =
@@ -362,10 +365,15 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
                 let prefix = (LENGTH_PREFIX_LEN - front.prefix_sent).min(written);
                 front.prefix_sent += prefix;
                 written -= prefix;
-                let body = front.frame.len().min(written);
-                front.frame.advance(body);
-                written -= body;
-                if front.prefix_sent == LENGTH_PREFIX_LEN && front.frame.is_empty() {
+                for part in [&mut front.head, &mut front.payload] {
+                    let taken = part.len().min(written);
+                    part.advance(taken);
+                    written -= taken;
+                }
+                if front.prefix_sent == LENGTH_PREFIX_LEN
+                    && front.head.is_empty()
+                    && front.payload.is_empty()
+                {
                     self.queue.pop_front();
                 }
             }
@@ -374,7 +382,7 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     }
 }
 
-impl<W: AsyncWrite + Unpin> Sink<Bytes> for FrameWriter<W> {
+impl<W: AsyncWrite + Unpin> Sink<EncodedFrame> for FrameWriter<W> {
     type Error = TransportError;
 
     fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), TransportError>> {
@@ -385,7 +393,7 @@ impl<W: AsyncWrite + Unpin> Sink<Bytes> for FrameWriter<W> {
         Poll::Ready(Ok(()))
     }
 
-    fn start_send(self: Pin<&mut Self>, frame: Bytes) -> Result<(), TransportError> {
+    fn start_send(self: Pin<&mut Self>, frame: EncodedFrame) -> Result<(), TransportError> {
         let this = self.get_mut();
         let len = u32::try_from(frame.len()).map_err(|_| FrameError::TooLarge {
             len: frame.len(),
@@ -395,7 +403,8 @@ impl<W: AsyncWrite + Unpin> Sink<Bytes> for FrameWriter<W> {
         this.queue.push_back(Outgoing {
             prefix: len.to_le_bytes(),
             prefix_sent: 0,
-            frame,
+            head: frame.head,
+            payload: frame.payload,
         });
         Ok(())
     }
@@ -547,9 +556,14 @@ mod tests {
         let small = Bytes::from_static(b"hello");
         let large = Bytes::from((0..300_000u32).map(|i| i as u8).collect::<Vec<u8>>());
         let sending = tokio::spawn(async move {
-            writer.feed(small).await.unwrap();
-            writer.feed(Bytes::new()).await.unwrap();
-            writer.feed(large).await.unwrap();
+            writer.feed(small.into()).await.unwrap();
+            writer.feed(Bytes::new().into()).await.unwrap();
+            // In two parts, as `Frame::encode_parts` makes them: one frame on the wire.
+            let parts = EncodedFrame {
+                head: large.slice(..1000),
+                payload: large.slice(1000..),
+            };
+            writer.feed(parts).await.unwrap();
             writer.flush().await.unwrap();
             writer
         });

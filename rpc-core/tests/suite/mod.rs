@@ -423,7 +423,7 @@ pub async fn deadline_exceeded_locally_and_on_the_server(bed: &dyn Bed) {
         Bytes::new(),
     );
     use futures_util::{SinkExt, StreamExt};
-    raw.sink.send(frame.encode()).await.unwrap();
+    raw.sink.send(frame.encode().into()).await.unwrap();
     let reply = tokio::time::timeout(Duration::from_secs(5), raw.stream.next())
         .await
         .unwrap()
@@ -681,7 +681,7 @@ async fn send_raw_and_expect_close(endpoint: &Endpoint, message: Bytes) -> Optio
     let config = TransportConfig::default();
     let mut raw = transport::connect(endpoint, &config).await.unwrap();
     // The server may close before a large message is fully written.
-    let _ = raw.sink.send(message).await;
+    let _ = raw.sink.send(message.into()).await;
     let mut reason = None;
     loop {
         match tokio::time::timeout(Duration::from_secs(5), raw.stream.next())

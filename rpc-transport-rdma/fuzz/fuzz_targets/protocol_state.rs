@@ -66,6 +66,7 @@ enum Forged {
         addr: u64,
         len: u64,
         rkey: u32,
+        head_len: u8,
     },
     /// An announcement of a window the forging side really exposed, under
     /// another token (the same memory announced again and again).
@@ -157,11 +158,23 @@ impl Pair {
                 match route {
                     Route::Eager => s.protocol.send_eager(bytes),
                     Route::Rendezvous => {
+                        // Some of the frame inline (as the driver sends a
+                        // frame's head), the rest behind the window.
+                        let head_len = (len % 61)
+                            .min(s.protocol.max_announce_head())
+                            .min(len - 1);
+                        let remote = bytes.slice(head_len..);
                         let addr = s.next_addr;
-                        s.next_addr += len as u64 + 4096;
+                        s.next_addr += remote.len() as u64 + 4096;
                         let rkey = (addr >> 12) as u32;
-                        let token = s.protocol.send_rendezvous(addr, len as u64, rkey, self.now);
-                        assert!(s.exposed.insert(token, (addr, rkey, bytes)).is_none());
+                        let token = s.protocol.send_rendezvous(
+                            bytes.slice(..head_len),
+                            addr,
+                            remote.len() as u64,
+                            rkey,
+                            self.now,
+                        );
+                        assert!(s.exposed.insert(token, (addr, rkey, remote)).is_none());
                     }
                 }
             }
@@ -201,6 +214,7 @@ impl Pair {
                         addr,
                         len,
                         rkey,
+                        head_len,
                     } => Message {
                         credits,
                         body: Body::Announce(Announce {
@@ -208,6 +222,7 @@ impl Pair {
                             addr,
                             len,
                             rkey,
+                            head: frame(usize::from(head_len), 3),
                         }),
                     },
                     Forged::Replay { credits, token } => {
@@ -221,6 +236,7 @@ impl Pair {
                                 addr: *addr,
                                 len: bytes.len() as u64,
                                 rkey: *rkey,
+                                head: bytes::Bytes::new(),
                             }),
                         }
                     }
@@ -360,12 +376,13 @@ impl Pair {
             self.moves += 1;
             let bytes = match inbound {
                 Inbound::Frame(frame) => frame,
-                Inbound::Pulled { token, len } => {
-                    let bytes = s
+                Inbound::Pulled { token, len, head } => {
+                    let mut bytes = s
                         .destinations
                         .remove(&token)
                         .expect("a pulled frame has its destination");
                     assert_eq!(bytes.len() as u64, len);
+                    bytes[..head.len()].copy_from_slice(&head);
                     bytes.into()
                 }
                 Inbound::Closed => continue,

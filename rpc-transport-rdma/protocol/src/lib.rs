@@ -33,9 +33,11 @@
 //! meets an empty receive queue: no RNR, whatever the load.
 //!
 //! **Eager and rendezvous.** A frame up to the eager threshold travels inside
-//! the message. A larger one stays in the sender's registered memory behind a
-//! window that covers exactly the frame (REMOTE_READ only); the message
-//! announces `{token, addr, len, rkey}`. The receiver checks the length
+//! the message. A larger one stays in the sender's memory behind a window
+//! that covers exactly its bytes (REMOTE_READ only); the message announces
+//! `{token, addr, len, rkey}` and carries the frame's first bytes (its head:
+//! header, path, metadata) inline, so a payload is read where the
+//! application's `Bytes` already hold it. The receiver checks the length
 //! against its limit before allocating anything, pulls the frame in chunks
 //! with at most `max_outstanding_reads` READs in flight, then answers DONE so
 //! the sender revokes the window. A window the receiver never finishes is
@@ -377,7 +379,7 @@ pub enum Event {
 pub struct ReadRequest {
     /// Which pull.
     pub token: u64,
-    /// Offset in the destination (and in the announced frame).
+    /// Offset in the destination: in the frame, after the inline head.
     pub offset: u64,
     /// Bytes.
     pub len: u64,
@@ -392,12 +394,15 @@ pub struct ReadRequest {
 pub enum Inbound {
     /// An eager frame.
     Frame(Bytes),
-    /// The pulled frame of `token` is complete in its destination.
+    /// The READs of `token` completed: the frame is `head` followed by what
+    /// they put in its destination (which left room for `head` in front).
     Pulled {
         /// The announcement's token.
         token: u64,
-        /// Bytes.
+        /// Bytes of the whole frame, `head` included.
         len: u64,
+        /// The frame's first bytes, from the announcement.
+        head: Bytes,
     },
     /// The peer sends no more frames.
     Closed,
@@ -496,6 +501,12 @@ impl Protocol {
         }
     }
 
+    /// The most head bytes an announcement can carry inline (what is left
+    /// of the peer's receive slot after the header and the announce body).
+    pub fn max_announce_head(&self) -> usize {
+        (self.peer.slot_len as usize).saturating_sub(HEADER_LEN + message::ANNOUNCE_BODY_LEN)
+    }
+
     /// The largest frame the peer accepts.
     pub fn peer_max_frame_len(&self) -> u64 {
         self.peer.max_frame_len
@@ -515,9 +526,24 @@ impl Protocol {
         self.queue.push_back(Body::Data(frame));
     }
 
-    /// Queues the announcement of a frame of `len` bytes that the driver put
-    /// behind a window at `addr` with `rkey`; returns its token.
-    pub fn send_rendezvous(&mut self, addr: u64, len: u64, rkey: u32, now: Instant) -> u64 {
+    /// Queues the announcement of a frame that is `head` followed by `len`
+    /// bytes the driver put behind a window at `addr` with `rkey`; returns
+    /// its token.
+    ///
+    /// # Panics
+    /// When `head` is longer than [`Protocol::max_announce_head`].
+    pub fn send_rendezvous(
+        &mut self,
+        head: Bytes,
+        addr: u64,
+        len: u64,
+        rkey: u32,
+        now: Instant,
+    ) -> u64 {
+        assert!(
+            head.len() <= self.max_announce_head(),
+            "an announcement's head must fit the peer's slot"
+        );
         let token = self.next_token;
         self.next_token += 1;
         self.exposed
@@ -527,6 +553,7 @@ impl Protocol {
             addr,
             len,
             rkey,
+            head,
         }));
         token
     }
@@ -578,9 +605,9 @@ impl Protocol {
                 if self.close_received {
                     return Err(ProtocolError::AfterClose);
                 }
-                if announce.len > self.local.max_frame_len {
+                if announce.frame_len() > self.local.max_frame_len {
                     return Err(ProtocolError::TooLarge {
-                        len: announce.len,
+                        len: announce.frame_len(),
                         max: self.local.max_frame_len,
                     });
                 }
@@ -602,6 +629,7 @@ impl Protocol {
                     });
                 }
                 self.unanswered += 1;
+                let token = announce.token;
                 self.pulls.insert(
                     announce.token,
                     Pull {
@@ -611,8 +639,8 @@ impl Protocol {
                         received: 0,
                     },
                 );
-                self.pull_order.push_back(announce.token);
-                self.pending.push_back(Pending::Pull(announce.token));
+                self.pull_order.push_back(token);
+                self.pending.push_back(Pending::Pull(token));
             }
             Body::Done { token } => {
                 if self.exposed.remove(&token).is_some() {
@@ -751,7 +779,7 @@ impl Protocol {
             self.active_pulls += 1;
             return Some(Event::Allocate {
                 token,
-                len: pull.announce.len,
+                len: pull.announce.frame_len(),
             });
         }
         None
@@ -786,7 +814,7 @@ impl Protocol {
             self.reads_outstanding += 1;
             return Some(ReadRequest {
                 token: *token,
-                offset,
+                offset: pull.announce.head.len() as u64 + offset,
                 len,
                 remote_addr: pull.announce.addr + offset,
                 rkey: pull.announce.rkey,
@@ -809,10 +837,13 @@ impl Protocol {
                 if pull.received < pull.announce.len {
                     return None;
                 }
-                let len = pull.announce.len;
-                self.pulls.remove(&token);
+                let pull = self.pulls.remove(&token).expect("looked up above");
                 self.pending.pop_front();
-                Some(Inbound::Pulled { token, len })
+                Some(Inbound::Pulled {
+                    token,
+                    len: pull.announce.frame_len(),
+                    head: pull.announce.head,
+                })
             }
             Pending::Closed => {
                 self.pending.pop_front();

@@ -12,30 +12,42 @@
 //! | 8 | 8 | token (ANNOUNCE, DONE), else zero (u64 LE) |
 //!
 //! Then, by kind: DATA carries one whole rpc-core frame; ANNOUNCE carries
-//! `addr: u64 | len: u64 | rkey: u32 | reserved: u32` (the frame waits in the
-//! sender's memory for an RDMA READ); DONE, CREDIT and CLOSE carry nothing.
+//! `addr: u64 | len: u64 | rkey: u32 | head_len: u32` and then `head_len`
+//! bytes: the frame is those bytes followed by the `len` bytes that wait in
+//! the sender's memory at `addr` for an RDMA READ (a frame's small head rides
+//! in the message, so its large payload can be read where it already lies);
+//! DONE, CREDIT and CLOSE carry nothing.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// Version byte of every message.
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 /// Bytes of the common header.
 pub const HEADER_LEN: usize = 16;
-/// Bytes of an ANNOUNCE body.
+/// Bytes of an ANNOUNCE body before its inline head.
 pub const ANNOUNCE_BODY_LEN: usize = 24;
 
-/// A rendezvous announcement: the frame is `len` bytes at `addr`, readable
-/// with `rkey`, until the receiver says DONE for `token`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A rendezvous announcement: the frame is `head` followed by `len` bytes at
+/// `addr`, readable with `rkey` until the receiver says DONE for `token`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Announce {
     /// Names this transfer in DONE.
     pub token: u64,
     /// Address in the sender.
     pub addr: u64,
-    /// Bytes.
+    /// Bytes to READ (not counting `head`).
     pub len: u64,
     /// Key of the window that covers exactly `addr..addr + len`.
     pub rkey: u32,
+    /// The frame's first bytes, carried in the message (may be empty).
+    pub head: Bytes,
+}
+
+impl Announce {
+    /// Bytes of the whole frame: the inline head and the remote part.
+    pub fn frame_len(&self) -> u64 {
+        self.head.len() as u64 + self.len
+    }
 }
 
 /// What a message says.
@@ -92,8 +104,9 @@ const KIND_CREDIT: u8 = 4;
 const KIND_CLOSE: u8 = 5;
 
 impl Message {
-    /// The header, and the body bytes that follow it (a DATA frame is not
-    /// copied here: the caller gathers header and frame into its send slot).
+    /// The header, and the fixed body bytes that follow it (the
+    /// [`tail`](Message::tail) is not copied here: the caller gathers header,
+    /// body and tail into its send slot).
     pub fn encode_header(&self) -> ([u8; HEADER_LEN], Option<[u8; ANNOUNCE_BODY_LEN]>) {
         let (kind, token) = match &self.body {
             Body::Data(_) => (KIND_DATA, 0),
@@ -113,6 +126,8 @@ impl Message {
                 body[0..8].copy_from_slice(&announce.addr.to_le_bytes());
                 body[8..16].copy_from_slice(&announce.len.to_le_bytes());
                 body[16..20].copy_from_slice(&announce.rkey.to_le_bytes());
+                let head_len = u32::try_from(announce.head.len()).expect("a head fits a slot");
+                body[20..24].copy_from_slice(&head_len.to_le_bytes());
                 Some(body)
             }
             _ => None,
@@ -120,12 +135,22 @@ impl Message {
         (header, announce)
     }
 
+    /// The variable bytes after the header and any fixed body: a DATA
+    /// message's frame, an ANNOUNCE's inline head; empty otherwise.
+    pub fn tail(&self) -> &[u8] {
+        match &self.body {
+            Body::Data(frame) => frame,
+            Body::Announce(announce) => &announce.head,
+            _ => &[],
+        }
+    }
+
     /// Bytes this message occupies in a slot.
     pub fn encoded_len(&self) -> usize {
         HEADER_LEN
             + match &self.body {
                 Body::Data(frame) => frame.len(),
-                Body::Announce(_) => ANNOUNCE_BODY_LEN,
+                Body::Announce(announce) => ANNOUNCE_BODY_LEN + announce.head.len(),
                 _ => 0,
             }
     }
@@ -138,9 +163,7 @@ impl Message {
         if let Some(body) = announce {
             out.put_slice(&body);
         }
-        if let Body::Data(frame) = &self.body {
-            out.put_slice(frame);
-        }
+        out.put_slice(self.tail());
         out.freeze()
     }
 
@@ -179,20 +202,28 @@ impl Message {
                 Body::Data(bytes.slice(HEADER_LEN..))
             }
             KIND_ANNOUNCE => {
-                if rest != ANNOUNCE_BODY_LEN {
+                if rest < ANNOUNCE_BODY_LEN {
                     return Err(MessageError::Truncated { len: bytes.len() });
                 }
                 let body = &bytes[HEADER_LEN..];
-                if body[20..24] != [0; 4] {
-                    return Err(MessageError::Malformed(
-                        "reserved announce bytes are not zero",
-                    ));
+                let head_len = u32::from_le_bytes(body[20..24].try_into().expect("4 bytes"));
+                match (rest - ANNOUNCE_BODY_LEN).cmp(&(head_len as usize)) {
+                    std::cmp::Ordering::Less => {
+                        return Err(MessageError::Truncated { len: bytes.len() });
+                    }
+                    std::cmp::Ordering::Greater => {
+                        return Err(MessageError::Malformed(
+                            "bytes after an announcement's head",
+                        ));
+                    }
+                    std::cmp::Ordering::Equal => {}
                 }
                 Body::Announce(Announce {
                     token,
                     addr: u64::from_le_bytes(body[0..8].try_into().expect("8 bytes")),
                     len: u64::from_le_bytes(body[8..16].try_into().expect("8 bytes")),
                     rkey: u32::from_le_bytes(body[16..20].try_into().expect("4 bytes")),
+                    head: bytes.slice(HEADER_LEN + ANNOUNCE_BODY_LEN..),
                 })
             }
             KIND_DONE => fixed(Body::Done { token })?,
@@ -225,6 +256,17 @@ mod tests {
                     addr: 0x7f00_0000_1000,
                     len: 1 << 20,
                     rkey: 0xdead,
+                    head: Bytes::new(),
+                }),
+            },
+            Message {
+                credits: 2,
+                body: Body::Announce(Announce {
+                    token: 10,
+                    addr: 0x7f00_0000_2000,
+                    len: 1 << 30,
+                    rkey: 0xbeef,
+                    head: Bytes::from_static(b"the frame's header, path and metadata"),
                 }),
             },
             Message {
@@ -260,7 +302,24 @@ mod tests {
         .encode();
         assert_eq!(
             &bytes[..],
-            &[1, 3, 0, 0, 4, 3, 2, 1, 0x22, 0x11, 0, 0, 0, 0, 0, 0]
+            &[
+                PROTOCOL_VERSION,
+                3,
+                0,
+                0,
+                4,
+                3,
+                2,
+                1,
+                0x22,
+                0x11,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0
+            ]
         );
     }
 
@@ -278,12 +337,12 @@ mod tests {
             );
         }
         let mut bad = done.to_vec();
-        bad[0] = 2;
+        bad[0] = PROTOCOL_VERSION + 1;
         assert_eq!(
             Message::decode(bad.clone().into()),
-            Err(MessageError::Version(2))
+            Err(MessageError::Version(PROTOCOL_VERSION + 1))
         );
-        bad[0] = 1;
+        bad[0] = PROTOCOL_VERSION;
         bad[1] = 77;
         assert_eq!(Message::decode(bad.into()), Err(MessageError::Kind(77)));
         let mut trailing = done.to_vec();
@@ -297,7 +356,19 @@ mod tests {
             Message::decode(announce.slice(..announce.len() - 1)),
             Err(MessageError::Truncated { .. })
         ));
-        let mut credit_with_token = all()[4].encode().to_vec();
+        // An announcement's head shorter or longer than its length field says.
+        let with_head = all()[3].encode();
+        assert!(matches!(
+            Message::decode(with_head.slice(..with_head.len() - 1)),
+            Err(MessageError::Truncated { .. })
+        ));
+        let mut longer = with_head.to_vec();
+        longer.push(0);
+        assert!(matches!(
+            Message::decode(longer.into()),
+            Err(MessageError::Malformed(_))
+        ));
+        let mut credit_with_token = all()[5].encode().to_vec();
         credit_with_token[8] = 1;
         assert!(matches!(
             Message::decode(credit_with_token.into()),

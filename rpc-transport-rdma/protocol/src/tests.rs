@@ -60,13 +60,20 @@ impl Side {
         match self.protocol.route(frame.len()) {
             Route::Eager => self.protocol.send_eager(frame),
             Route::Rendezvous => {
+                // Frames of different lengths carry heads of different
+                // lengths inline (none for some), the rest is READ.
+                let head_len = (frame.len() % 61)
+                    .min(self.protocol.max_announce_head())
+                    .min(frame.len() - 1);
+                let head = frame.slice(..head_len);
+                let remote = frame.slice(head_len..);
                 let addr = self.next_addr;
-                self.next_addr += frame.len() as u64 + 4096;
+                self.next_addr += remote.len() as u64 + 4096;
                 let rkey = (addr >> 12) as u32;
-                let token = self
-                    .protocol
-                    .send_rendezvous(addr, frame.len() as u64, rkey, now);
-                self.exposed.insert(token, (addr, rkey, frame));
+                let token =
+                    self.protocol
+                        .send_rendezvous(head, addr, remote.len() as u64, rkey, now);
+                self.exposed.insert(token, (addr, rkey, remote));
             }
         }
     }
@@ -158,13 +165,14 @@ impl Pair {
     fn memory(side: &mut Side, peer: &Side) -> bool {
         let mut progress = false;
         while let Some(read) = side.reads_in_flight.pop_front() {
-            let (addr, rkey, frame) = peer.exposed.get(&read.token).expect("still exposed");
+            let (addr, rkey, remote) = peer.exposed.get(&read.token).expect("still exposed");
             assert_eq!(read.rkey, *rkey);
             let offset = (read.remote_addr - addr) as usize;
-            assert_eq!(offset as u64, read.offset);
             let destination = side.destinations.get_mut(&read.token).expect("allocated");
-            destination[offset..offset + read.len as usize]
-                .copy_from_slice(&frame[offset..offset + read.len as usize]);
+            let head_len = destination.len() - remote.len();
+            assert_eq!((head_len + offset) as u64, read.offset);
+            destination[head_len + offset..head_len + offset + read.len as usize]
+                .copy_from_slice(&remote[offset..offset + read.len as usize]);
             side.protocol.handle_read_complete(read.token, read.len);
             progress = true;
         }
@@ -192,9 +200,10 @@ impl Pair {
         while let Some(inbound) = side.protocol.poll_inbound() {
             match inbound {
                 Inbound::Frame(frame) => side.delivered.push(frame),
-                Inbound::Pulled { token, len } => {
-                    let bytes = side.destinations.remove(&token).expect("pulled");
+                Inbound::Pulled { token, len, head } => {
+                    let mut bytes = side.destinations.remove(&token).expect("pulled");
                     assert_eq!(bytes.len() as u64, len);
+                    bytes[..head.len()].copy_from_slice(&head);
                     side.delivered.push(bytes.into());
                 }
                 Inbound::Closed => side.closed = true,
@@ -364,6 +373,7 @@ fn forged_and_broken_messages_are_errors() {
             addr: 0x1000,
             len,
             rkey: 1,
+            head: Bytes::new(),
         })
     };
 
@@ -421,7 +431,7 @@ fn an_unanswered_announcement_is_revoked_after_the_timeout() {
     let g = geometry(4, 1024);
     let mut p = Protocol::new(g, g, limits);
     let start = Instant::now();
-    let token = p.send_rendezvous(0x1000, 5000, 7, start);
+    let token = p.send_rendezvous(Bytes::new(), 0x1000, 5000, 7, start);
     assert!(p.poll_transmit().is_some());
     assert_eq!(p.poll_timeout(), Some(start + Duration::from_secs(5)));
     p.handle_timeout(start + Duration::from_secs(4));
@@ -606,6 +616,7 @@ fn an_announcement_whose_range_wraps_is_refused() {
             addr: u64::MAX - 100,
             len: 1000,
             rkey: 1,
+            head: Bytes::new(),
         }),
     )
     .unwrap_err();
@@ -628,6 +639,7 @@ fn an_announcement_whose_range_wraps_is_refused() {
             addr: u64::MAX - 1000,
             len: 1000,
             rkey: 1,
+            head: Bytes::new(),
         }),
     )
     .unwrap();
@@ -657,6 +669,7 @@ fn a_deferred_allocation_issues_no_read_and_is_asked_for_again() {
             addr: 4096,
             len: 100_000,
             rkey: 1,
+            head: Bytes::new(),
         }),
     )
     .unwrap();
@@ -737,6 +750,7 @@ fn a_flooding_peer_cannot_grow_what_waits_for_the_application() {
         addr: 0x1000,
         len: 1 << 20,
         rkey: 1,
+        head: Bytes::new(),
     });
     peer.send(&mut p, 0, announce).unwrap().unwrap();
     let mut stalled = false;
@@ -798,6 +812,7 @@ fn announcements_awaiting_done_are_bounded() {
                 addr: 0x1000,
                 len: 1,
                 rkey: 1,
+                head: Bytes::new(),
             });
             let grant = u32::from(p.send_credits() == 0);
             if let Some(Err(error)) = peer.send(&mut p, grant, announce) {

@@ -38,6 +38,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::Duration;
 
+use bytes::Bytes;
+
 /// Memory access rights of a [`MemoryRegion`] (values as in `ibv_access_flags`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct AccessFlags(u32);
@@ -1126,6 +1128,111 @@ impl Drop for ExposedBuffer {
 impl fmt::Debug for ExposedBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ExposedBuffer")
+            .field("addr", &self.addr())
+            .field("len", &self.len())
+            .field("rkey", &self.rkey())
+            .finish()
+    }
+}
+
+/// Bytes the peer may READ where they lie: a REMOTE_READ window over exactly
+/// the bytes, bound to one QP. This is how a large payload leaves without a
+/// copy: the `Bytes` (a handle on immutable memory) moves in, and is released
+/// only after the window is deregistered (leaked if that fails), so the
+/// memory stays allocated and unchanged for as long as the peer can reach it.
+/// The types enforce the rule: whoever handed the `Bytes` over cannot free or
+/// change that memory, and the window cannot outlive it.
+pub struct ExposedBytes {
+    window: Arc<dyn MemoryRegion>,
+    _tally: RegistrationTally,
+    /// `None` only after the window was deregistered (or leaked).
+    bytes: Option<Bytes>,
+}
+
+impl ExposedBytes {
+    /// Registers a REMOTE_READ window over `bytes` that only requests
+    /// arriving on `qp` may use.
+    pub fn expose(
+        pd: &Arc<dyn ProtectionDomain>,
+        qp: &Arc<dyn QueuePair>,
+        bytes: Bytes,
+    ) -> Result<ExposedBytes, VerbsError> {
+        if bytes.is_empty() {
+            return Err(VerbsError::InvalidArgument("exposing no bytes"));
+        }
+        let addr = bytes.as_ptr().cast_mut();
+        // SAFETY: the range is exactly `bytes`, which this value owns until the
+        // window is deregistered (`Drop`, `revoke`; leaked if that fails), so
+        // the memory stays allocated. The window is REMOTE_READ only and the
+        // provider only ever reads registered memory for a READ's responder,
+        // so the `*mut` is never written through; `Bytes` memory is immutable.
+        let window =
+            unsafe { pd.register_window(addr, bytes.len(), AccessFlags::REMOTE_READ, qp) }?;
+        Ok(ExposedBytes {
+            _tally: RegistrationTally::new(bytes.len(), &WINDOWS),
+            window,
+            bytes: Some(bytes),
+        })
+    }
+
+    /// Start address of the window.
+    pub fn addr(&self) -> u64 {
+        self.window.addr()
+    }
+
+    /// Length of the window.
+    pub fn len(&self) -> usize {
+        self.window.len()
+    }
+
+    /// True when the window is empty (never: empty bytes are refused).
+    pub fn is_empty(&self) -> bool {
+        self.window.is_empty()
+    }
+
+    /// The key the peer names the window by.
+    pub fn rkey(&self) -> u32 {
+        self.window.rkey()
+    }
+
+    /// The exposed bytes.
+    pub fn bytes(&self) -> &Bytes {
+        self.bytes.as_ref().expect("present until revoked")
+    }
+
+    /// Deregisters the window, then lets go of the bytes; true when the
+    /// window is gone (false: it stays, and the bytes are leaked).
+    pub fn revoke(mut self) -> bool {
+        self.revoke_window()
+    }
+
+    fn revoke_window(&mut self) -> bool {
+        let Some(bytes) = self.bytes.take() else {
+            return true;
+        };
+        match self.window.deregister() {
+            Ok(()) => {
+                drop(bytes);
+                true
+            }
+            Err(error) => {
+                tracing::error!(%error, "revoking a READ window failed; leaking its bytes");
+                std::mem::forget(bytes);
+                false
+            }
+        }
+    }
+}
+
+impl Drop for ExposedBytes {
+    fn drop(&mut self) {
+        self.revoke_window();
+    }
+}
+
+impl fmt::Debug for ExposedBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExposedBytes")
             .field("addr", &self.addr())
             .field("len", &self.len())
             .field("rkey", &self.rkey())
