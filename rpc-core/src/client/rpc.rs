@@ -1,6 +1,6 @@
 //! [`RpcClient`]: typed unary calls over any tower service of encoded requests.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tower_service::Service;
 
 use crate::codec::Codec;
@@ -56,10 +56,8 @@ where
         path: &'static str,
         mut codec: C,
     ) -> Result<Response<C::Decode>, Status> {
-        let mut request = request.try_map(|message| {
-            let mut buf = BytesMut::new();
-            codec.encode(message, &mut buf).map(|()| buf.freeze())
-        })?;
+        let mut request = request
+            .try_map(|message| crate::codec::recycle::encode_to_bytes(&mut codec, message))?;
         request.set_method(path);
         self.ready().await?;
         let response = self

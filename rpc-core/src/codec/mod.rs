@@ -5,6 +5,7 @@
 
 mod bincode;
 mod prost;
+pub mod recycle;
 
 use bytes::{Bytes, BytesMut};
 
@@ -27,6 +28,14 @@ pub trait Codec: Default + Send + 'static {
 
     /// Appends the encoding of `item` to `dst`. A failure is [`crate::Code::Internal`].
     fn encode(&mut self, item: Self::Encode, dst: &mut BytesMut) -> Result<(), Status>;
+
+    /// The encoded length of `item` if it is cheap to know: the buffer is
+    /// sized once, and a large message goes into a recycled buffer
+    /// ([`recycle`]) instead of fresh memory. `None` by default.
+    fn encoded_len(&self, item: &Self::Encode) -> Option<usize> {
+        let _ = item;
+        None
+    }
 
     /// Decodes one message from a whole payload. A failure is [`crate::Code::Internal`].
     fn decode(&mut self, src: Bytes) -> Result<Self::Decode, Status>;

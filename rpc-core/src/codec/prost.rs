@@ -34,6 +34,10 @@ where
             .map_err(|error| Status::internal(format!("failed to encode message: {error}")))
     }
 
+    fn encoded_len(&self, item: &E) -> Option<usize> {
+        Some(item.encoded_len())
+    }
+
     fn decode(&mut self, src: Bytes) -> Result<D, Status> {
         D::decode(src)
             .map_err(|error| Status::internal(format!("failed to decode message: {error}")))

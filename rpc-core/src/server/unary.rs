@@ -2,7 +2,7 @@
 
 use std::future::Future;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 use crate::codec::Codec;
 use crate::request::{Request, Response};
@@ -25,7 +25,6 @@ where
         .try_map(|payload| codec.decode(payload))
         .map_err(|status| Status::invalid_argument(status.message()))?;
     let (metadata, message) = handler(request).await?.into_parts();
-    let mut buf = BytesMut::new();
-    codec.encode(message, &mut buf)?;
-    Ok(Response::from_parts(metadata, buf.freeze()))
+    let payload = crate::codec::recycle::encode_to_bytes(&mut codec, message)?;
+    Ok(Response::from_parts(metadata, payload))
 }
