@@ -30,7 +30,7 @@ pub mod tarpc_echo {
 }
 
 /// The largest message any contender is configured to accept.
-pub const MAX_MESSAGE: usize = 80 << 20;
+pub const MAX_MESSAGE: usize = 300 << 20;
 
 /// Who is measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]

@@ -26,3 +26,14 @@ pub fn p50_p99(histogram: &Histogram<u64>) -> (f64, f64) {
 pub fn gbps(bytes: u64, elapsed: Duration) -> f64 {
     bytes as f64 / elapsed.as_secs_f64() / 1e9
 }
+
+/// This process's minor page faults so far (field 10 of `/proc/self/stat`;
+/// 0 where it cannot be read).
+pub fn minor_faults() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    stat.rsplit(')')
+        .next()
+        .and_then(|fields| fields.split_whitespace().nth(7))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+}

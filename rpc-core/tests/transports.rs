@@ -28,6 +28,11 @@ mod tcp_only {
 
     const CHILD_ENV: &str = "RPC_CORE_TEST_CHILD_SERVER";
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn gib_payload_round_trips() {
+        crate::suite::gib_payload_round_trips(&TcpBed).await;
+    }
+
     /// Writes `bytes` on a raw TCP connection and checks the server closes it.
     async fn expect_closed(addr: &str, bytes: &[u8], half_close: bool) {
         let mut stream = TcpStream::connect(addr).await.unwrap();

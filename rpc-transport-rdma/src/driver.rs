@@ -6,8 +6,10 @@
 //! in). The task's loop:
 //!
 //! 1. take outgoing frames while the protocol accepts them (eager ones go to
-//!    the protocol; a rendezvous frame is first copied into a pooled buffer and
-//!    exposed behind a REMOTE_READ window of exactly its length);
+//!    the protocol; a rendezvous frame's payload is exposed where it lies
+//!    behind a REMOTE_READ window of exactly its length, its head rides in the
+//!    announcement; a head too long for that is copied with the payload into
+//!    a pooled buffer instead);
 //! 2. poll the CQ in batches: receives are copied out and their slots
 //!    re-posted at once, send slots freed, READ chunks accounted;
 //! 3. carry out the protocol's events, READs and transmits (posted in batches);

@@ -14,10 +14,11 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use harness::*;
 use rpc_transport_rdma::verbs::{
-    AccessFlags, ConnectOptions, QpAddress, QpCaps, QpState, RecvWr, SendOp, SendWr, Sge, WcOpcode,
-    WcStatus, wait_readable,
+    AccessFlags, ConnectOptions, ExposedBytes, QpAddress, QpCaps, QpState, RecvWr, SendOp, SendWr,
+    Sge, WcOpcode, WcStatus, wait_readable,
 };
 
 const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
@@ -205,6 +206,67 @@ fn rdma_read_fills_local_sges() {
         (WcStatus::Success, WcOpcode::RdmaRead)
     );
     assert!(local.bytes() == remote.bytes(), "1 MiB READ differs");
+}
+
+/// The zero-copy send path: the peer READs an application's `Bytes` where
+/// they lie (the window's address is the bytes' own), and once the window is
+/// revoked a READ with its key fails cleanly (a completion error, no data).
+#[test]
+fn exposed_bytes_are_read_where_they_lie_and_not_after_revocation() {
+    let Some(device) = device() else { return };
+    let pair = Pair::new(&device);
+    let payload = Bytes::from(
+        (0..1usize << 20)
+            .map(|i| (i * 7) as u8)
+            .collect::<Vec<u8>>(),
+    );
+    let window = ExposedBytes::expose(&pair.b.pd, &pair.b.qp, payload.clone()).expect("expose");
+    assert_eq!(
+        window.addr(),
+        payload.as_ptr() as u64,
+        "a window over the bytes themselves"
+    );
+    assert_eq!(window.len(), payload.len());
+    let local = Buffer::new(&pair.a.pd, 1 << 20, LW);
+    pair.a.post_send(wr(
+        1,
+        SendOp::RdmaRead {
+            remote_addr: window.addr(),
+            rkey: window.rkey(),
+        },
+        vec![local.sge(0, 1 << 20)],
+    ));
+    let done = wait(&pair.a.send_cq, 1);
+    assert_eq!(done[0].status, WcStatus::Success);
+    assert!(
+        local.bytes() == &payload[..],
+        "the READ returned the application's bytes"
+    );
+
+    let (addr, rkey) = (window.addr(), window.rkey());
+    assert!(window.revoke(), "revoked");
+    pair.a.post_send(wr(
+        2,
+        SendOp::RdmaRead {
+            remote_addr: addr,
+            rkey,
+        },
+        vec![local.sge(0, 4096)],
+    ));
+    let deadline = Instant::now() + COMPLETION_TIMEOUT;
+    let mut batch = [harness::BLANK; 4];
+    let read = loop {
+        assert!(Instant::now() < deadline, "the forged READ never completed");
+        let n = pair.a.send_cq.poll(&mut batch).unwrap();
+        if let Some(read) = batch[..n].iter().find(|c| c.wr_id == 2) {
+            break *read;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert!(
+        matches!(read.status, WcStatus::RemAccessErr | WcStatus::WrFlushErr),
+        "a READ through a revoked window fails: {read:?}"
+    );
 }
 
 #[test]

@@ -9,17 +9,7 @@
 use std::time::Instant;
 
 use rdma_rpc_benches::contenders::{self, Client, Contender};
-
-/// This process's minor page faults so far (field 10 of /proc/self/stat).
-fn minor_faults() -> u64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit(')').next().unwrap_or("");
-    after
-        .split_whitespace()
-        .nth(7)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
+use rdma_rpc_benches::stats::minor_faults;
 
 fn main() {
     let mut args = std::env::args().skip(1);

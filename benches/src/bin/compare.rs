@@ -18,6 +18,7 @@ use hdrhistogram::Histogram;
 use rdma_rpc_benches::contenders::{self, Client, Contender};
 use rdma_rpc_benches::floors;
 use rdma_rpc_benches::plot::{self, Chart, Series};
+use rdma_rpc_benches::stats::minor_faults;
 use rdma_rpc_benches::stats::{gbps, histogram, record};
 use serde::Serialize;
 
@@ -43,7 +44,7 @@ impl Settings {
             warmup_calls: 300,
             throughput_seconds: 0.6,
             in_flight: vec![1, 16, 128],
-            large: vec![(1 << 20, 6), (16 << 20, 2), (64 << 20, 1)],
+            large: vec![(256 << 10, 20), (1 << 20, 6), (16 << 20, 2), (64 << 20, 1)],
             overhead_calls: 5_000,
             floor_rounds: 2_000,
         }
@@ -56,7 +57,13 @@ impl Settings {
             warmup_calls: 2_000,
             throughput_seconds: 3.0,
             in_flight: vec![1, 16, 128],
-            large: vec![(1 << 20, 40), (16 << 20, 10), (64 << 20, 4)],
+            large: vec![
+                (256 << 10, 200),
+                (1 << 20, 40),
+                (16 << 20, 10),
+                (64 << 20, 4),
+                (256 << 20, 2),
+            ],
             overhead_calls: 50_000,
             floor_rounds: 10_000,
         }
@@ -99,6 +106,8 @@ struct Measured {
     throughput_64b: Vec<(usize, f64)>,
     /// (payload bytes, GB/s counting both directions)
     goodput: Vec<(usize, f64)>,
+    /// (payload bytes, minor page faults of the client process per echo)
+    faults_per_echo: Vec<(usize, f64)>,
     /// CPU µs per empty call over the framework's in-memory transport.
     cpu_per_call_us: Option<f64>,
 }
@@ -171,16 +180,19 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
     }
 
     let mut goodput = Vec::new();
+    let mut faults_per_echo = Vec::new();
     for &(size, rounds) in &settings.large {
-        eprintln!("  {} MiB echo × {rounds}", size >> 20);
+        eprintln!("  {} echo × {rounds}", size_label(size));
         let payload = bytes::Bytes::from(vec![0x5au8; size]);
         assert_eq!(client.say(&payload).await, size, "warm-up echo");
+        let faults = minor_faults();
         let started = Instant::now();
         for _ in 0..rounds {
             assert_eq!(client.say(&payload).await, size);
         }
         let moved = 2 * size as u64 * u64::from(rounds);
         goodput.push((size, gbps(moved, started.elapsed())));
+        faults_per_echo.push((size, (minor_faults() - faults) as f64 / f64::from(rounds)));
     }
     Measured {
         contender,
@@ -188,6 +200,7 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
         latency_64b,
         throughput_64b,
         goodput,
+        faults_per_echo,
         cpu_per_call_us: None,
     }
 }
@@ -255,9 +268,19 @@ fn print_table(report: &Report) {
     }
     for (index, &(size, _)) in report.settings.large.iter().enumerate() {
         row(
-            &format!("{} MiB echo goodput (GB/s, both ways)", size >> 20),
+            &format!("{} echo goodput (GB/s, both ways)", size_label(size)),
             &|m| Some(m.goodput[index].1),
             2,
+        );
+    }
+    for (index, &(size, _)) in report.settings.large.iter().enumerate() {
+        row(
+            &format!(
+                "{} echo: client minor page faults per echo",
+                size_label(size)
+            ),
+            &|m| Some(m.faults_per_echo[index].1),
+            0,
         );
     }
     row(
@@ -316,7 +339,13 @@ fn print_goals(report: &Report) {
             .find(|(n, _)| *n == 128)
             .map_or(0.0, |(_, r)| *r)
     };
-    let largest = |m: &Measured| m.goodput.last().map_or(0.0, |(_, g)| *g);
+    let at_size = |m: &Measured, size: usize| {
+        m.goodput
+            .iter()
+            .find(|(s, _)| *s == size)
+            .map_or(0.0, |(_, g)| *g)
+    };
+    let largest = |m: &Measured| at_size(m, 64 << 20);
     let verdict = |ok: bool| if ok { "met" } else { "missed" };
     println!("\nGoals:\n");
     println!("| goal | measured | |");
@@ -347,6 +376,24 @@ fn print_goals(report: &Report) {
         "| rdma 64 MiB echo goodput ≥ 50% of memcpy | {:.0}% | {} |",
         share * 100.0,
         verdict(share >= 0.5)
+    );
+    let over_tonic = largest(rdma) / largest(tonic);
+    println!(
+        "| rdma 64 MiB echo ≥ 4× tonic (ordinary Bytes) | {over_tonic:.2}× | {} |",
+        verdict(over_tonic >= 4.0)
+    );
+    let (mut worst_tonic, mut worst_tcp) = (f64::INFINITY, f64::INFINITY);
+    for &(size, _) in &report.settings.large {
+        worst_tonic = worst_tonic.min(at_size(rdma, size) / at_size(tonic, size));
+        worst_tcp = worst_tcp.min(at_size(rdma, size) / at_size(tcp, size));
+    }
+    println!(
+        "| rdma ≥ 2× tonic at every size from 256 KiB | worst {worst_tonic:.2}× | {} |",
+        verdict(worst_tonic >= 2.0)
+    );
+    println!(
+        "| rdma ≥ 1.5× tcp:// at every size from 256 KiB | worst {worst_tcp:.2}× | {} |",
+        verdict(worst_tcp >= 1.5)
     );
     println!(
         "| tcp:// p50 ≤ tarpc p50 | {:.1} vs {:.1} µs | {} |",
@@ -509,4 +556,13 @@ fn main() {
     let written = write_outputs(&report);
     println!("\nWritten: {}", written.join(", "));
     eprintln!("[{:>5.1}s] done", started.elapsed().as_secs_f64());
+}
+
+/// `256 KiB`, `64 MiB`: a payload size for a row label.
+fn size_label(size: usize) -> String {
+    if size >= 1 << 20 {
+        format!("{} MiB", size >> 20)
+    } else {
+        format!("{} KiB", size >> 10)
+    }
 }

@@ -860,6 +860,14 @@ pub fn windows_exposed() -> u64 {
     WINDOWS.load(AtomicOrdering::Relaxed)
 }
 
+static BYTES_WINDOWS: AtomicU64 = AtomicU64::new(0);
+
+/// How many of [`windows_exposed`] were over an application's own bytes
+/// ([`ExposedBytes`]: sent without a copy) rather than over a pooled copy.
+pub fn windows_over_application_bytes() -> u64 {
+    BYTES_WINDOWS.load(AtomicOrdering::Relaxed)
+}
+
 /// Counts one live registration of `len` bytes; uncounts on drop.
 struct RegistrationTally(usize);
 
@@ -1168,6 +1176,7 @@ impl ExposedBytes {
         // so the `*mut` is never written through; `Bytes` memory is immutable.
         let window =
             unsafe { pd.register_window(addr, bytes.len(), AccessFlags::REMOTE_READ, qp) }?;
+        BYTES_WINDOWS.fetch_add(1, AtomicOrdering::Relaxed);
         Ok(ExposedBytes {
             _tally: RegistrationTally::new(bytes.len(), &WINDOWS),
             window,

@@ -43,6 +43,20 @@ async fn rendezvous_payloads_of_1_64_and_256_mib_round_trip_byte_exact() {
 }
 
 /// A client whose rendezvous announcements are forged by `fault`.
+/// 1 GiB each way over the soft provider (under the VM's TCG emulation a
+/// real device's run would take minutes: skipped there, with the reason).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gib_payload_round_trips_on_the_soft_provider() {
+    crate::require_device!();
+    if strict_config().provider.as_deref() != Some("soft") {
+        println!(
+            "skipped: 1 GiB round trip: run on the soft provider only (too slow under the VM's emulation)"
+        );
+        return;
+    }
+    crate::suite::gib_payload_round_trips(&RdmaBed).await;
+}
+
 async fn forged_call(scheme: &str, fault: Fault, server_endpoint: &str) -> rpc_core::Status {
     let mut config = strict_config();
     config.fault = Some(fault);
