@@ -7,7 +7,8 @@
 //! message then costs 16,384 page faults, which is longer than copying it.
 //! Buffers of [`RECYCLE_FROM`] bytes or more go back to a process-wide free
 //! list when the last `Bytes` over them is dropped (after the transport sent
-//! the frame, or the peer READ it), bounded by [`MAX_IDLE_BYTES`] in all.
+//! the frame, or the peer READ it), bounded by [`MAX_IDLE_BYTES`] in all: a
+//! buffer returned to a full list makes room by freeing the longest-idle ones.
 
 use std::sync::{Arc, LazyLock, Mutex};
 
@@ -21,7 +22,22 @@ use crate::status::Status;
 pub const RECYCLE_FROM: usize = 1 << 20;
 
 /// Idle recycled buffers the process keeps, in bytes, all together.
-pub const MAX_IDLE_BYTES: usize = 256 << 20;
+pub const MAX_IDLE_BYTES: usize = 512 << 20;
+
+/// What is done to the memory of each new recycled buffer before its first
+/// use; see [`prepare_new_buffers_with`].
+pub type PrepareBuffer = fn(&mut [std::mem::MaybeUninit<u8>]);
+
+static PREPARE: std::sync::OnceLock<PrepareBuffer> = std::sync::OnceLock::new();
+
+/// Sets, once per process, what is done to the memory of every new recycled
+/// buffer before its first use (later calls change nothing). rdma:// asks
+/// the kernel to back it with transparent huge pages: a peer's READ of a
+/// 64 MiB frame then pins 32 pages instead of 16,384, which doubles the soft
+/// provider's READ (`docs/providers.md`).
+pub fn prepare_new_buffers_with(prepare: PrepareBuffer) {
+    let _ = PREPARE.set(prepare);
+}
 
 /// The free list: idle buffers and their total capacity.
 #[derive(Default)]
@@ -36,8 +52,13 @@ fn free_list() -> std::sync::MutexGuard<'static, FreeList> {
     FREE.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
-/// The smallest idle buffer of at least `len` bytes, or a new one.
-fn take(len: usize) -> BytesMut {
+/// A buffer of at least `len` bytes: the smallest idle one that fits when
+/// `len` is [`RECYCLE_FROM`] or more, else a new one. Hand it out with
+/// [`into_bytes`] so it comes back.
+pub(crate) fn take(len: usize) -> BytesMut {
+    if len < RECYCLE_FROM {
+        return BytesMut::with_capacity(len);
+    }
     let mut free = free_list();
     let best = free
         .idle
@@ -48,26 +69,40 @@ fn take(len: usize) -> BytesMut {
         .map(|(index, _)| index);
     match best {
         Some(index) => {
-            let buffer = free.idle.swap_remove(index);
+            let buffer = free.idle.remove(index);
             free.bytes -= buffer.capacity();
             buffer
         }
         None => {
             drop(free);
-            BytesMut::with_capacity(len)
+            let mut buffer = BytesMut::with_capacity(len);
+            if let Some(prepare) = PREPARE.get() {
+                prepare(buffer.spare_capacity_mut());
+            }
+            buffer
         }
     }
 }
 
-/// Gives `buffer` back, unless the free list is full (then it is freed).
+/// Gives `buffer` back, freeing the longest-idle buffers to make room (or
+/// `buffer` itself when it is larger than the whole list may hold).
 fn give_back(mut buffer: BytesMut) {
-    let mut free = free_list();
-    if free.bytes + buffer.capacity() > MAX_IDLE_BYTES {
+    if buffer.capacity() > MAX_IDLE_BYTES {
         return;
     }
     buffer.clear();
+    let mut evicted = Vec::new();
+    let mut free = free_list();
+    // `idle` is in order of return: the front has waited longest.
+    while free.bytes + buffer.capacity() > MAX_IDLE_BYTES && !free.idle.is_empty() {
+        let old = free.idle.remove(0);
+        free.bytes -= old.capacity();
+        evicted.push(old);
+    }
     free.bytes += buffer.capacity();
     free.idle.push(buffer);
+    drop(free);
+    drop(evicted);
 }
 
 /// Bytes of idle recycled buffers now (for tests and metrics).
@@ -90,6 +125,15 @@ impl Drop for Recycled {
     }
 }
 
+/// `buffer` as `Bytes` that return it to the free list when the last clone
+/// drops (small buffers are simply frozen).
+pub(crate) fn into_bytes(buffer: BytesMut) -> Bytes {
+    if buffer.capacity() < RECYCLE_FROM {
+        return buffer.freeze();
+    }
+    Bytes::from_owner(Recycled(buffer))
+}
+
 /// Encodes `item` with `codec` into one buffer: a recycled one when the
 /// codec says the message is large, else a fresh allocation.
 pub(crate) fn encode_to_bytes<C: Codec>(codec: &mut C, item: C::Encode) -> Result<Bytes, Status> {
@@ -98,7 +142,7 @@ pub(crate) fn encode_to_bytes<C: Codec>(codec: &mut C, item: C::Encode) -> Resul
         Some(len) if len >= RECYCLE_FROM => {
             let mut buffer = take(len);
             codec.encode(item, &mut buffer)?;
-            Ok(Bytes::from_owner(Recycled(buffer)))
+            Ok(into_bytes(buffer))
         }
         _ => {
             let mut buffer = BytesMut::with_capacity(hint.unwrap_or(0));

@@ -230,7 +230,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     self.state = if len <= READ_AHEAD {
                         ReadState::Small { len, reservation }
                     } else {
-                        let mut buf = BytesMut::with_capacity(len);
+                        // A large frame is read into a recycled buffer: no
+                        // fresh mapping (and its page faults) per frame.
+                        let mut buf = crate::codec::recycle::take(len);
                         buf.extend_from_slice(&self.staging);
                         self.staging.clear();
                         ReadState::Large {
@@ -261,7 +263,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 } => {
                     let missing = *len - buf.len();
                     if missing == 0 {
-                        let frame = std::mem::take(buf).freeze();
+                        let frame = crate::codec::recycle::into_bytes(std::mem::take(buf));
                         let reservation = reservation.take();
                         self.state = ReadState::Prefix;
                         return Poll::Ready(Some(Ok(with_reservation(frame, reservation))));

@@ -1258,6 +1258,25 @@ pub struct ExposeError {
     pub buffer: RegisteredBuffer,
 }
 
+/// Asks the kernel to back the whole pages inside `memory` with transparent
+/// huge pages (`MADV_HUGEPAGE`; effective where THP is in `madvise` or
+/// `always` mode). A hint: whatever the outcome, the memory and its contents
+/// are unchanged. Memory a peer READs through the soft provider gains most:
+/// `process_vm_readv` pins one 2 MiB page where it pinned 512 small ones.
+pub fn advise_huge_pages(memory: &mut [std::mem::MaybeUninit<u8>]) {
+    const PAGE: usize = 4096;
+    let start = memory.as_mut_ptr() as usize;
+    let first = start.next_multiple_of(PAGE);
+    let end = (start + memory.len()) & !(PAGE - 1);
+    if end <= first {
+        return;
+    }
+    // SAFETY: `first..end` lies inside `memory`, which is borrowed mutably
+    // for the call; MADV_HUGEPAGE changes only how the kernel backs those
+    // pages, never their contents or the mapping.
+    let _ = unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
+}
+
 /// Waits until `fd` is readable or `timeout` passes; `Ok(true)` when readable.
 /// For blocking users of a [`CompletionChannel`] (tests, tools); async code
 /// registers the fd with its reactor instead.

@@ -237,8 +237,9 @@ pub fn size_class(len: usize) -> usize {
 pub struct LargePoolConfig {
     /// Buffers of each class from 64 KiB to 1 MiB registered when the device opens.
     pub prealloc_per_class: usize,
-    /// Bytes of free buffers kept registered for reuse; beyond it, returned
-    /// buffers are deregistered.
+    /// Bytes of free buffers kept registered for reuse; a buffer returned to
+    /// a full pool makes room by deregistering the longest-idle ones (a
+    /// buffer larger than the whole cap is deregistered itself).
     pub max_cached_bytes: usize,
 }
 
@@ -253,8 +254,26 @@ impl Default for LargePoolConfig {
 
 #[derive(Default)]
 struct FreeLists {
-    by_class: HashMap<usize, Vec<RegisteredBuffer>>,
+    /// Free buffers by class, each with the sequence number of its return.
+    by_class: HashMap<usize, Vec<(RegisteredBuffer, u64)>>,
     cached_bytes: usize,
+    returns: u64,
+}
+
+impl FreeLists {
+    /// Removes the free buffer returned longest ago.
+    fn evict_oldest(&mut self) -> Option<RegisteredBuffer> {
+        let class = self
+            .by_class
+            .iter()
+            .filter_map(|(class, list)| list.first().map(|(_, seq)| (*seq, *class)))
+            .min()?
+            .1;
+        let list = self.by_class.get_mut(&class).expect("found above");
+        let (buffer, _) = list.remove(0);
+        self.cached_bytes -= class;
+        Some(buffer)
+    }
 }
 
 /// Registered buffers for rendezvous frames, by size class.
@@ -310,7 +329,11 @@ impl LargePool {
         let class = size_class(len);
         let cached = {
             let mut lists = self.lists();
-            let buffer = lists.by_class.get_mut(&class).and_then(Vec::pop);
+            let buffer = lists
+                .by_class
+                .get_mut(&class)
+                .and_then(Vec::pop)
+                .map(|(buffer, _)| buffer);
             if buffer.is_some() {
                 lists.cached_bytes -= class;
             }
@@ -329,12 +352,25 @@ impl LargePool {
 
     fn put_back(&self, buffer: RegisteredBuffer) {
         let class = buffer.len();
-        let mut lists = self.lists();
-        if lists.cached_bytes + class <= self.config.max_cached_bytes {
-            lists.cached_bytes += class;
-            lists.by_class.entry(class).or_default().push(buffer);
+        if class > self.config.max_cached_bytes {
+            return; // Dropped here: deregistered.
         }
-        // Else: dropped here, deregistered.
+        let mut evicted = Vec::new();
+        {
+            let mut lists = self.lists();
+            while lists.cached_bytes + class > self.config.max_cached_bytes {
+                match lists.evict_oldest() {
+                    Some(old) => evicted.push(old),
+                    None => break,
+                }
+            }
+            lists.cached_bytes += class;
+            lists.returns += 1;
+            let seq = lists.returns;
+            lists.by_class.entry(class).or_default().push((buffer, seq));
+        }
+        // Deregistered outside the lock.
+        drop(evicted);
     }
 
     /// Bytes of free buffers held for reuse.
@@ -486,9 +522,19 @@ mod tests {
         assert_eq!(pool.cached_bytes(), start);
         // The same registered buffer comes back for the next frame of its class.
         assert_eq!(pool.take(70_000).unwrap().buffer().addr(), addr);
-        // Over the cap, returned buffers are deregistered rather than kept.
+        // Over the cap, returned buffers are deregistered rather than kept...
         let big: Vec<_> = (0..3).map(|_| pool.take(4 << 20).unwrap()).collect();
         drop(big);
+        assert!(pool.cached_bytes() <= 8 << 20);
+        // ...the longest idle first: a large buffer just returned evicts the
+        // small ones returned before it and is itself there for the next frame.
+        let six = pool.take(6 << 20).unwrap();
+        let six_at = six.buffer().addr();
+        drop(six);
+        assert!(pool.cached_bytes() <= 8 << 20);
+        assert_eq!(pool.take(6 << 20).unwrap().buffer().addr(), six_at);
+        // A buffer larger than the whole cap is never kept.
+        drop(pool.take(9 << 20).unwrap());
         assert!(pool.cached_bytes() <= 8 << 20);
     }
 }
