@@ -55,6 +55,7 @@ mod error;
 pub mod frame;
 pub mod metadata;
 mod request;
+mod send_buffer;
 pub mod server;
 mod status;
 pub mod transport;
@@ -64,6 +65,7 @@ pub use client::{Channel, RpcClient};
 pub use error::Error;
 pub use metadata::Metadata;
 pub use request::{IntoRequest, PeerInfo, Request, Response};
+pub use send_buffer::SendBuffer;
 pub use server::Server;
 pub use status::{BoxError, Code, Status};
 

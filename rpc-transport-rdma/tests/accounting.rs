@@ -160,6 +160,40 @@ async fn silent_set_ups_hold_bounded_registered_memory(
     assert!(echo(channel, pattern(100, 1)).await == pattern(100, 1));
 }
 
+/// A payload built in a `SendBuffer` and sent raw leaves without a copy: the
+/// peer READs the buffer itself (every window of the round trip is over the
+/// application's bytes, none over a pooled copy; the conformance suite shows
+/// such a window's address is the bytes' own), and the buffer is recycled
+/// once the call is done with it.
+async fn send_buffers_go_out_without_a_copy(channel: &Channel) {
+    let len = 4 << 20;
+    let expected = pattern(len, 8);
+    let mut buffer = rpc_core::SendBuffer::with_capacity(len);
+    buffer.extend_from_slice(&expected);
+    let payload = buffer.freeze();
+    let windows = verbs::windows_exposed();
+    let zero_copy = verbs::windows_over_application_bytes();
+    let back = echo(channel, payload.clone()).await;
+    assert!(back == expected, "echoed byte-exact");
+    let exposed = verbs::windows_exposed() - windows;
+    assert!(
+        exposed >= 2,
+        "request and response went by rendezvous ({exposed})"
+    );
+    assert_eq!(
+        verbs::windows_over_application_bytes() - zero_copy,
+        exposed,
+        "no pooled copy on either side"
+    );
+    // Once the call and we let go, the memory is recycled: the next buffer
+    // of that size is the same memory.
+    let at = payload.as_ptr();
+    drop((payload, back));
+    settled_registered_bytes().await;
+    let next = rpc_core::SendBuffer::with_capacity(len);
+    assert_eq!(next.as_ptr(), at, "recycled after the call");
+}
+
 /// One test, so the phases never overlap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_memory_stays_flat_under_load() {
@@ -168,5 +202,6 @@ async fn registered_memory_stays_flat_under_load() {
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
     ten_thousand_calls_256_in_flight_without_rnr_or_registration_growth(&channel).await;
     rendezvous_buffers_are_reused_and_windows_revoked(&channel).await;
+    send_buffers_go_out_without_a_copy(&channel).await;
     silent_set_ups_hold_bounded_registered_memory(&server, &channel).await;
 }
