@@ -16,6 +16,35 @@ pub mod tonic_echo {
     tonic::include_proto!("echo.v1");
 }
 
+/// Echo of raw payloads (no protobuf): what a client that builds its payload
+/// in a [`rpc_core::SendBuffer`] calls, so nothing on either side copies it.
+#[derive(Clone, Copy, Debug)]
+pub struct RawEcho;
+
+/// The method path of [`RawEcho`].
+pub const RAW_ECHO_PATH: &str = "/bench.RawEcho/Echo";
+
+impl rpc_core::server::NamedService for RawEcho {
+    const NAME: &'static str = "bench.RawEcho";
+}
+
+impl tower::Service<rpc_core::Request<bytes::Bytes>> for RawEcho {
+    type Response = rpc_core::Response<bytes::Bytes>;
+    type Error = rpc_core::Status;
+    type Future = std::future::Ready<Result<Self::Response, rpc_core::Status>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), rpc_core::Status>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: rpc_core::Request<bytes::Bytes>) -> Self::Future {
+        std::future::ready(Ok(rpc_core::Response::new(request.into_inner())))
+    }
+}
+
 /// tarpc's version of the echo service.
 pub mod tarpc_echo {
     /// Echo: returns the message and payload it was given.
@@ -115,6 +144,7 @@ pub fn serve(contender: Contender) {
                 let listening = Server::builder()
                     .max_frame_len(MAX_MESSAGE)
                     .add_service(rpc_echo::echo_server::EchoServer::new(EchoService))
+                    .add_service(RawEcho)
                     .listen(format!("{scheme}://127.0.0.1:0").as_str())
                     .await
                     .expect("bind");
@@ -230,8 +260,11 @@ impl tarpc_echo::Echo for TarpcEcho {
 /// A connected client of any contender.
 #[derive(Clone)]
 pub enum Client {
-    /// rdma-rpc (any transport).
-    Rpc(rpc_echo::echo_client::EchoClient<rpc_core::Channel>),
+    /// rdma-rpc (any transport): the generated client, and its channel for raw calls.
+    Rpc(
+        rpc_echo::echo_client::EchoClient<rpc_core::Channel>,
+        rpc_core::Channel,
+    ),
     /// tonic.
     Tonic(tonic_echo::echo_client::EchoClient<tonic::transport::Channel>),
     /// tarpc.
@@ -258,7 +291,10 @@ impl Client {
                 .connect()
                 .await
                 .expect("connect");
-                Client::Rpc(rpc_echo::echo_client::EchoClient::new(channel))
+                Client::Rpc(
+                    rpc_echo::echo_client::EchoClient::new(channel.clone()),
+                    channel,
+                )
             }
             Contender::Tonic => {
                 let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
@@ -300,12 +336,25 @@ impl Client {
         )
     }
 
+    /// One raw echo of `payload` (rdma-rpc only: `None` for the others);
+    /// returns the length that came back.
+    pub async fn say_raw(&mut self, payload: bytes::Bytes) -> Option<usize> {
+        let Client::Rpc(_, channel) = self else {
+            return None;
+        };
+        let mut request = rpc_core::Request::new(payload);
+        request.set_method(RAW_ECHO_PATH);
+        request.set_timeout(CALL_DEADLINE);
+        let response = channel.unary(request).await.expect("raw echo");
+        Some(response.into_inner().len())
+    }
+
     /// One echo of `payload`; returns the length of the payload that came back.
     /// rdma-rpc and tonic take the `Bytes` as it is (their `bytes` fields are
     /// `Bytes`); tarpc's serde message needs its own buffer.
     pub async fn say(&mut self, payload: &bytes::Bytes) -> usize {
         match self {
-            Client::Rpc(client) => client
+            Client::Rpc(client, _) => client
                 .say(rpc_echo::EchoRequest {
                     message: String::new(),
                     payload: payload.clone(),
@@ -360,7 +409,10 @@ pub async fn in_memory(contender: Contender) -> Option<Client> {
             let endpoint = listening.local_endpoint();
             tokio::spawn(listening.serve());
             let channel = rpc_core::Channel::connect(endpoint).await.expect("connect");
-            Some(Client::Rpc(rpc_echo::echo_client::EchoClient::new(channel)))
+            Some(Client::Rpc(
+                rpc_echo::echo_client::EchoClient::new(channel.clone()),
+                channel,
+            ))
         }
         Contender::Tonic => {
             let (client_io, server_io) = tokio::io::duplex(1 << 20);

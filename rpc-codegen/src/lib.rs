@@ -45,6 +45,7 @@ pub fn configure() -> Builder {
         build_client: true,
         build_server: true,
         emit_rerun_if_changed: true,
+        bytes_fields_as_vec: false,
     }
 }
 
@@ -55,6 +56,7 @@ pub struct Builder {
     build_client: bool,
     build_server: bool,
     emit_rerun_if_changed: bool,
+    bytes_fields_as_vec: bool,
 }
 
 impl Builder {
@@ -83,17 +85,32 @@ impl Builder {
         self
     }
 
+    /// Generate `Vec<u8>` for protobuf `bytes` fields instead of the default
+    /// `bytes::Bytes` (default false). With `Bytes`, a field decoded from a
+    /// received frame is a slice of the buffer the transport received it in
+    /// (for rdma://, the registered buffer it was READ into), not a copy.
+    pub fn bytes_fields_as_vec(mut self, yes: bool) -> Self {
+        self.bytes_fields_as_vec = yes;
+        self
+    }
+
     /// Compiles `protos`, resolving imports against `includes`.
     pub fn compile(
         self,
         protos: &[impl AsRef<Path>],
         includes: &[impl AsRef<Path>],
     ) -> io::Result<()> {
-        self.compile_with_config(prost_build::Config::new(), protos, includes)
+        let mut config = prost_build::Config::new();
+        if !self.bytes_fields_as_vec {
+            config.bytes(["."]);
+        }
+        self.compile_with_config(config, protos, includes)
     }
 
     /// Like [`Builder::compile`], with a prost-build configuration of your own
-    /// (type attributes, bytes fields, ...).
+    /// (type attributes, bytes fields, ...). Its choice of `bytes` field types
+    /// stands: prost-build's own default is `Vec<u8>`; call
+    /// `config.bytes(["."])` for `bytes::Bytes` everywhere.
     pub fn compile_with_config(
         self,
         mut config: prost_build::Config,
@@ -130,5 +147,39 @@ impl Builder {
             self.build_server,
         )));
         config.compile_fds(descriptors)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Generates `blob.proto` into a fresh folder; the generated Rust.
+    fn generate(builder: Builder, name: &str) -> String {
+        let dir = std::env::temp_dir().join(format!("rpc-codegen-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let proto = dir.join("blob.proto");
+        std::fs::write(
+            &proto,
+            "syntax = \"proto3\";\npackage blob.v1;\nmessage Blob { bytes data = 1; }\n",
+        )
+        .unwrap();
+        builder
+            .out_dir(&dir)
+            .emit_rerun_if_changed(false)
+            .compile(&[&proto], &[&dir])
+            .unwrap();
+        let generated = std::fs::read_to_string(dir.join("blob.v1.rs")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        generated
+    }
+
+    #[test]
+    fn bytes_fields_are_bytes_by_default_and_vec_on_request() {
+        let default = generate(configure(), "default");
+        assert!(default.contains("bytes::Bytes"), "{default}");
+        let vec = generate(configure().bytes_fields_as_vec(true), "vec");
+        assert!(vec.contains("::prost::alloc::vec::Vec<u8>"), "{vec}");
+        assert!(!vec.contains("bytes::Bytes"), "{vec}");
     }
 }

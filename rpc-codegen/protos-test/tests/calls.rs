@@ -134,7 +134,8 @@ fn sample_item(sku: &str) -> Item {
             nanos: 2,
         }),
         #[allow(deprecated)]
-        thumbnail: vec![1, 2, 3],
+        // `bytes` fields are `bytes::Bytes` by default.
+        thumbnail: bytes::Bytes::from_static(&[1, 2, 3]),
     }
 }
 
