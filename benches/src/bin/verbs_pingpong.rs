@@ -55,6 +55,8 @@ struct Endpoint {
     send: RegisteredBuffer,
     recv: RegisteredBuffer,
     region: RegisteredBuffer,
+    /// The same size, backed by transparent huge pages (the peer READs both).
+    huge_region: RegisteredBuffer,
     busy: bool,
 }
 
@@ -91,6 +93,12 @@ impl Endpoint {
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
         )
         .expect("region");
+        let huge_region = RegisteredBuffer::new_huge(
+            &pd,
+            REGION,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        )
+        .expect("huge-page region");
         qp.to_init().expect("init");
         for slot in 0..RECV_SLOTS {
             post_recv(
@@ -108,6 +116,7 @@ impl Endpoint {
             send,
             recv,
             region,
+            huge_region,
             busy,
         }
     }
@@ -174,7 +183,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 struct SoftRun {
     pingpong: Histogram<u64>,
-    reads: Vec<(usize, f64)>,
+    reads: Vec<(usize, bool, f64)>,
 }
 
 fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
@@ -194,6 +203,8 @@ fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
     let info = &established.peer.payload;
     let remote_addr = u64::from_le_bytes(info[..8].try_into().expect("addr"));
     let rkey = u32::from_le_bytes(info[8..12].try_into().expect("rkey"));
+    let huge_addr = u64::from_le_bytes(info[12..20].try_into().expect("addr"));
+    let huge_rkey = u32::from_le_bytes(info[20..24].try_into().expect("rkey"));
 
     let mut h = histogram();
     for i in 0..rounds as u64 {
@@ -206,7 +217,19 @@ fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
 
     let mut reads = Vec::new();
     if with_reads {
-        for (size, repeats) in [(64 << 10, 200u64), (1 << 20, 50), (REGION, 5)] {
+        let sizes = [
+            (64 << 10, 200u64, false),
+            (1 << 20, 50, false),
+            (REGION, 5, false),
+            (1 << 20, 50, true),
+            (REGION, 5, true),
+        ];
+        for (size, repeats, huge) in sizes {
+            let (remote_addr, rkey) = if huge {
+                (huge_addr, huge_rkey)
+            } else {
+                (remote_addr, rkey)
+            };
             let post = |id: u64| {
                 let wr = SendWr::new(
                     id,
@@ -221,7 +244,7 @@ fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
             for id in 0..repeats {
                 post(id);
             }
-            reads.push((size, gbps(size as u64 * repeats, start.elapsed())));
+            reads.push((size, huge, gbps(size as u64 * repeats, start.elapsed())));
         }
         assert!(
             endpoint.region.as_slice()[..4096]
@@ -238,8 +261,11 @@ fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
 fn soft_peer(port: &str, busy: bool, rounds: usize) {
     let mut endpoint = Endpoint::new(busy);
     endpoint.region.as_mut_slice().fill(0x5a);
+    endpoint.huge_region.as_mut_slice().fill(0x5a);
     let mut info = endpoint.region.addr().to_le_bytes().to_vec();
     info.extend_from_slice(&endpoint.region.rkey().to_le_bytes());
+    info.extend_from_slice(&endpoint.huge_region.addr().to_le_bytes());
+    info.extend_from_slice(&endpoint.huge_region.rkey().to_le_bytes());
     let rt = runtime();
     let mut established = rt
         .block_on(setup::connect(
@@ -389,8 +415,16 @@ fn main() {
     let (busy_p50, _) = p50_p99(&busy.pingpong);
     println!("\n| goodput | GB/s |");
     println!("|---|---|");
-    for (size, rate) in &reads {
-        println!("| soft RDMA READ {} KiB | {rate:.2} |", size >> 10);
+    for (size, huge, rate) in &reads {
+        let pages = if *huge {
+            "transparent huge pages"
+        } else {
+            "4 KiB pages"
+        };
+        println!(
+            "| soft RDMA READ {} KiB, from {pages} | {rate:.2} |",
+            size >> 10
+        );
     }
     println!("| floor: memcpy 64 MiB (one thread) | {memcpy:.2} |");
     println!("| floor: process_vm_readv 64 MiB | {vm:.2} |");
@@ -400,7 +434,7 @@ fn main() {
             event / floor
         );
     }
-    let read_64m = reads.last().map_or(0.0, |(_, rate)| *rate);
+    let read_64m = reads.last().map_or(0.0, |(_, _, rate)| *rate);
     let pairs: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
     println!(
         "\nTargets: event p50 / eventfd floor = {median_ratio:.2}, median of pairs [{}] (goal ≤ 1.2); busy-poll p50 = {busy_p50:.2} µs (goal ≤ 2); READ 64 MiB / memcpy = {:.2} (goal ≥ 0.5)",

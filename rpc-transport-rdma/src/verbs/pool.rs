@@ -219,6 +219,9 @@ impl SendBatch {
     }
 }
 
+/// Rendezvous buffers from this size up ask for transparent huge pages.
+const HUGE_PAGES_FROM: usize = 2 << 20;
+
 /// Smallest rendezvous size class.
 pub const MIN_CLASS: usize = 64 << 10;
 const MIB: usize = 1 << 20;
@@ -321,7 +324,13 @@ impl LargePool {
     }
 
     fn register(&self, class: usize) -> Result<RegisteredBuffer, VerbsError> {
-        RegisteredBuffer::new(&self.pd, class, AccessFlags::LOCAL_WRITE)
+        // Large destinations are what a server echoes back (peers READ
+        // them): huge pages make that READ about twice as fast on soft.
+        if class >= HUGE_PAGES_FROM {
+            RegisteredBuffer::new_huge(&self.pd, class, AccessFlags::LOCAL_WRITE)
+        } else {
+            RegisteredBuffer::new(&self.pd, class, AccessFlags::LOCAL_WRITE)
+        }
     }
 
     /// A buffer of at least `len` bytes (registered only on a miss).
