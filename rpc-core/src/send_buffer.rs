@@ -18,6 +18,21 @@ use crate::codec::recycle;
 /// copied on the sending side: tcp:// writes them from where they lie, and
 /// rdma:// lets the peer READ them there.
 ///
+/// ```no_run
+/// use rpc_core::{Channel, Request, SendBuffer};
+///
+/// async fn send_tensor(channel: &Channel, tensor: &[f32]) -> Result<(), rpc_core::Status> {
+///     let mut buffer = SendBuffer::with_capacity(tensor.len() * 4);
+///     for value in tensor {
+///         buffer.extend_from_slice(&value.to_le_bytes()); // written once, in place
+///     }
+///     let mut request = Request::new(buffer.freeze()); // frozen: immutable from here on
+///     request.set_method("/tensors.v1.Store/Put");
+///     channel.unary(request).await?; // the peer READs the buffer itself; no copy on this side
+///     Ok(())
+/// }
+/// ```
+///
 /// **Ownership.** `freeze` consumes the buffer, and `Bytes` are immutable:
 /// memory handed to a call stays alive and unchanged until the call is done
 /// with it (over rdma://, until the peer's DONE or the window's revocation;
