@@ -65,7 +65,6 @@ fn wr_id(tag: u64, index: u64) -> u64 {
     (tag << TAG_SHIFT) | index
 }
 
-/// A frame of ours the peer may read, with the pool it returns to.
 /// A frame of ours the peer may READ until DONE (or the time-out).
 enum Exposed {
     /// The application's payload, read where it lies (no copy).
@@ -491,8 +490,15 @@ impl Driver {
         if frame.payload.is_empty() || frame.head.len() > self.protocol.max_announce_head() {
             return self.expose_copy(frame.into_contiguous());
         }
-        let window = ExposedBytes::expose(&self.device.pd, &self.qp, frame.payload)
-            .map_err(|error| format!("exposing a rendezvous payload: {error}"))?;
+        let window = match ExposedBytes::expose(&self.device.pd, &self.qp, frame.payload.clone()) {
+            Ok(window) => window,
+            Err(error) => {
+                // Memory the device cannot register where it lies (on
+                // hardware: some file or device mappings) goes the copied way.
+                tracing::debug!(%error, len = frame.len(), "payload not registrable in place: copying it");
+                return self.expose_copy(frame.into_contiguous());
+            }
+        };
         let (addr, len, rkey) = self.forged(window.addr(), window.len() as u64, window.rkey());
         let token = self
             .protocol
