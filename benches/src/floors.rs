@@ -226,7 +226,18 @@ pub fn memcpy_gbps() -> f64 {
 
 /// process_vm_readv of 64 MiB from a child process, best of five (GB/s).
 pub fn process_vm_readv_gbps() -> f64 {
-    let mut peer = child(&["vm"]);
+    process_vm_readv_gbps_from("vm")
+}
+
+/// [`process_vm_readv_gbps`] from memory the child backed with transparent
+/// huge pages (as rdma:// does for what peers READ): the soft provider's
+/// READ floor for that memory.
+pub fn process_vm_readv_huge_gbps() -> f64 {
+    process_vm_readv_gbps_from("vm-huge")
+}
+
+fn process_vm_readv_gbps_from(mode: &str) -> f64 {
+    let mut peer = child(&[mode]);
     let mut lines = BufReader::new(peer.stdout.take().expect("stdout")).lines();
     let line = lines.next().expect("peer address").expect("line");
     let addr: u64 = line.trim().parse().expect("address");
@@ -362,8 +373,12 @@ pub fn run_child(args: &[String]) {
                 page.counter(1).store(i, Ordering::Release);
             }
         }
-        "vm" => {
-            let region = vec![0x5au8; REGION];
+        mode @ ("vm" | "vm-huge") => {
+            let mut region = Vec::with_capacity(REGION);
+            if mode == "vm-huge" {
+                rpc_transport_rdma::verbs::advise_huge_pages(region.spare_capacity_mut());
+            }
+            region.resize(REGION, 0x5au8);
             println!("{}", region.as_ptr() as u64);
             std::io::stdout().flush().expect("flush");
             let mut sink = Vec::new();

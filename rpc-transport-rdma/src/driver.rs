@@ -28,7 +28,7 @@ use std::future::poll_fn;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rpc_core::frame::{EncodedFrame, FrameError};
@@ -58,6 +58,9 @@ const MAX_REASON_LEN: usize = 4096;
 /// connection anyway: a peer whose queue pair never connected, or that
 /// stopped reading, cannot hold a closed connection's resources.
 const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long a spinning driver polls before it also yields its CPU to the
+/// operating system between polls (small calls complete well within it).
+const YIELD_CPU_AFTER: Duration = Duration::from_micros(20);
 /// How long a side whose QP was flushed waits for the peer to say why.
 const PEER_REASON_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -281,14 +284,23 @@ impl Driver {
                 tokio::task::yield_now().await;
                 continue;
             }
+            let idle = match self.poll_mode {
+                PollMode::Event => Duration::MAX,
+                _ => idle_since.get_or_insert_with(Instant::now).elapsed(),
+            };
             let spin_left = match self.poll_mode {
                 PollMode::Event => false,
                 PollMode::BusyPoll => true,
-                PollMode::Adaptive { spin } => {
-                    idle_since.get_or_insert_with(Instant::now).elapsed() < spin
-                }
+                PollMode::Adaptive { spin } => idle < spin,
             };
             if spin_left {
+                if idle >= YIELD_CPU_AFTER {
+                    // A wait this long is rarely a small call's answer:
+                    // let a thread that shares this CPU run — often the
+                    // peer we wait for (two processes on one core ran a
+                    // 1 MiB echo at 0.8 ms instead of 0.24 without this).
+                    std::thread::yield_now();
+                }
                 tokio::task::yield_now().await;
                 continue;
             }
