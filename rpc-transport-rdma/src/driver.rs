@@ -84,7 +84,8 @@ impl Exposed {
     fn release(self) {
         match self {
             Exposed::Payload(window) => {
-                window.revoke();
+                // The payload is let go (or leaked if the window stays).
+                drop(window.revoke());
             }
             Exposed::Pooled { window, pool } => {
                 if let Some(buffer) = window.revoke() {

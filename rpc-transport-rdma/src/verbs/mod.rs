@@ -860,14 +860,6 @@ pub fn windows_exposed() -> u64 {
     WINDOWS.load(AtomicOrdering::Relaxed)
 }
 
-static BYTES_WINDOWS: AtomicU64 = AtomicU64::new(0);
-
-/// How many of [`windows_exposed`] were over an application's own bytes
-/// ([`ExposedBytes`]: sent without a copy) rather than over a pooled copy.
-pub fn windows_over_application_bytes() -> u64 {
-    BYTES_WINDOWS.load(AtomicOrdering::Relaxed)
-}
-
 /// Counts one live registration of `len` bytes; uncounts on drop.
 struct RegistrationTally(usize);
 
@@ -991,10 +983,10 @@ impl RegisteredBuffer {
             }
         };
         match window {
-            Ok(window) => Ok(ExposedBuffer {
+            Ok(window) => Ok(Window {
                 window,
                 _tally: RegistrationTally::new(len, &WINDOWS),
-                buffer: Some(self),
+                held: Some(self),
             }),
             Err(error) => Err(ExposeError {
                 error,
@@ -1088,17 +1080,40 @@ impl fmt::Debug for RegisteredBuffer {
     }
 }
 
-/// A [`RegisteredBuffer`] whose first bytes the peer may reach through a
-/// window region of their own key ([`RegisteredBuffer::expose`]). Dropping it
-/// revokes the window and frees the buffer.
-pub struct ExposedBuffer {
+/// Memory the peer may reach through a window region of its own key, and
+/// what keeps that memory alive (`T`): dropping it (or
+/// [`revoke`](Window::revoke)) deregisters the window first and lets go of
+/// `T` only if that worked — otherwise `T` is leaked, never freed or reused,
+/// since the peer may still reach the memory.
+pub struct Window<T> {
     window: Arc<dyn MemoryRegion>,
     _tally: RegistrationTally,
-    /// `None` only after `revoke` took it.
-    buffer: Option<RegisteredBuffer>,
+    /// `None` only after the window was revoked (or leaked).
+    held: Option<T>,
 }
 
-impl ExposedBuffer {
+/// A [`RegisteredBuffer`] whose first bytes the peer may reach
+/// ([`RegisteredBuffer::expose`]); revoking hands the buffer back.
+pub type ExposedBuffer = Window<RegisteredBuffer>;
+
+/// Bytes the peer may READ where they lie: a REMOTE_READ window over exactly
+/// the bytes, bound to one QP ([`ExposedBytes::expose`]). This is how a large
+/// payload leaves without a copy: the `Bytes` (a handle on immutable memory)
+/// moves in and is released only after the window is deregistered, so the
+/// memory stays allocated and unchanged for as long as the peer can reach
+/// it. The types enforce the rule: whoever handed the `Bytes` over cannot
+/// free or change that memory, and the window cannot outlive it.
+pub type ExposedBytes = Window<Bytes>;
+
+static BYTES_WINDOWS: AtomicU64 = AtomicU64::new(0);
+
+/// How many of [`windows_exposed`] were over an application's own bytes
+/// ([`ExposedBytes`]: sent without a copy) rather than over a pooled copy.
+pub fn windows_over_application_bytes() -> u64 {
+    BYTES_WINDOWS.load(AtomicOrdering::Relaxed)
+}
+
+impl<T> Window<T> {
     /// Start address of the window.
     pub fn addr(&self) -> u64 {
         self.window.addr()
@@ -1119,46 +1134,40 @@ impl ExposedBuffer {
         self.window.rkey()
     }
 
-    /// The exposed bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        &self
-            .buffer
-            .as_ref()
-            .expect("present until revoked")
-            .as_slice()[..self.window.len()]
+    /// What keeps the memory alive.
+    fn held(&self) -> &T {
+        self.held.as_ref().expect("present until revoked")
     }
 
-    /// Deregisters the window (the peer's key stops working) and hands the
-    /// buffer back; `None` when the window could not be deregistered (the
-    /// peer may still read the bytes: the buffer is leaked, never reused).
-    pub fn revoke(mut self) -> Option<RegisteredBuffer> {
+    /// Deregisters the window (the peer's key stops working) and hands back
+    /// what kept the memory alive; `None` when the window could not be
+    /// deregistered (the peer may still reach the memory: it is leaked).
+    pub fn revoke(mut self) -> Option<T> {
         self.revoke_window()
     }
 
-    /// Deregisters the window first; the buffer only if that worked (the
-    /// peer may still read it otherwise: it is leaked, never reused).
-    fn revoke_window(&mut self) -> Option<RegisteredBuffer> {
-        let buffer = self.buffer.take()?;
+    fn revoke_window(&mut self) -> Option<T> {
+        let held = self.held.take()?;
         match self.window.deregister() {
-            Ok(()) => Some(buffer),
+            Ok(()) => Some(held),
             Err(error) => {
-                tracing::error!(%error, "revoking a READ window failed; leaking its buffer");
-                std::mem::forget(buffer);
+                tracing::error!(%error, "revoking a READ window failed; leaking its memory");
+                std::mem::forget(held);
                 None
             }
         }
     }
 }
 
-impl Drop for ExposedBuffer {
+impl<T> Drop for Window<T> {
     fn drop(&mut self) {
         drop(self.revoke_window());
     }
 }
 
-impl fmt::Debug for ExposedBuffer {
+impl<T> fmt::Debug for Window<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ExposedBuffer")
+        f.debug_struct("Window")
             .field("addr", &self.addr())
             .field("len", &self.len())
             .field("rkey", &self.rkey())
@@ -1166,21 +1175,14 @@ impl fmt::Debug for ExposedBuffer {
     }
 }
 
-/// Bytes the peer may READ where they lie: a REMOTE_READ window over exactly
-/// the bytes, bound to one QP. This is how a large payload leaves without a
-/// copy: the `Bytes` (a handle on immutable memory) moves in, and is released
-/// only after the window is deregistered (leaked if that fails), so the
-/// memory stays allocated and unchanged for as long as the peer can reach it.
-/// The types enforce the rule: whoever handed the `Bytes` over cannot free or
-/// change that memory, and the window cannot outlive it.
-pub struct ExposedBytes {
-    window: Arc<dyn MemoryRegion>,
-    _tally: RegistrationTally,
-    /// `None` only after the window was deregistered (or leaked).
-    bytes: Option<Bytes>,
+impl Window<RegisteredBuffer> {
+    /// The exposed bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.held().as_slice()[..self.window.len()]
+    }
 }
 
-impl ExposedBytes {
+impl Window<Bytes> {
     /// Registers a REMOTE_READ window over `bytes` that only requests
     /// arriving on `qp` may use.
     pub fn expose(
@@ -1200,75 +1202,16 @@ impl ExposedBytes {
         let window =
             unsafe { pd.register_window(addr, bytes.len(), AccessFlags::REMOTE_READ, qp) }?;
         BYTES_WINDOWS.fetch_add(1, AtomicOrdering::Relaxed);
-        Ok(ExposedBytes {
+        Ok(Window {
             _tally: RegistrationTally::new(bytes.len(), &WINDOWS),
             window,
-            bytes: Some(bytes),
+            held: Some(bytes),
         })
-    }
-
-    /// Start address of the window.
-    pub fn addr(&self) -> u64 {
-        self.window.addr()
-    }
-
-    /// Length of the window.
-    pub fn len(&self) -> usize {
-        self.window.len()
-    }
-
-    /// True when the window is empty (never: empty bytes are refused).
-    pub fn is_empty(&self) -> bool {
-        self.window.is_empty()
-    }
-
-    /// The key the peer names the window by.
-    pub fn rkey(&self) -> u32 {
-        self.window.rkey()
     }
 
     /// The exposed bytes.
     pub fn bytes(&self) -> &Bytes {
-        self.bytes.as_ref().expect("present until revoked")
-    }
-
-    /// Deregisters the window, then lets go of the bytes; true when the
-    /// window is gone (false: it stays, and the bytes are leaked).
-    pub fn revoke(mut self) -> bool {
-        self.revoke_window()
-    }
-
-    fn revoke_window(&mut self) -> bool {
-        let Some(bytes) = self.bytes.take() else {
-            return true;
-        };
-        match self.window.deregister() {
-            Ok(()) => {
-                drop(bytes);
-                true
-            }
-            Err(error) => {
-                tracing::error!(%error, "revoking a READ window failed; leaking its bytes");
-                std::mem::forget(bytes);
-                false
-            }
-        }
-    }
-}
-
-impl Drop for ExposedBytes {
-    fn drop(&mut self) {
-        self.revoke_window();
-    }
-}
-
-impl fmt::Debug for ExposedBytes {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ExposedBytes")
-            .field("addr", &self.addr())
-            .field("len", &self.len())
-            .field("rkey", &self.rkey())
-            .finish()
+        self.held()
     }
 }
 
