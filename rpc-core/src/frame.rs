@@ -187,10 +187,11 @@ impl EncodedFrame {
         if self.head.is_empty() {
             return self.payload;
         }
-        let mut joined = BytesMut::with_capacity(self.len());
+        // A large frame is joined in a recycled buffer (no fresh mapping).
+        let mut joined = crate::codec::recycle::take(self.len());
         joined.put_slice(&self.head);
         joined.put_slice(&self.payload);
-        joined.freeze()
+        crate::codec::recycle::into_bytes(joined)
     }
 }
 
@@ -440,6 +441,30 @@ mod tests {
             metadata,
             Bytes::from_static(b"hello"),
         )
+    }
+
+    #[test]
+    fn parts_are_the_frame_and_a_large_payload_is_not_copied() {
+        let small = sample();
+        let parts = small.encode_parts();
+        assert!(
+            parts.payload.is_empty(),
+            "a small payload rides in the head"
+        );
+        assert_eq!(parts.into_contiguous(), small.encode());
+
+        let mut large = sample();
+        large.payload = Bytes::from(vec![9u8; JOIN_PAYLOAD_BELOW]);
+        let parts = large.encode_parts();
+        assert_eq!(
+            parts.payload.as_ptr(),
+            large.payload.as_ptr(),
+            "the payload itself"
+        );
+        assert_eq!(parts.len(), large.encoded_len());
+        let joined = parts.into_contiguous();
+        assert_eq!(joined, large.encode());
+        assert_eq!(Frame::decode(joined, DEFAULT_MAX_FRAME_LEN).unwrap(), large);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! the frame, or the peer READ it), bounded by [`MAX_IDLE_BYTES`] in all: a
 //! buffer returned to a full list makes room by freeing the longest-idle ones.
 
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::Mutex;
 
 use bytes::{Bytes, BytesMut};
 
@@ -40,13 +40,15 @@ pub fn prepare_new_buffers_with(prepare: PrepareBuffer) {
 }
 
 /// The free list: idle buffers and their total capacity.
-#[derive(Default)]
 struct FreeList {
     idle: Vec<BytesMut>,
     bytes: usize,
 }
 
-static FREE: LazyLock<Arc<Mutex<FreeList>>> = LazyLock::new(Default::default);
+static FREE: Mutex<FreeList> = Mutex::new(FreeList {
+    idle: Vec::new(),
+    bytes: 0,
+});
 
 fn free_list() -> std::sync::MutexGuard<'static, FreeList> {
     FREE.lock().unwrap_or_else(|poison| poison.into_inner())
