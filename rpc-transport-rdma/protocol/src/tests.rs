@@ -420,6 +420,25 @@ fn forged_and_broken_messages_are_errors() {
         p.handle_received(Bytes::from_static(b"short")),
         Err(ProtocolError::Message(MessageError::Truncated { len: 5 }))
     ));
+    // The inline head counts toward the frame limit: a remote part exactly
+    // at the limit plus one head byte is too large, refused before any
+    // destination is taken.
+    let mut p = fresh();
+    let over = Body::Announce(Announce {
+        token: 1,
+        addr: 0x1000,
+        len: g.max_frame_len,
+        rkey: 1,
+        head: Bytes::from_static(b"h"),
+    });
+    assert_eq!(
+        received(&mut p, 0, over),
+        Err(ProtocolError::TooLarge {
+            len: g.max_frame_len + 1,
+            max: g.max_frame_len
+        })
+    );
+    assert_eq!(p.poll_event(), None, "nothing allocated");
 }
 
 #[test]
