@@ -44,9 +44,11 @@ pub struct Announce {
 }
 
 impl Announce {
-    /// Bytes of the whole frame: the inline head and the remote part.
+    /// Bytes of the whole frame: the inline head and the remote part
+    /// (saturating: a peer's `len` near `u64::MAX` must not wrap to a small
+    /// frame that passes the length check).
     pub fn frame_len(&self) -> u64 {
-        self.head.len() as u64 + self.len
+        (self.head.len() as u64).saturating_add(self.len)
     }
 }
 

@@ -439,6 +439,19 @@ fn forged_and_broken_messages_are_errors() {
         })
     );
     assert_eq!(p.poll_event(), None, "nothing allocated");
+    // A length that would wrap around with the head added is too large, not small.
+    let mut p = fresh();
+    let wrapping = Body::Announce(Announce {
+        token: 1,
+        addr: 0,
+        len: u64::MAX,
+        rkey: 1,
+        head: Bytes::from_static(b"hh"),
+    });
+    assert!(matches!(
+        received(&mut p, 0, wrapping),
+        Err(ProtocolError::TooLarge { len: u64::MAX, .. })
+    ));
 }
 
 #[test]
