@@ -30,6 +30,10 @@ for dev in rxe0 siw0; do
     siw0) addr=10.0.1.1 ;;
   esac
   export RDMA_PROVIDER=ibverbs RDMA_DEVICE="$dev" RDMA_TEST_ADDR="$addr"
+  # Memory-window support (type 2 binds a window over a registration, the
+  # cheaper form of a per-frame registration): information for the log.
+  echo "== memory windows on $dev"
+  ibv_devinfo -v -d "$dev" 2>&1 | grep -i -E 'max_mw|MEM_WINDOW|max_mr:' || echo "(ibv_devinfo printed none)"
   run "$dev" conformance ./conformance-* --test-threads=1 --nocapture
   run "$dev" setup ./setup-* --test-threads=1 --nocapture
   run "$dev" rpc ./rpc-* --test-threads=1 --nocapture
