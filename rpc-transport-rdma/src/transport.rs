@@ -4,7 +4,7 @@
 //! ([`crate::setup`]), whose hello carries this transport's part: the protocol
 //! version, the receive-pool [`Geometry`] and, for the soft provider, the
 //! host's boot id (soft only reaches processes on the same host). Then a
-//! [`Driver`] task runs the connection; the application gets a frame sink and
+//! driver task (`driver.rs`) runs the connection; the application gets a frame sink and
 //! a frame stream, like any rpc-core transport.
 
 use std::net::SocketAddr;

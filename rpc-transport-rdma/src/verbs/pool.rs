@@ -17,7 +17,7 @@
 //! traits: memory named by a posted request must not be touched through a
 //! Rust reference until its completion. The pools are the safe side of that
 //! rule for the transport: a slot or buffer is marked *in flight* when a
-//! request is built over it ([`SlotPool::post_receives`], [`SendBatch`]), no
+//! request is built over it (`SlotPool::post_receives`, `SendBatch`), no
 //! reference to it is handed out while it is (asserted), and it is released
 //! only by the completion the driver polled for it (`completed`,
 //! `read_completed`: crate-internal, called with wr_ids from the CQ). A
