@@ -23,7 +23,7 @@ use rdma_rpc_examples::kv::{
     key_value_server::KeyValueServer,
 };
 use rdma_rpc_examples::{KvStore, endpoint_arg, init_logging};
-use rpc_core::{BoxError, Channel, Code, Request, Response, Server, Status};
+use rpc_core::{BoxError, Channel, Code, Payload, Request, Response, Server, Status};
 use tower::{Layer, Service, ServiceBuilder};
 
 /// Counters the server layer keeps.
@@ -58,12 +58,15 @@ struct Chaos<S> {
 
 impl<S> Service<Request<Bytes>> for Chaos<S>
 where
-    S: Service<Request<Bytes>, Response = Response<Bytes>, Error = Status> + Clone + Send + 'static,
+    S: Service<Request<Bytes>, Response = Response<Payload>, Error = Status>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send,
 {
-    type Response = Response<Bytes>;
+    type Response = Response<Payload>;
     type Error = Status;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Bytes>, Status>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Payload>, Status>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
         self.inner.poll_ready(cx)
@@ -109,12 +112,12 @@ fn is_idempotent(path: Option<&str>) -> bool {
     )
 }
 
-impl tower::retry::Policy<Request<Bytes>, Response<Bytes>, BoxError> for RetryIdempotent {
+impl tower::retry::Policy<Request<Payload>, Response<Bytes>, BoxError> for RetryIdempotent {
     type Future = Pin<Box<dyn Future<Output = ()> + Send>>;
 
     fn retry(
         &mut self,
-        request: &mut Request<Bytes>,
+        request: &mut Request<Payload>,
         result: &mut Result<Response<Bytes>, BoxError>,
     ) -> Option<Self::Future> {
         let Err(error) = result else { return None };
@@ -132,7 +135,7 @@ impl tower::retry::Policy<Request<Bytes>, Response<Bytes>, BoxError> for RetryId
         Some(Box::pin(tokio::time::sleep(Duration::from_millis(2))))
     }
 
-    fn clone_request(&mut self, request: &Request<Bytes>) -> Option<Request<Bytes>> {
+    fn clone_request(&mut self, request: &Request<Payload>) -> Option<Request<Payload>> {
         Some(request.clone())
     }
 }

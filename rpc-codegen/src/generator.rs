@@ -158,7 +158,7 @@ pub fn client_module(service: &Service) -> TokenStream {
 
             impl<T> #client<T>
             where
-                T: Service<Request<Bytes>, Response = Response<Bytes>>,
+                T: Service<Request<Payload>, Response = Response<Bytes>>,
                 T::Error: Into<BoxError>,
             {
                 /// Wraps a tower service: a `Channel`, or any stack of layers over one.
@@ -279,9 +279,9 @@ pub fn server_module(service: &Service) -> TokenStream {
             }
 
             impl<S: #trait_name> Service<Request<Bytes>> for #server<S> {
-                type Response = Response<Bytes>;
+                type Response = Response<Payload>;
                 type Error = Status;
-                type Future = BoxFuture<'static, Result<Response<Bytes>, Status>>;
+                type Future = BoxFuture<'static, Result<Response<Payload>, Status>>;
 
                 fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
                     Poll::Ready(Ok(()))

@@ -4,7 +4,7 @@
 //! messages, and this crate adds, for every service `Foo` in package `pkg`:
 //!
 //! - `foo_client::FooClient<T>`: one `async fn` per rpc over any tower service
-//!   of `rpc_core::Request<Bytes>` (usually an `rpc_core::Channel`), and
+//!   of `rpc_core::Request<rpc_core::Payload>` (usually an `rpc_core::Channel`), and
 //!   `FooClient::connect("tcp://host:port")`;
 //! - `foo_server::Foo`: the trait you implement with plain `async fn`s, and
 //!   `foo_server::FooServer<S>`, the tower service `rpc_core::Server` routes
@@ -88,7 +88,10 @@ impl Builder {
     /// Generate `Vec<u8>` for protobuf `bytes` fields instead of the default
     /// `bytes::Bytes` (default false). With `Bytes`, a field decoded from a
     /// received frame is a slice of the buffer the transport received it in
-    /// (for rdma://, the registered buffer it was READ into), not a copy.
+    /// (for rdma://, the registered buffer it was READ into), not a copy; and
+    /// a large field sent is not copied either: it is a part of the payload
+    /// of its own (`rpc_core::codec::PayloadBuf`), which the peer READs where
+    /// it lies. With `Vec<u8>`, a large field is copied once when encoded.
     pub fn bytes_fields_as_vec(mut self, yes: bool) -> Self {
         self.bytes_fields_as_vec = yes;
         self

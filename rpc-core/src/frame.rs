@@ -26,6 +26,7 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::metadata::{InvalidMetadata, Metadata};
+use crate::payload::Payload;
 use crate::status::Code;
 
 /// The protocol version this build writes and the only one it accepts.
@@ -164,8 +165,8 @@ pub const JOIN_PAYLOAD_BELOW: usize = 4 << 10;
 pub struct EncodedFrame {
     /// The first bytes of the frame.
     pub head: Bytes,
-    /// The bytes after `head`.
-    pub payload: Bytes,
+    /// The bytes after `head`, in one or more parts.
+    pub payload: Payload,
 }
 
 impl EncodedFrame {
@@ -185,12 +186,14 @@ impl EncodedFrame {
             return self.head;
         }
         if self.head.is_empty() {
-            return self.payload;
+            return self.payload.into_contiguous();
         }
         // A large frame is joined in a recycled buffer (no fresh mapping).
         let mut joined = crate::codec::recycle::take(self.len());
         joined.put_slice(&self.head);
-        joined.put_slice(&self.payload);
+        for part in self.payload.parts() {
+            joined.put_slice(part);
+        }
         crate::codec::recycle::into_bytes(joined)
     }
 }
@@ -200,7 +203,7 @@ impl From<Bytes> for EncodedFrame {
     fn from(frame: Bytes) -> EncodedFrame {
         EncodedFrame {
             head: frame,
-            payload: Bytes::new(),
+            payload: Payload::new(),
         }
     }
 }
@@ -222,8 +225,9 @@ pub struct Frame {
     pub path: String,
     /// Metadata of the request, response or status.
     pub metadata: Metadata,
-    /// The encoded message; for a non-OK response, the status message in UTF-8.
-    pub payload: Bytes,
+    /// The encoded message; for a non-OK response, the status message in
+    /// UTF-8. One part in a decoded frame.
+    pub payload: Payload,
 }
 
 impl Frame {
@@ -233,7 +237,7 @@ impl Frame {
         path: impl Into<String>,
         deadline: Option<Duration>,
         metadata: Metadata,
-        payload: Bytes,
+        payload: impl Into<Payload>,
     ) -> Frame {
         Frame {
             kind: FrameKind::Request,
@@ -243,13 +247,18 @@ impl Frame {
             deadline,
             path: path.into(),
             metadata,
-            payload,
+            payload: payload.into(),
         }
     }
 
     /// A unary response frame: `status` OK with a message in `payload`, or an
     /// error whose message is the payload.
-    pub fn response(call_id: u64, status: Code, metadata: Metadata, payload: Bytes) -> Frame {
+    pub fn response(
+        call_id: u64,
+        status: Code,
+        metadata: Metadata,
+        payload: impl Into<Payload>,
+    ) -> Frame {
         Frame {
             kind: FrameKind::Response,
             flags: FrameFlags::END_STREAM,
@@ -258,7 +267,7 @@ impl Frame {
             deadline: None,
             path: String::new(),
             metadata,
-            payload,
+            payload: payload.into(),
         }
     }
 
@@ -272,7 +281,7 @@ impl Frame {
             deadline: None,
             path: String::new(),
             metadata: Metadata::new(),
-            payload: Bytes::new(),
+            payload: Payload::new(),
         }
     }
 
@@ -315,7 +324,9 @@ impl Frame {
     pub fn encode_into(&self, dst: &mut BytesMut) {
         dst.reserve(self.encoded_len());
         self.encode_head_into(dst);
-        dst.put_slice(&self.payload);
+        for part in self.payload.parts() {
+            dst.put_slice(part);
+        }
     }
 
     /// Appends everything before the payload to `dst`.
@@ -421,7 +432,7 @@ impl Frame {
             deadline: (deadline_us != 0).then(|| Duration::from_micros(deadline_us)),
             path,
             metadata,
-            payload: message,
+            payload: Payload::from(message),
         })
     }
 }
@@ -454,12 +465,14 @@ mod tests {
         assert_eq!(parts.into_contiguous(), small.encode());
 
         let mut large = sample();
-        large.payload = Bytes::from(vec![9u8; JOIN_PAYLOAD_BELOW]);
+        let field = Bytes::from(vec![9u8; JOIN_PAYLOAD_BELOW]);
+        large.payload = Payload::from_parts([Bytes::from_static(b"key"), field.clone()]);
         let parts = large.encode_parts();
+        assert_eq!(parts.payload.part_count(), 2);
         assert_eq!(
-            parts.payload.as_ptr(),
-            large.payload.as_ptr(),
-            "the payload itself"
+            parts.payload.parts().nth(1).unwrap().as_ptr(),
+            field.as_ptr(),
+            "the payload's parts themselves"
         );
         assert_eq!(parts.len(), large.encoded_len());
         let joined = parts.into_contiguous();

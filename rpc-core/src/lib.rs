@@ -54,6 +54,7 @@ mod conn_io;
 mod error;
 pub mod frame;
 pub mod metadata;
+mod payload;
 mod request;
 mod send_buffer;
 pub mod server;
@@ -64,6 +65,7 @@ mod wake_gate;
 pub use client::{Channel, RpcClient};
 pub use error::Error;
 pub use metadata::Metadata;
+pub use payload::Payload;
 pub use request::{IntoRequest, PeerInfo, Request, Response};
 pub use send_buffer::SendBuffer;
 pub use server::Server;
@@ -92,5 +94,5 @@ pub mod codegen {
     pub use crate::codec::ProstCodec;
     pub use crate::server::NamedService;
     pub use crate::server::unary::handle as unary;
-    pub use crate::{BoxError, Error, IntoRequest, Request, Response, Status};
+    pub use crate::{BoxError, Error, IntoRequest, Payload, Request, Response, Status};
 }

@@ -201,7 +201,7 @@ async fn channel_poll_ready_waits_while_its_outbound_queue_is_full() {
         }
         calls.push(tower::Service::call(
             &mut channel,
-            probe("Echo", payload.clone()),
+            probe("Echo", payload.clone()).map(Into::into),
         ));
         started += 1;
     };
@@ -472,7 +472,7 @@ async fn connections_beyond_the_limit_are_refused_with_a_clear_error() {
     assert_eq!(frames.len(), 1, "{frames:?}");
     assert_eq!(frames[0].kind, FrameKind::GoAway);
     assert_eq!(frames[0].status, Code::ResourceExhausted);
-    let reason = String::from_utf8(frames[0].payload.to_vec()).unwrap();
+    let reason = String::from_utf8(frames[0].payload.clone().into_contiguous().to_vec()).unwrap();
     assert!(reason.contains("connection limit of 2"), "{reason}");
 
     // A channel's call fails with that reason.

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use rpc_core::frame::{EncodedFrame, FrameError};
 use rpc_core::transport::{ConnectionBudget, Reservation, TransportError};
 use tokio::net::TcpStream;
@@ -496,14 +496,18 @@ impl Driver {
         Ok(progressed)
     }
 
-    /// Exposes a large frame to the peer's READs: its payload where it lies,
-    /// with the head inline in the announcement, when the head fits there;
-    /// else a copy of the frame in a pooled buffer.
+    /// Exposes a large frame to the peer's READs: its largest payload part
+    /// where it lies, with everything before it (the frame's head, the start
+    /// of the message) and after it (the message's end) inline in the
+    /// announcement when they fit there; else a copy of the frame in a
+    /// pooled buffer.
     fn expose(&mut self, frame: EncodedFrame) -> Result<(), String> {
-        if frame.payload.is_empty() || frame.head.len() > self.protocol.max_announce_head() {
+        let Some((head, remote, tail)) =
+            split_for_announce(&frame, self.protocol.max_announce_inline())
+        else {
             return self.expose_copy(frame.into_contiguous());
-        }
-        let window = match ExposedBytes::expose(&self.device.pd, &self.qp, frame.payload.clone()) {
+        };
+        let window = match ExposedBytes::expose(&self.device.pd, &self.qp, remote) {
             Ok(window) => window,
             Err(error) => {
                 // Memory the device cannot register where it lies (on
@@ -515,7 +519,7 @@ impl Driver {
         let (addr, len, rkey) = self.forged(window.addr(), window.len() as u64, window.rkey());
         let token = self
             .protocol
-            .send_rendezvous(frame.head, addr, len, rkey, Instant::now());
+            .send_rendezvous(head, tail, addr, len, rkey, Instant::now());
         self.exposed.insert(token, Exposed::Payload(window));
         Ok(())
     }
@@ -549,9 +553,14 @@ impl Driver {
             }
         };
         let (addr, len, rkey) = self.forged(window.addr(), window.len() as u64, window.rkey());
-        let token = self
-            .protocol
-            .send_rendezvous(Bytes::new(), addr, len, rkey, Instant::now());
+        let token = self.protocol.send_rendezvous(
+            Bytes::new(),
+            Bytes::new(),
+            addr,
+            len,
+            rkey,
+            Instant::now(),
+        );
         self.exposed.insert(token, Exposed::Pooled { window, pool });
         Ok(())
     }
@@ -765,13 +774,21 @@ impl Driver {
             progressed = true;
             let frame = match inbound {
                 Inbound::Frame(frame) => frame,
-                Inbound::Pulled { token, len, head } => {
+                Inbound::Pulled {
+                    token,
+                    len,
+                    head,
+                    tail,
+                } => {
                     let mut destination = self
                         .destinations
                         .remove(&token)
                         .expect("a pulled frame has its destination");
-                    // Every READ completed: the head goes in front of what they wrote.
-                    destination.buffer_mut().as_mut_slice()[..head.len()].copy_from_slice(&head);
+                    // Every READ completed: the head goes in front of what
+                    // they wrote, the tail behind it.
+                    let frame_bytes = &mut destination.buffer_mut().as_mut_slice()[..len as usize];
+                    frame_bytes[..head.len()].copy_from_slice(&head);
+                    frame_bytes[len as usize - tail.len()..].copy_from_slice(&tail);
                     let frame = destination.into_bytes(len as usize);
                     match self.reservations.remove(&token) {
                         Some(reservation) => reservation.attach(frame),
@@ -885,9 +902,43 @@ fn write_message(slot: &mut [u8], message: &Message) -> usize {
         slot[len..len + body.len()].copy_from_slice(&body);
         len += body.len();
     }
-    let tail = message.tail();
-    slot[len..len + tail.len()].copy_from_slice(tail);
-    len + tail.len()
+    for bytes in message.inline() {
+        slot[len..len + bytes.len()].copy_from_slice(bytes);
+        len += bytes.len();
+    }
+    len
+}
+
+/// How a large frame is announced: the inline head, the one part the peer
+/// READs (the payload's largest), and the inline tail; `None` when the bytes
+/// around that part do not fit `max_inline` (the frame is copied instead).
+fn split_for_announce(frame: &EncodedFrame, max_inline: usize) -> Option<(Bytes, Bytes, Bytes)> {
+    let parts: Vec<&Bytes> = frame.payload.parts().collect();
+    let (index, remote) = parts
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, part)| part.len())?;
+    if frame.len() - remote.len() > max_inline {
+        return None;
+    }
+    let join = |first: Option<&Bytes>, rest: &[&Bytes]| -> Bytes {
+        match (first.filter(|bytes| !bytes.is_empty()), rest) {
+            (None, []) => Bytes::new(),
+            (Some(only), []) => only.clone(),
+            (None, [only]) => (*only).clone(),
+            (first, rest) => {
+                let mut joined = BytesMut::new();
+                joined.extend_from_slice(first.map_or(&[][..], |bytes| bytes));
+                for part in rest {
+                    joined.extend_from_slice(part);
+                }
+                joined.freeze()
+            }
+        }
+    };
+    let head = join(Some(&frame.head), &parts[..index]);
+    let tail = join(None, &parts[index + 1..]);
+    Some((head, (*remote).clone(), tail))
 }
 
 fn describe_failure(completion: &WorkCompletion, tag: u64) -> String {

@@ -787,7 +787,7 @@ mod tests {
                     slot_len: u32::MAX,
                     ..default
                 },
-                "slot_len = 4294967295 is outside 40..=1048592",
+                "slot_len = 4294967295 is outside 48..=1048592",
             ),
             (
                 Geometry {

@@ -17,6 +17,7 @@ use super::connection::{ClientConnection, Keepalive};
 use crate::conn_io::DEFAULT_OUTBOUND_QUEUE_BYTES;
 use crate::error::Error;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame};
+use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{Code, Status};
 use crate::transport::{self, Endpoint, TransportConfig};
@@ -247,8 +248,8 @@ impl ChannelInner {
 
 /// A client connection to one endpoint, shared by all its clones.
 ///
-/// It implements `tower::Service<Request<Bytes>>`: the request carries the
-/// method path ([`Request::set_method`]; generated clients set it) and an
+/// It implements `tower::Service<Request<Payload>>` (responses are
+/// `Response<Bytes>`): the request carries the method path ([`Request::set_method`]; generated clients set it) and an
 /// optional timeout. Any number of calls may be in flight at once on its one
 /// connection. The connection is opened on the first call (or by
 /// [`ChannelBuilder::connect`]); when it is lost, every pending call fails with
@@ -333,15 +334,19 @@ impl Channel {
         &self.inner.config.endpoint
     }
 
-    /// Performs one call with an encoded message.
-    pub async fn unary(&self, request: Request<Bytes>) -> Result<Response<Bytes>, Status> {
-        call(self.inner.clone(), request).await
+    /// Performs one call with an encoded message: [`Bytes`], a [`Payload`]
+    /// of several parts, or anything else that converts to one.
+    pub async fn unary<P: Into<Payload>>(
+        &self,
+        request: Request<P>,
+    ) -> Result<Response<Bytes>, Status> {
+        call(self.inner.clone(), request.map(Into::into)).await
     }
 }
 
 async fn call(
     inner: Arc<ChannelInner>,
-    request: Request<Bytes>,
+    request: Request<Payload>,
 ) -> Result<Response<Bytes>, Status> {
     let Some(path) = request.method().map(str::to_owned) else {
         return Err(Status::internal(
@@ -413,9 +418,13 @@ fn deadline_exceeded(timeout: Option<Duration>) -> Status {
 
 fn into_response(frame: Frame) -> Result<Response<Bytes>, Status> {
     if frame.status == Code::Ok {
-        Ok(Response::from_parts(frame.metadata, frame.payload))
+        Ok(Response::from_parts(
+            frame.metadata,
+            frame.payload.into_contiguous(),
+        ))
     } else {
-        let message = String::from_utf8_lossy(&frame.payload).into_owned();
+        let payload = frame.payload.into_contiguous();
+        let message = String::from_utf8_lossy(&payload).into_owned();
         Err(Status::with_metadata(frame.status, message, frame.metadata))
     }
 }
@@ -439,7 +448,7 @@ impl Future for ResponseFuture {
     }
 }
 
-impl Service<Request<Bytes>> for Channel {
+impl Service<Request<Payload>> for Channel {
     type Response = Response<Bytes>;
     type Error = Status;
     type Future = ResponseFuture;
@@ -479,7 +488,7 @@ impl Service<Request<Bytes>> for Channel {
         }
     }
 
-    fn call(&mut self, request: Request<Bytes>) -> ResponseFuture {
+    fn call(&mut self, request: Request<Payload>) -> ResponseFuture {
         // poll_ready saw room; the call reserves its own (and waits if the
         // queue filled up meanwhile).
         ResponseFuture {

@@ -23,7 +23,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_util::StreamExt;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -31,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::conn_io::{OutboundQueue, write_frames};
 use crate::frame::{Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
+use crate::payload::Payload;
 use crate::status::{Code, Status};
 use crate::transport::{Connection, FrameStream};
 use crate::wake_gate::WakeGated;
@@ -188,7 +188,7 @@ impl ClientConnection {
         path: &str,
         deadline: Option<Duration>,
         metadata: Metadata,
-        payload: Bytes,
+        payload: Payload,
     ) -> Result<PendingCall, CallFailure> {
         if path.len() > crate::frame::MAX_PATH_LEN {
             return Err(Status::invalid_argument("method path longer than 65535 bytes").into());
@@ -410,7 +410,7 @@ async fn read_frames(
             }
             FrameKind::Ping => {}
             FrameKind::GoAway if frame.status != Code::Ok => {
-                let reason = String::from_utf8_lossy(&frame.payload).into_owned();
+                let reason = String::from_utf8_lossy(&frame.payload.into_contiguous()).into_owned();
                 tracing::warn!(peer = %shared.peer, %reason, "server closed the connection");
                 break format!("server closed the connection: {reason}");
             }

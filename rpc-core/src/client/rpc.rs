@@ -4,6 +4,7 @@ use bytes::Bytes;
 use tower_service::Service;
 
 use crate::codec::Codec;
+use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{BoxError, Status};
 
@@ -39,7 +40,7 @@ impl<T> RpcClient<T> {
 
 impl<T> RpcClient<T>
 where
-    T: Service<Request<Bytes>, Response = Response<Bytes>>,
+    T: Service<Request<Payload>, Response = Response<Bytes>>,
     T::Error: Into<BoxError>,
 {
     /// Waits until the inner service can take a call.
@@ -56,8 +57,7 @@ where
         path: &'static str,
         mut codec: C,
     ) -> Result<Response<C::Decode>, Status> {
-        let mut request = request
-            .try_map(|message| crate::codec::recycle::encode_to_bytes(&mut codec, message))?;
+        let mut request = request.try_map(|message| codec.encode_payload(message))?;
         request.set_method(path);
         self.ready().await?;
         let response = self

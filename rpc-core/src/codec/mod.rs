@@ -4,14 +4,17 @@
 //! services whose messages are serde types.
 
 mod bincode;
+mod payload_buf;
 mod prost;
 pub mod recycle;
 
 use bytes::{Bytes, BytesMut};
 
+use crate::payload::Payload;
 use crate::status::Status;
 
 pub use self::bincode::BincodeCodec;
+pub use self::payload_buf::{PayloadBuf, SEPARATE_PARTS_FROM, bytes_copied_by_encoding};
 pub use self::prost::ProstCodec;
 
 /// Encodes requests of one type and decodes responses of another (or the
@@ -35,6 +38,15 @@ pub trait Codec: Default + Send + 'static {
     fn encoded_len(&self, item: &Self::Encode) -> Option<usize> {
         let _ = item;
         None
+    }
+
+    /// Encodes `item` as the payload of a request or response. By default
+    /// one buffer written by [`Codec::encode`] (a recycled one when
+    /// [`Codec::encoded_len`] says the message is large); codecs that can
+    /// keep large fields where they lie return several parts
+    /// ([`ProstCodec`] does, through [`PayloadBuf`]).
+    fn encode_payload(&mut self, item: Self::Encode) -> Result<Payload, Status> {
+        recycle::encode_to_bytes(self, item).map(Payload::from)
     }
 
     /// Decodes one message from a whole payload. A failure is [`crate::Code::Internal`].

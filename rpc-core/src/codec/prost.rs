@@ -4,7 +4,8 @@ use std::marker::PhantomData;
 
 use bytes::{Bytes, BytesMut};
 
-use super::Codec;
+use super::{Codec, PayloadBuf};
+use crate::payload::Payload;
 use crate::status::Status;
 
 /// A [`Codec`] for prost messages: the default of generated code.
@@ -36,6 +37,15 @@ where
 
     fn encoded_len(&self, item: &E) -> Option<usize> {
         Some(item.encoded_len())
+    }
+
+    /// Large `bytes` fields of type [`Bytes`] are parts of their own: sent
+    /// where they lie, never copied ([`PayloadBuf`]).
+    fn encode_payload(&mut self, item: E) -> Result<Payload, Status> {
+        let mut buf = PayloadBuf::with_len_hint(item.encoded_len());
+        item.encode(&mut buf)
+            .map_err(|error| Status::internal(format!("failed to encode message: {error}")))?;
+        Ok(buf.finish())
     }
 
     fn decode(&mut self, src: Bytes) -> Result<D, Status> {

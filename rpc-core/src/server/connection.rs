@@ -29,12 +29,13 @@ use super::{CLOSE_LINGER, ServerConfig};
 use crate::conn_io::{OutboundQueue, QueueClosed, Space, write_frames};
 use crate::frame::{EncodedFrame, Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
+use crate::payload::Payload;
 use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
 use crate::transport::{Connection, TransportError};
 use crate::wake_gate::WakeGated;
 
-pub(crate) type ServerService = BoxCloneSyncService<Request<Bytes>, Response<Bytes>, Status>;
+pub(crate) type ServerService = BoxCloneSyncService<Request<Bytes>, Response<Payload>, Status>;
 
 type Reserving = Pin<Box<dyn Future<Output = Result<Space, QueueClosed>> + Send>>;
 
@@ -271,7 +272,7 @@ pub(crate) async fn serve_connection(
             tracing::warn!(%peer, "closing connection: {reason}");
             let mut goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
             goaway.status = Code::Internal;
-            goaway.payload = Bytes::from(reason.clone());
+            goaway.payload = Payload::from(reason.clone());
             let _ = outbound.send_unbounded(goaway.encode_parts());
         }
     }
@@ -304,7 +305,7 @@ fn status_frame(call_id: u64, status: Status) -> Frame {
     } else {
         status.code()
     };
-    let message = Bytes::from(status.message().to_owned());
+    let message = Payload::from(status.message().to_owned());
     Frame::response(call_id, code, status.metadata().clone(), message)
 }
 
@@ -320,7 +321,7 @@ async fn run_call(
     // Only a call someone traces reads the clock for its duration.
     let started = (!span.is_disabled()).then(Instant::now);
     let deadline = frame.deadline;
-    let mut request = Request::new(frame.payload);
+    let mut request = Request::new(frame.payload.into_contiguous());
     *request.metadata_mut() = frame.metadata;
     if let Some(deadline) = deadline {
         request.set_timeout(deadline);
@@ -342,7 +343,7 @@ async fn run_call(
     };
     let response = match outcome {
         Ok(Ok(response)) => {
-            let (metadata, payload): (Metadata, Bytes) = response.into_parts();
+            let (metadata, payload): (Metadata, Payload) = response.into_parts();
             Frame::response(call_id, Code::Ok, metadata, payload)
         }
         Ok(Err(status)) => status_frame(call_id, status),

@@ -61,6 +61,7 @@ use tower_service::Service;
 
 use crate::error::Error;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame, FrameFlags, FrameKind};
+use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{BoxError, Code, Status};
 use crate::transport::{
@@ -264,7 +265,8 @@ pub struct Router<L = Identity> {
 impl<L> Router<L>
 where
     L: Layer<Routes>,
-    L::Service: Service<Request<Bytes>, Response = Response<Bytes>> + Clone + Send + Sync + 'static,
+    L::Service:
+        Service<Request<Bytes>, Response = Response<Payload>> + Clone + Send + Sync + 'static,
     <L::Service as Service<Request<Bytes>>>::Error: Into<BoxError> + Send,
     <L::Service as Service<Request<Bytes>>>::Future: Send + 'static,
 {
@@ -530,7 +532,7 @@ async fn refuse(
     } = connection;
     let mut goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, 0);
     goaway.status = Code::ResourceExhausted;
-    goaway.payload = Bytes::from(reason);
+    goaway.payload = Payload::from(reason);
     let refusal = async {
         if sink.send(goaway.encode_parts()).await.is_ok()
             && sink.close().await.is_ok()

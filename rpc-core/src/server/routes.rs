@@ -9,8 +9,29 @@ use futures_util::future::{self, BoxFuture, FutureExt};
 use tower::util::BoxCloneSyncService;
 use tower_service::Service;
 
+use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{BoxError, Status};
+
+/// The response of a routable service: its message already encoded, as one
+/// buffer (`Response<Bytes>`) or as parts (`Response<Payload>`, what
+/// generated servers return so a large field is sent where it lies).
+pub trait EncodedResponse: Send + 'static {
+    /// The response with its message as a [`Payload`].
+    fn into_payload(self) -> Response<Payload>;
+}
+
+impl EncodedResponse for Response<Bytes> {
+    fn into_payload(self) -> Response<Payload> {
+        self.map(Payload::from)
+    }
+}
+
+impl EncodedResponse for Response<Payload> {
+    fn into_payload(self) -> Response<Payload> {
+        self
+    }
+}
 
 /// A service the [`crate::Server`] can route to: its full name
 /// (`package.Service`) picks the requests it gets. Generated servers implement it.
@@ -20,12 +41,12 @@ pub trait NamedService {
 }
 
 /// What [`crate::Server::add_service`] accepts: a named tower service of
-/// encoded requests (generated `FooServer`s are). Implemented for every type
+/// encoded requests and responses (generated `FooServer`s are). Implemented for every type
 /// that fits; never implement it by hand.
 pub trait RoutableService:
     Service<
         Request<Bytes>,
-        Response = Response<Bytes>,
+        Response: EncodedResponse,
         Error: Into<BoxError>,
         Future: Send + 'static,
     > + NamedService
@@ -39,7 +60,7 @@ pub trait RoutableService:
 impl<S> RoutableService for S where
     S: Service<
             Request<Bytes>,
-            Response = Response<Bytes>,
+            Response: EncodedResponse,
             Error: Into<BoxError>,
             Future: Send + 'static,
         > + NamedService
@@ -50,7 +71,7 @@ impl<S> RoutableService for S where
 {
 }
 
-type RouteService = BoxCloneSyncService<Request<Bytes>, Response<Bytes>, Status>;
+type RouteService = BoxCloneSyncService<Request<Bytes>, Response<Payload>, Status>;
 
 /// The routing table: service name → service. It is itself the innermost
 /// service of the server's tower stack.
@@ -70,6 +91,7 @@ impl Routes {
     pub fn add_service<S: RoutableService>(&mut self, service: S) {
         let service =
             tower::ServiceExt::map_err(service, |error: S::Error| Status::from_error(error.into()));
+        let service = tower::ServiceExt::map_response(service, EncodedResponse::into_payload);
         Arc::make_mut(&mut self.services).insert(S::NAME, BoxCloneSyncService::new(service));
     }
 
@@ -87,9 +109,9 @@ pub(crate) fn split_path(path: &str) -> Option<(&str, &str)> {
 }
 
 impl Service<Request<Bytes>> for Routes {
-    type Response = Response<Bytes>;
+    type Response = Response<Payload>;
     type Error = Status;
-    type Future = BoxFuture<'static, Result<Response<Bytes>, Status>>;
+    type Future = BoxFuture<'static, Result<Response<Payload>, Status>>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
         Poll::Ready(Ok(()))

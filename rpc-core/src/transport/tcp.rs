@@ -26,6 +26,7 @@ use super::{
     TransportConfig, TransportError,
 };
 use crate::frame::{EncodedFrame, FrameError};
+use crate::payload::Payload;
 
 /// Size of the length prefix in front of every frame.
 pub const LENGTH_PREFIX_LEN: usize = 4;
@@ -313,7 +314,7 @@ struct Outgoing {
     prefix_sent: usize,
     /// What is left of the frame's head, then of its payload.
     head: Bytes,
-    payload: Bytes,
+    payload: Payload,
 }
 
 impl<W> std::fmt::Debug for FrameWriter<W> {
@@ -340,19 +341,19 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
             let mut slices = [IoSlice::new(&[]); MAX_IOV];
             let mut count = 0;
             for outgoing in &self.queue {
-                if count + 3 > MAX_IOV {
+                // A frame goes in only whole (its payload may be several parts).
+                if count + 2 + outgoing.payload.part_count() > MAX_IOV && count > 0 {
                     break;
                 }
                 if outgoing.prefix_sent < LENGTH_PREFIX_LEN {
                     slices[count] = IoSlice::new(&outgoing.prefix[outgoing.prefix_sent..]);
                     count += 1;
                 }
-                for part in [&outgoing.head, &outgoing.payload] {
-                    if !part.is_empty() {
-                        slices[count] = IoSlice::new(part);
-                        count += 1;
-                    }
+                if !outgoing.head.is_empty() {
+                    slices[count] = IoSlice::new(&outgoing.head);
+                    count += 1;
                 }
+                count += outgoing.payload.chunks_vectored(&mut slices[count..]);
             }
             let mut written =
                 ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices[..count]))?;
@@ -367,11 +368,12 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
                 let prefix = (LENGTH_PREFIX_LEN - front.prefix_sent).min(written);
                 front.prefix_sent += prefix;
                 written -= prefix;
-                for part in [&mut front.head, &mut front.payload] {
-                    let taken = part.len().min(written);
-                    part.advance(taken);
-                    written -= taken;
-                }
+                let taken = front.head.len().min(written);
+                front.head.advance(taken);
+                written -= taken;
+                let taken = front.payload.remaining().min(written);
+                front.payload.advance(taken);
+                written -= taken;
                 if front.prefix_sent == LENGTH_PREFIX_LEN
                     && front.head.is_empty()
                     && front.payload.is_empty()
@@ -560,10 +562,10 @@ mod tests {
         let sending = tokio::spawn(async move {
             writer.feed(small.into()).await.unwrap();
             writer.feed(Bytes::new().into()).await.unwrap();
-            // In two parts, as `Frame::encode_parts` makes them: one frame on the wire.
+            // In parts, as `Frame::encode_parts` makes them: one frame on the wire.
             let parts = EncodedFrame {
                 head: large.slice(..1000),
-                payload: large.slice(1000..),
+                payload: Payload::from_parts([large.slice(1000..5000), large.slice(5000..)]),
             };
             writer.feed(parts).await.unwrap();
             writer.flush().await.unwrap();

@@ -721,7 +721,7 @@ async fn send_raw_and_expect_close(endpoint: &Endpoint, message: Bytes) -> Optio
                 let frame = rpc_core::frame::Frame::decode(bytes, config.max_frame_len).unwrap();
                 assert_eq!(frame.kind, rpc_core::frame::FrameKind::GoAway);
                 assert_eq!(frame.status, Code::Internal);
-                reason = Some(String::from_utf8(frame.payload.to_vec()).unwrap());
+                reason = Some(String::from_utf8(frame.payload.into_contiguous().to_vec()).unwrap());
             }
             Some(Err(_)) | None => return reason,
         }
@@ -789,7 +789,7 @@ pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
         "/test.Probe/Echo",
         None,
         Metadata::new(),
-        vec![0u8; 2 << 20].into(),
+        Bytes::from(vec![0u8; 2 << 20]),
     )
     .encode();
     let _ = send_raw_and_expect_close(&server.endpoint, big).await;

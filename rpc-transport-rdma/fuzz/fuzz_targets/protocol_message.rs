@@ -23,14 +23,14 @@ fuzz_target!(|data: &[u8]| {
     );
     assert_eq!(Message::decode(encoded).as_ref(), Ok(&message));
     // The driver's gather path: header, the announce body if any, then the
-    // tail (a DATA frame, an announcement's inline head).
+    // inline bytes (a DATA frame, an announcement's head and tail).
     let (header, announce) = message.encode_header();
     assert_eq!(&header[..], &bytes[..HEADER_LEN]);
     let body_len = announce.map_or(0, |body| body.len());
     if let Some(body) = announce {
         assert_eq!(&body[..], &bytes[HEADER_LEN..HEADER_LEN + body_len]);
     }
-    assert_eq!(message.tail(), &bytes[HEADER_LEN + body_len..]);
+    assert_eq!(message.inline().concat(), &bytes[HEADER_LEN + body_len..]);
     if let Body::Data(frame) = &message.body {
         assert_eq!(&frame[..], &bytes[HEADER_LEN..]);
     }

@@ -159,16 +159,20 @@ impl Pair {
                     Route::Eager => s.protocol.send_eager(bytes),
                     Route::Rendezvous => {
                         // Some of the frame inline (as the driver sends a
-                        // frame's head), the rest behind the window.
-                        let head_len = (len % 61)
-                            .min(s.protocol.max_announce_head())
-                            .min(len - 1);
-                        let remote = bytes.slice(head_len..);
+                        // frame's head and a message's end), the rest behind
+                        // the window.
+                        let max_inline = s.protocol.max_announce_inline();
+                        let head_len = (len % 61).min(max_inline).min(len - 1);
+                        let tail_len = (len % 37)
+                            .min(max_inline - head_len)
+                            .min(len - 1 - head_len);
+                        let remote = bytes.slice(head_len..len - tail_len);
                         let addr = s.next_addr;
                         s.next_addr += remote.len() as u64 + 4096;
                         let rkey = (addr >> 12) as u32;
                         let token = s.protocol.send_rendezvous(
                             bytes.slice(..head_len),
+                            bytes.slice(len - tail_len..),
                             addr,
                             remote.len() as u64,
                             rkey,
@@ -223,6 +227,7 @@ impl Pair {
                             len,
                             rkey,
                             head: frame(usize::from(head_len), 3),
+                            tail: frame(usize::from(head_len) / 2, 4),
                         }),
                     },
                     Forged::Replay { credits, token } => {
@@ -237,6 +242,7 @@ impl Pair {
                                 len: bytes.len() as u64,
                                 rkey: *rkey,
                                 head: bytes::Bytes::new(),
+                                tail: bytes::Bytes::new(),
                             }),
                         }
                     }
@@ -376,13 +382,20 @@ impl Pair {
             self.moves += 1;
             let bytes = match inbound {
                 Inbound::Frame(frame) => frame,
-                Inbound::Pulled { token, len, head } => {
+                Inbound::Pulled {
+                    token,
+                    len,
+                    head,
+                    tail,
+                } => {
                     let mut bytes = s
                         .destinations
                         .remove(&token)
                         .expect("a pulled frame has its destination");
                     assert_eq!(bytes.len() as u64, len);
                     bytes[..head.len()].copy_from_slice(&head);
+                    let tail_at = bytes.len() - tail.len();
+                    bytes[tail_at..].copy_from_slice(&tail);
                     bytes.into()
                 }
                 Inbound::Closed => continue,

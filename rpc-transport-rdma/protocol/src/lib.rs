@@ -394,15 +394,18 @@ pub struct ReadRequest {
 pub enum Inbound {
     /// An eager frame.
     Frame(Bytes),
-    /// The READs of `token` completed: the frame is `head` followed by what
-    /// they put in its destination (which left room for `head` in front).
+    /// The READs of `token` completed: the frame is `head`, then what they
+    /// put in its destination (which left room for `head` in front and
+    /// `tail` behind), then `tail`.
     Pulled {
         /// The announcement's token.
         token: u64,
-        /// Bytes of the whole frame, `head` included.
+        /// Bytes of the whole frame, `head` and `tail` included.
         len: u64,
         /// The frame's first bytes, from the announcement.
         head: Bytes,
+        /// The frame's last bytes, from the announcement.
+        tail: Bytes,
     },
     /// The peer sends no more frames.
     Closed,
@@ -501,9 +504,10 @@ impl Protocol {
         }
     }
 
-    /// The most head bytes an announcement can carry inline (what is left
-    /// of the peer's receive slot after the header and the announce body).
-    pub fn max_announce_head(&self) -> usize {
+    /// The most bytes (head and tail together) an announcement can carry
+    /// inline: what is left of the peer's receive slot after the header and
+    /// the announce body.
+    pub fn max_announce_inline(&self) -> usize {
         (self.peer.slot_len as usize).saturating_sub(HEADER_LEN + message::ANNOUNCE_BODY_LEN)
     }
 
@@ -526,23 +530,25 @@ impl Protocol {
         self.queue.push_back(Body::Data(frame));
     }
 
-    /// Queues the announcement of a frame that is `head` followed by `len`
-    /// bytes the driver put behind a window at `addr` with `rkey`; returns
-    /// its token.
+    /// Queues the announcement of a frame that is `head`, then `len` bytes
+    /// the driver put behind a window at `addr` with `rkey`, then `tail`;
+    /// returns its token.
     ///
     /// # Panics
-    /// When `head` is longer than [`Protocol::max_announce_head`].
+    /// When `head` and `tail` together are longer than
+    /// [`Protocol::max_announce_inline`].
     pub fn send_rendezvous(
         &mut self,
         head: Bytes,
+        tail: Bytes,
         addr: u64,
         len: u64,
         rkey: u32,
         now: Instant,
     ) -> u64 {
         assert!(
-            head.len() <= self.max_announce_head(),
-            "an announcement's head must fit the peer's slot"
+            head.len() + tail.len() <= self.max_announce_inline(),
+            "an announcement's inline bytes must fit the peer's slot"
         );
         let token = self.next_token;
         self.next_token += 1;
@@ -554,6 +560,7 @@ impl Protocol {
             len,
             rkey,
             head,
+            tail,
         }));
         token
     }
@@ -843,6 +850,7 @@ impl Protocol {
                     token,
                     len: pull.announce.frame_len(),
                     head: pull.announce.head,
+                    tail: pull.announce.tail,
                 })
             }
             Pending::Closed => {

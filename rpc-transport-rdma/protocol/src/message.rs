@@ -12,23 +12,26 @@
 //! | 8 | 8 | token (ANNOUNCE, DONE), else zero (u64 LE) |
 //!
 //! Then, by kind: DATA carries one whole rpc-core frame; ANNOUNCE carries
-//! `addr: u64 | len: u64 | rkey: u32 | head_len: u32` and then `head_len`
-//! bytes: the frame is those bytes followed by the `len` bytes that wait in
-//! the sender's memory at `addr` for an RDMA READ (a frame's small head rides
-//! in the message, so its large payload can be read where it already lies);
-//! DONE, CREDIT and CLOSE carry nothing.
+//! `addr: u64 | len: u64 | rkey: u32 | head_len: u32 | tail_len: u32 |
+//! reserved: u32 (zero)` and then `head_len + tail_len` bytes: the frame is
+//! the first `head_len` of them, then the `len` bytes that wait in the
+//! sender's memory at `addr` for an RDMA READ, then the last `tail_len` (a
+//! frame's small head, and the small end of a message after its large field,
+//! ride in the message, so the large part can be read where it already
+//! lies); DONE, CREDIT and CLOSE carry nothing.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// Version byte of every message.
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 /// Bytes of the common header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes of an ANNOUNCE body before its inline head.
-pub const ANNOUNCE_BODY_LEN: usize = 24;
+pub const ANNOUNCE_BODY_LEN: usize = 32;
 
-/// A rendezvous announcement: the frame is `head` followed by `len` bytes at
-/// `addr`, readable with `rkey` until the receiver says DONE for `token`.
+/// A rendezvous announcement: the frame is `head`, then `len` bytes at
+/// `addr` (readable with `rkey` until the receiver says DONE for `token`),
+/// then `tail`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Announce {
     /// Names this transfer in DONE.
@@ -41,14 +44,22 @@ pub struct Announce {
     pub rkey: u32,
     /// The frame's first bytes, carried in the message (may be empty).
     pub head: Bytes,
+    /// The frame's last bytes, after the remote part, carried in the message
+    /// (may be empty).
+    pub tail: Bytes,
 }
 
 impl Announce {
-    /// Bytes of the whole frame: the inline head and the remote part
-    /// (saturating: a peer's `len` near `u64::MAX` must not wrap to a small
-    /// frame that passes the length check).
+    /// Bytes of the whole frame: the inline head and tail and the remote
+    /// part (saturating: a peer's `len` near `u64::MAX` must not wrap to a
+    /// small frame that passes the length check).
     pub fn frame_len(&self) -> u64 {
-        (self.head.len() as u64).saturating_add(self.len)
+        (self.inline_len() as u64).saturating_add(self.len)
+    }
+
+    /// Bytes carried in the message: head and tail.
+    pub fn inline_len(&self) -> usize {
+        self.head.len() + self.tail.len()
     }
 }
 
@@ -130,6 +141,8 @@ impl Message {
                 body[16..20].copy_from_slice(&announce.rkey.to_le_bytes());
                 let head_len = u32::try_from(announce.head.len()).expect("a head fits a slot");
                 body[20..24].copy_from_slice(&head_len.to_le_bytes());
+                let tail_len = u32::try_from(announce.tail.len()).expect("a tail fits a slot");
+                body[24..28].copy_from_slice(&tail_len.to_le_bytes());
                 Some(body)
             }
             _ => None,
@@ -137,13 +150,14 @@ impl Message {
         (header, announce)
     }
 
-    /// The variable bytes after the header and any fixed body: a DATA
-    /// message's frame, an ANNOUNCE's inline head; empty otherwise.
-    pub fn tail(&self) -> &[u8] {
+    /// The variable bytes after the header and any fixed body, in order: a
+    /// DATA message's frame, an ANNOUNCE's inline head and tail; empty
+    /// otherwise.
+    pub fn inline(&self) -> [&[u8]; 2] {
         match &self.body {
-            Body::Data(frame) => frame,
-            Body::Announce(announce) => &announce.head,
-            _ => &[],
+            Body::Data(frame) => [frame, &[]],
+            Body::Announce(announce) => [&announce.head, &announce.tail],
+            _ => [&[], &[]],
         }
     }
 
@@ -152,7 +166,7 @@ impl Message {
         HEADER_LEN
             + match &self.body {
                 Body::Data(frame) => frame.len(),
-                Body::Announce(announce) => ANNOUNCE_BODY_LEN + announce.head.len(),
+                Body::Announce(announce) => ANNOUNCE_BODY_LEN + announce.inline_len(),
                 _ => 0,
             }
     }
@@ -165,7 +179,9 @@ impl Message {
         if let Some(body) = announce {
             out.put_slice(&body);
         }
-        out.put_slice(self.tail());
+        for bytes in self.inline() {
+            out.put_slice(bytes);
+        }
         out.freeze()
     }
 
@@ -209,23 +225,32 @@ impl Message {
                 }
                 let body = &bytes[HEADER_LEN..];
                 let head_len = u32::from_le_bytes(body[20..24].try_into().expect("4 bytes"));
-                match (rest - ANNOUNCE_BODY_LEN).cmp(&(head_len as usize)) {
+                let tail_len = u32::from_le_bytes(body[24..28].try_into().expect("4 bytes"));
+                if body[28..32] != [0; 4] {
+                    return Err(MessageError::Malformed(
+                        "reserved announcement bytes are not zero",
+                    ));
+                }
+                let inline_len = head_len as usize + tail_len as usize;
+                match (rest - ANNOUNCE_BODY_LEN).cmp(&inline_len) {
                     std::cmp::Ordering::Less => {
                         return Err(MessageError::Truncated { len: bytes.len() });
                     }
                     std::cmp::Ordering::Greater => {
                         return Err(MessageError::Malformed(
-                            "bytes after an announcement's head",
+                            "bytes after an announcement's inline bytes",
                         ));
                     }
                     std::cmp::Ordering::Equal => {}
                 }
+                let start = HEADER_LEN + ANNOUNCE_BODY_LEN;
                 Body::Announce(Announce {
                     token,
                     addr: u64::from_le_bytes(body[0..8].try_into().expect("8 bytes")),
                     len: u64::from_le_bytes(body[8..16].try_into().expect("8 bytes")),
                     rkey: u32::from_le_bytes(body[16..20].try_into().expect("4 bytes")),
-                    head: bytes.slice(HEADER_LEN + ANNOUNCE_BODY_LEN..),
+                    head: bytes.slice(start..start + head_len as usize),
+                    tail: bytes.slice(start + head_len as usize..),
                 })
             }
             KIND_DONE => fixed(Body::Done { token })?,
@@ -259,6 +284,7 @@ mod tests {
                     len: 1 << 20,
                     rkey: 0xdead,
                     head: Bytes::new(),
+                    tail: Bytes::new(),
                 }),
             },
             Message {
@@ -269,6 +295,7 @@ mod tests {
                     len: 1 << 30,
                     rkey: 0xbeef,
                     head: Bytes::from_static(b"the frame's header, path and metadata"),
+                    tail: Bytes::from_static(b"the message's end"),
                 }),
             },
             Message {
@@ -284,6 +311,44 @@ mod tests {
                 body: Body::Close,
             },
         ]
+    }
+
+    #[test]
+    fn an_announcement_with_reserved_bytes_or_a_short_tail_is_refused() {
+        let announce = Message {
+            credits: 0,
+            body: Body::Announce(Announce {
+                token: 1,
+                addr: 0x1000,
+                len: 100,
+                rkey: 5,
+                head: Bytes::from_static(b"head"),
+                tail: Bytes::from_static(b"tail"),
+            }),
+        }
+        .encode();
+        let mut reserved = announce.to_vec();
+        reserved[HEADER_LEN + 29] = 1;
+        assert_eq!(
+            Message::decode(reserved.into()),
+            Err(MessageError::Malformed(
+                "reserved announcement bytes are not zero"
+            ))
+        );
+        // A tail longer than the bytes that follow.
+        let mut short = announce.to_vec();
+        short[HEADER_LEN + 24] = 5;
+        assert!(matches!(
+            Message::decode(short.into()),
+            Err(MessageError::Truncated { .. })
+        ));
+        // One byte fewer than announced, and one more.
+        let mut long = announce.to_vec();
+        long[HEADER_LEN + 24] = 3;
+        assert!(matches!(
+            Message::decode(long.into()),
+            Err(MessageError::Malformed(_))
+        ));
     }
 
     #[test]

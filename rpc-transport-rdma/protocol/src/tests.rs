@@ -22,8 +22,8 @@ struct Side {
     protocol: Protocol,
     geometry: Geometry,
     posted_receives: u32,
-    /// Our exposed frames: token → (addr, rkey, bytes).
-    exposed: HashMap<u64, (u64, u32, Bytes)>,
+    /// Our exposed frames: token → (addr, rkey, remote bytes, inline head length).
+    exposed: HashMap<u64, (u64, u32, Bytes, usize)>,
     next_addr: u64,
     /// READ destinations: token → bytes.
     destinations: HashMap<u64, Vec<u8>>,
@@ -62,18 +62,22 @@ impl Side {
             Route::Rendezvous => {
                 // Frames of different lengths carry heads of different
                 // lengths inline (none for some), the rest is READ.
-                let head_len = (frame.len() % 61)
-                    .min(self.protocol.max_announce_head())
-                    .min(frame.len() - 1);
+                // And tails of different lengths.
+                let max_inline = self.protocol.max_announce_inline();
+                let head_len = (frame.len() % 61).min(max_inline).min(frame.len() - 1);
+                let tail_len = (frame.len() % 37)
+                    .min(max_inline - head_len)
+                    .min(frame.len() - 1 - head_len);
                 let head = frame.slice(..head_len);
-                let remote = frame.slice(head_len..);
+                let tail = frame.slice(frame.len() - tail_len..);
+                let remote = frame.slice(head_len..frame.len() - tail_len);
                 let addr = self.next_addr;
                 self.next_addr += remote.len() as u64 + 4096;
                 let rkey = (addr >> 12) as u32;
                 let token =
                     self.protocol
-                        .send_rendezvous(head, addr, remote.len() as u64, rkey, now);
-                self.exposed.insert(token, (addr, rkey, remote));
+                        .send_rendezvous(head, tail, addr, remote.len() as u64, rkey, now);
+                self.exposed.insert(token, (addr, rkey, remote, head_len));
             }
         }
     }
@@ -165,11 +169,12 @@ impl Pair {
     fn memory(side: &mut Side, peer: &Side) -> bool {
         let mut progress = false;
         while let Some(read) = side.reads_in_flight.pop_front() {
-            let (addr, rkey, remote) = peer.exposed.get(&read.token).expect("still exposed");
+            let (addr, rkey, remote, head_len) =
+                peer.exposed.get(&read.token).expect("still exposed");
             assert_eq!(read.rkey, *rkey);
             let offset = (read.remote_addr - addr) as usize;
             let destination = side.destinations.get_mut(&read.token).expect("allocated");
-            let head_len = destination.len() - remote.len();
+            let head_len = *head_len;
             assert_eq!((head_len + offset) as u64, read.offset);
             destination[head_len + offset..head_len + offset + read.len as usize]
                 .copy_from_slice(&remote[offset..offset + read.len as usize]);
@@ -200,10 +205,17 @@ impl Pair {
         while let Some(inbound) = side.protocol.poll_inbound() {
             match inbound {
                 Inbound::Frame(frame) => side.delivered.push(frame),
-                Inbound::Pulled { token, len, head } => {
+                Inbound::Pulled {
+                    token,
+                    len,
+                    head,
+                    tail,
+                } => {
                     let mut bytes = side.destinations.remove(&token).expect("pulled");
                     assert_eq!(bytes.len() as u64, len);
                     bytes[..head.len()].copy_from_slice(&head);
+                    let tail_at = bytes.len() - tail.len();
+                    bytes[tail_at..].copy_from_slice(&tail);
                     side.delivered.push(bytes.into());
                 }
                 Inbound::Closed => side.closed = true,
@@ -374,6 +386,7 @@ fn forged_and_broken_messages_are_errors() {
             len,
             rkey: 1,
             head: Bytes::new(),
+            tail: Bytes::new(),
         })
     };
 
@@ -430,6 +443,7 @@ fn forged_and_broken_messages_are_errors() {
         len: g.max_frame_len,
         rkey: 1,
         head: Bytes::from_static(b"h"),
+        tail: Bytes::new(),
     });
     assert_eq!(
         received(&mut p, 0, over),
@@ -447,11 +461,30 @@ fn forged_and_broken_messages_are_errors() {
         len: u64::MAX,
         rkey: 1,
         head: Bytes::from_static(b"hh"),
+        tail: Bytes::new(),
     });
     assert!(matches!(
         received(&mut p, 0, wrapping),
         Err(ProtocolError::TooLarge { len: u64::MAX, .. })
     ));
+    // So does the inline tail.
+    let mut p = fresh();
+    let over = Body::Announce(Announce {
+        token: 1,
+        addr: 0x1000,
+        len: g.max_frame_len - 1,
+        rkey: 1,
+        head: Bytes::from_static(b"h"),
+        tail: Bytes::from_static(b"t"),
+    });
+    assert_eq!(
+        received(&mut p, 0, over),
+        Err(ProtocolError::TooLarge {
+            len: g.max_frame_len + 1,
+            max: g.max_frame_len
+        })
+    );
+    assert_eq!(p.poll_event(), None, "nothing allocated");
 }
 
 #[test]
@@ -463,7 +496,7 @@ fn an_unanswered_announcement_is_revoked_after_the_timeout() {
     let g = geometry(4, 1024);
     let mut p = Protocol::new(g, g, limits);
     let start = Instant::now();
-    let token = p.send_rendezvous(Bytes::new(), 0x1000, 5000, 7, start);
+    let token = p.send_rendezvous(Bytes::new(), Bytes::new(), 0x1000, 5000, 7, start);
     assert!(p.poll_transmit().is_some());
     assert_eq!(p.poll_timeout(), Some(start + Duration::from_secs(5)));
     p.handle_timeout(start + Duration::from_secs(4));
@@ -565,8 +598,8 @@ fn every_geometry_field_out_of_bounds_is_refused_by_name_value_and_bound() {
                 eager_threshold: 0,
                 ..g
             },
-            "slot_len = 39 ",
-            "40..=1048592",
+            "slot_len = 47 ",
+            "48..=1048592",
         ),
         (
             Geometry {
@@ -574,7 +607,7 @@ fn every_geometry_field_out_of_bounds_is_refused_by_name_value_and_bound() {
                 ..g
             },
             "slot_len = 4294967295 ",
-            "40..=1048592",
+            "48..=1048592",
         ),
         (
             Geometry {
@@ -649,6 +682,7 @@ fn an_announcement_whose_range_wraps_is_refused() {
             len: 1000,
             rkey: 1,
             head: Bytes::new(),
+            tail: Bytes::new(),
         }),
     )
     .unwrap_err();
@@ -672,6 +706,7 @@ fn an_announcement_whose_range_wraps_is_refused() {
             len: 1000,
             rkey: 1,
             head: Bytes::new(),
+            tail: Bytes::new(),
         }),
     )
     .unwrap();
@@ -702,6 +737,7 @@ fn a_deferred_allocation_issues_no_read_and_is_asked_for_again() {
             len: 100_000,
             rkey: 1,
             head: Bytes::new(),
+            tail: Bytes::new(),
         }),
     )
     .unwrap();
@@ -783,6 +819,7 @@ fn a_flooding_peer_cannot_grow_what_waits_for_the_application() {
         len: 1 << 20,
         rkey: 1,
         head: Bytes::new(),
+        tail: Bytes::new(),
     });
     peer.send(&mut p, 0, announce).unwrap().unwrap();
     let mut stalled = false;
@@ -845,6 +882,7 @@ fn announcements_awaiting_done_are_bounded() {
                 len: 1,
                 rkey: 1,
                 head: Bytes::new(),
+                tail: Bytes::new(),
             });
             let grant = u32::from(p.send_credits() == 0);
             if let Some(Err(error)) = peer.send(&mut p, grant, announce) {
