@@ -16,35 +16,6 @@ pub mod tonic_echo {
     tonic::include_proto!("echo.v1");
 }
 
-/// Echo of raw payloads (no protobuf): what a client that builds its payload
-/// in a [`rpc_core::SendBuffer`] calls, so nothing on either side copies it.
-#[derive(Clone, Copy, Debug)]
-pub struct RawEcho;
-
-/// The method path of [`RawEcho`].
-pub const RAW_ECHO_PATH: &str = "/bench.RawEcho/Echo";
-
-impl rpc_core::server::NamedService for RawEcho {
-    const NAME: &'static str = "bench.RawEcho";
-}
-
-impl tower::Service<rpc_core::Request<bytes::Bytes>> for RawEcho {
-    type Response = rpc_core::Response<bytes::Bytes>;
-    type Error = rpc_core::Status;
-    type Future = std::future::Ready<Result<Self::Response, rpc_core::Status>>;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), rpc_core::Status>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: rpc_core::Request<bytes::Bytes>) -> Self::Future {
-        std::future::ready(Ok(rpc_core::Response::new(request.into_inner())))
-    }
-}
-
 /// tarpc's version of the echo service.
 pub mod tarpc_echo {
     /// Echo: returns the message and payload it was given.
@@ -144,7 +115,6 @@ pub fn serve(contender: Contender) {
                 let listening = Server::builder()
                     .max_frame_len(MAX_MESSAGE)
                     .add_service(rpc_echo::echo_server::EchoServer::new(EchoService))
-                    .add_service(RawEcho)
                     .listen(format!("{scheme}://127.0.0.1:0").as_str())
                     .await
                     .expect("bind");
@@ -336,17 +306,16 @@ impl Client {
         )
     }
 
-    /// One raw echo of `payload` (rdma-rpc only: `None` for the others);
-    /// returns the length that came back.
-    pub async fn say_raw(&mut self, payload: bytes::Bytes) -> Option<usize> {
-        let Client::Rpc(_, channel) = self else {
+    /// One echo of `payload` built in a [`rpc_core::SendBuffer`], in the
+    /// generated client's `bytes` field (rdma-rpc only: `None` for the
+    /// others); returns the length that came back. Nothing copies the field
+    /// on either side: it is a payload part of its own, which the peer READs
+    /// where it lies.
+    pub async fn say_send_buffer(&mut self, payload: &bytes::Bytes) -> Option<usize> {
+        if !matches!(self, Client::Rpc(..)) {
             return None;
-        };
-        let mut request = rpc_core::Request::new(payload);
-        request.set_method(RAW_ECHO_PATH);
-        request.set_timeout(CALL_DEADLINE);
-        let response = channel.unary(request).await.expect("raw echo");
-        Some(response.into_inner().len())
+        }
+        Some(self.say(payload).await)
     }
 
     /// One echo of `payload`; returns the length of the payload that came back.

@@ -108,8 +108,8 @@ struct Measured {
     goodput: Vec<(usize, f64)>,
     /// (payload bytes, minor page faults of the client process per echo)
     faults_per_echo: Vec<(usize, f64)>,
-    /// (payload bytes, GB/s both ways) of raw echoes of a `SendBuffer`
-    /// payload (rdma-rpc only: empty for the others)
+    /// (payload bytes, GB/s both ways) of echoes of a `SendBuffer` in the
+    /// message's `bytes` field (rdma-rpc only: empty for the others)
     send_buffer_goodput: Vec<(usize, f64)>,
     /// CPU µs per empty call over the framework's in-memory transport.
     cpu_per_call_us: Option<f64>,
@@ -203,13 +203,16 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
         let mut buffer = rpc_core::SendBuffer::with_capacity(size);
         buffer.resize(size, 0x5a);
         let payload = buffer.freeze();
-        if client.say_raw(payload.clone()).await.is_none() {
+        if client.say_send_buffer(&payload).await.is_none() {
             break;
         }
-        eprintln!("  {} raw echo of a SendBuffer × {rounds}", size_label(size));
+        eprintln!(
+            "  {} echo of a SendBuffer field × {rounds}",
+            size_label(size)
+        );
         let started = Instant::now();
         for _ in 0..rounds {
-            assert_eq!(client.say_raw(payload.clone()).await, Some(size));
+            assert_eq!(client.say_send_buffer(&payload).await, Some(size));
         }
         let moved = 2 * size as u64 * u64::from(rounds);
         send_buffer_goodput.push((size, gbps(moved, started.elapsed())));
@@ -297,7 +300,7 @@ fn print_table(report: &Report) {
     for (index, &(size, _)) in report.settings.large.iter().enumerate() {
         row(
             &format!(
-                "{} raw echo of a SendBuffer (GB/s, both ways)",
+                "{} echo of a SendBuffer field (GB/s, both ways)",
                 size_label(size)
             ),
             &|m| m.send_buffer_goodput.get(index).map(|(_, g)| *g),
