@@ -14,10 +14,12 @@
 //!    re-posted at once, send slots freed, READ chunks accounted;
 //! 3. carry out the protocol's events, READs and transmits (posted in batches);
 //! 4. hand frames up in order, holding credits back while the application lags;
-//! 5. when there was nothing to do: keep polling for the spin time of the
-//!    [`PollMode`], then arm the CQ, poll once more (a completion may have
-//!    slipped in before the arming), and sleep on the completion channel, the
-//!    outgoing channel, the set-up socket and the rendezvous timer.
+//! 5. when there was nothing to do: keep polling while the [`PollMode`] says
+//!    (adaptive: while this connection's recent waits say spinning pays and
+//!    the machine has a CPU to spare, see [`crate::spin`]), then arm the CQ,
+//!    poll once more (a completion may have slipped in before the arming),
+//!    and sleep on the completion channel, the outgoing channel, the set-up
+//!    socket and the rendezvous timer.
 //!
 //! The set-up socket stays open as the liveness signal: EOF means the peer is
 //! gone. Before closing on an error, a side writes the reason there (a `u32 LE`
@@ -40,6 +42,7 @@ use crate::config::{Fault, PollMode, RdmaConfig};
 use crate::device::Device;
 use crate::pool::{LargePool, PooledBuffer, SlotPool};
 use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, ProtocolError, Route};
+use crate::spin::{SpinPolicy, cpu_free};
 use crate::verbs::{
     AccessFlags, AsyncCompletionChannel, CmConnection, CompletionQueue, ExposedBuffer,
     ExposedBytes, QueuePair, WcOpcode, WcStatus, WorkCompletion, pool::SendBatch,
@@ -272,6 +275,10 @@ impl Driver {
 
     async fn run_until_end(&mut self) -> End {
         let mut idle_since: Option<Instant> = None;
+        let mut spin = match self.poll_mode {
+            PollMode::Adaptive { spin } => SpinPolicy::new(spin),
+            _ => SpinPolicy::new(Duration::ZERO),
+        };
         loop {
             let progressed = match self.turn() {
                 Ok(progressed) => progressed,
@@ -281,18 +288,18 @@ impl Driver {
                 return end;
             }
             if progressed {
-                idle_since = None;
+                if let Some(since) = idle_since.take() {
+                    spin.waited(since.elapsed());
+                }
                 tokio::task::yield_now().await;
                 continue;
             }
-            let idle = match self.poll_mode {
-                PollMode::Event => Duration::MAX,
-                _ => idle_since.get_or_insert_with(Instant::now).elapsed(),
-            };
+            let now = Instant::now();
+            let idle = now - *idle_since.get_or_insert(now);
             let spin_left = match self.poll_mode {
                 PollMode::Event => false,
                 PollMode::BusyPoll => true,
-                PollMode::Adaptive { spin } => idle < spin,
+                PollMode::Adaptive { .. } => spin.keep_spinning(idle, cpu_free(now)),
             };
             if spin_left {
                 if idle >= YIELD_CPU_AFTER {
@@ -306,13 +313,20 @@ impl Driver {
                 continue;
             }
             // Arm, then poll once more: a completion that arrived after the
-            // last poll but before the arming raises no event.
-            if let Err(error) = self.cq.req_notify(false) {
+            // last poll but before the arming raises no event. Every message
+            // of the peer is solicited; a completion of our own (a SEND done,
+            // a READ landed) only needs to wake us when we wait for one.
+            let solicited_only = self.reads.is_empty()
+                && !self.protocol.send_slots_exhausted()
+                && !(self.protocol.close_sent() && !self.protocol.sends_idle());
+            if let Err(error) = self.cq.req_notify(solicited_only) {
                 return End::Failed(format!("arming the completion queue: {error}"));
             }
             match self.turn() {
                 Ok(true) => {
-                    idle_since = None;
+                    if let Some(since) = idle_since.take() {
+                        spin.waited(since.elapsed());
+                    }
                     continue;
                 }
                 Ok(false) => {}
@@ -324,7 +338,8 @@ impl Driver {
             if let Err(reason) = self.sleep().await {
                 return End::Failed(reason);
             }
-            idle_since = None;
+            // The wait ends when the next turn finds work (the loop's top
+            // accounts for it, the time asleep included).
         }
     }
 

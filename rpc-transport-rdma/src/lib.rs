@@ -26,6 +26,7 @@ pub mod config;
 pub mod device;
 mod driver;
 pub mod setup;
+mod spin;
 pub mod transport;
 pub mod verbs;
 

@@ -870,6 +870,12 @@ impl Protocol {
         self.close_sent
     }
 
+    /// Every send slot is in flight: only a send completion lets the next
+    /// message go out.
+    pub fn send_slots_exhausted(&self) -> bool {
+        self.free_send_slots == 0
+    }
+
     /// Every send slot is free (all posted SENDs completed).
     pub fn sends_idle(&self) -> bool {
         self.free_send_slots == self.limits.send_slots.max(1)

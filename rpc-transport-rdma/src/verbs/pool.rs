@@ -170,6 +170,10 @@ impl SendBatch {
     ) {
         let mut wr = SendWr::new(wr_id, SendOp::Send, vec![pool.claim(slot, len)]);
         wr.inline = inline;
+        // Every protocol message asks for the receiver's attention: a peer
+        // sleeping on a solicited-only arm wakes for it, and not for the
+        // completions of its own sends.
+        wr.solicited = true;
         self.wrs.push(wr);
     }
 

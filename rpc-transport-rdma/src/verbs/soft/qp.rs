@@ -451,13 +451,19 @@ impl QpShared {
     /// The `need` bits of a request: a receive completion at the peer, or
     /// engine work there.
     fn request_needs(request: &Request) -> u32 {
+        let prompt = if request.ack == AckUrgency::Lazy {
+            0
+        } else {
+            need::PROMPT_ACK
+        };
         match request.op {
             RequestOp::Send { .. } | RequestOp::Write { imm: Some(_), .. } => {
-                if request.solicited {
-                    need::RECV_SOLICITED
-                } else {
-                    need::RECV_UNSOLICITED
-                }
+                prompt
+                    | if request.solicited {
+                        need::RECV_SOLICITED
+                    } else {
+                        need::RECV_UNSOLICITED
+                    }
             }
             _ => need::ENGINE,
         }
@@ -507,7 +513,15 @@ impl QpShared {
             return;
         };
         let wakers = self.peer_wakers.get();
-        let direct = || wakers.is_some_and(|wakers| wakers.wake(needs));
+        // A sleeping peer engine is rung only for work that must not wait
+        // for the peer's next poll: engine work, or a request whose
+        // initiator wants its acknowledgement promptly. A completion alone
+        // (an acknowledgement, a lazily acknowledged SEND) that woke nobody
+        // directly waits in the ring: no armed CQ asked for it, and the
+        // peer's next poll reads the ring before it looks at its CQ, so it
+        // cannot tell the difference.
+        let engine_needed = needs & (need::ENGINE | need::PROMPT_ACK) != 0;
+        let direct = || wakers.is_some_and(|wakers| wakers.wake(needs)) || !engine_needed;
         if ring.send(&batch, writer, needs != 0, direct).is_err() {
             self.enter_error(inner, Some(WcStatus::RetryExcErr));
         } else {

@@ -166,10 +166,11 @@ impl RingPair {
     }
 
     /// Appends `bytes` (the caller is the only producer), waiting while the
-    /// ring is full; then, when `wake`, wakes the consumer: `direct` wakes
-    /// its sleeping caller if that covers the batch (returns true), otherwise
-    /// the doorbell rings on `socket` if the consumer's engine sleeps. Without `wake` the bytes wait for the consumer's next
-    /// look (it is woken for a full ring all the same).
+    /// ring is full; then, when `wake` and the consumer's engine sleeps,
+    /// calls `direct`: true when it woke the consumer's sleeping caller (or
+    /// nobody needs waking), else the doorbell rings on `socket`. Without
+    /// `wake` the bytes wait for the consumer's next look (it is woken for a
+    /// full ring all the same).
     pub(crate) fn send(
         &self,
         bytes: &[u8],
@@ -297,9 +298,19 @@ impl RingPair {
         self.head(half).load(Ordering::SeqCst) != self.local_tail.load(Ordering::Relaxed)
     }
 
-    /// Records that a caller of this process is polling for our messages.
+    /// Records that a caller of this process is polling for our messages,
+    /// and takes the doorbells off: a poller reads the ring itself and, when
+    /// it stops, says so ([`RingPair::stop_polling`], which asks for
+    /// doorbells again) and looks once more. Without this, the first message
+    /// after each wake-up of an event-driven caller woke the engine thread
+    /// too (it sleeps with the flag set until a doorbell or its time-out):
+    /// two threads per wake-up instead of one.
     pub(crate) fn note_poll(&self) {
         self.polled_at.store(monotonic_ns(), Ordering::Relaxed);
+        let sleeping = self.sleeping(self.rx());
+        if sleeping.load(Ordering::Relaxed) != 0 {
+            sleeping.store(0, Ordering::SeqCst);
+        }
     }
 
     /// Records that the polling caller stopped (it is about to sleep) and

@@ -182,6 +182,12 @@ pub(crate) mod need {
     pub(crate) const SEND_OK: u32 = 8;
     /// An error completion at the initiator.
     pub(crate) const SEND_ERROR: u32 = 16;
+    /// The initiator wants the request acknowledged promptly (a signaled
+    /// request, or its send queue is filling up): if nobody at the peer is
+    /// woken directly, its engine must be.
+    pub(crate) const PROMPT_ACK: u32 = 32;
+    /// What causes completions (the rest is about engines).
+    pub(crate) const COMPLETIONS: u32 = RECV_SOLICITED | RECV_UNSOLICITED | SEND_OK | SEND_ERROR;
 }
 
 impl PeerWakers {
@@ -223,7 +229,7 @@ impl PeerWakers {
     /// sleeps on it, or its event is raised already and the caller's next
     /// poll reads the ring; the engine keeps acknowledgements prompt).
     pub(crate) fn wake(&self, needs: u32) -> bool {
-        if needs & need::ENGINE != 0 || needs == 0 {
+        if needs & need::ENGINE != 0 || needs & need::COMPLETIONS == 0 {
             return false;
         }
         let send = if self.send_is_recv {
@@ -236,15 +242,14 @@ impl PeerWakers {
         if (recv_needed && self.recv.is_none()) || (send_needed && send.is_none()) {
             return false;
         }
-        // The first completion of the batch in a CQ is the one its arm
-        // fires on: solicited-only arms take it only if it is solicited or
-        // an error. Unknown order within the batch: require the strictest.
-        let recv_solicited = needs & need::RECV_UNSOLICITED == 0;
-        let send_error = needs & need::SEND_OK == 0;
+        // An arm for any completion fires on the batch's first; a
+        // solicited-only arm fires on its first solicited receive or error
+        // (ibv_req_notify_cq), whatever else the batch completes before it.
+        let send_error = needs & need::SEND_ERROR != 0;
         let same_cq = self.send_is_recv && recv_needed && send_needed;
         let mut woke = true;
         if recv_needed {
-            let solicited = recv_solicited && (!same_cq || send_error);
+            let solicited = needs & need::RECV_SOLICITED != 0 || (same_cq && send_error);
             woke &= self.recv.as_ref().is_some_and(|cq| cq.claim(solicited));
         }
         if send_needed && !same_cq {
@@ -329,11 +334,15 @@ mod tests {
 
         arm.arm(true);
         assert!(!wakers.wake(need::RECV_UNSOLICITED), "solicited-only arm");
+        assert!(!wakers.wake(need::SEND_OK), "send OK is not solicited");
         assert!(
-            !wakers.wake(need::RECV_SOLICITED | need::SEND_OK),
-            "send OK is not solicited"
+            wakers.wake(need::RECV_SOLICITED | need::SEND_OK),
+            "a solicited receive fires it, whatever else the batch completes"
         );
-        assert!(wakers.wake(need::RECV_SOLICITED | need::SEND_ERROR));
+        assert_eq!(eventfd_count(eventfd.as_raw_fd()), 1);
+        assert!(arm.take_claimed());
+        arm.arm(true);
+        assert!(wakers.wake(need::SEND_ERROR), "an error fires it");
         assert_eq!(eventfd_count(eventfd.as_raw_fd()), 1);
 
         let none = PeerWakers::default();
