@@ -316,9 +316,11 @@ impl Driver {
             // last poll but before the arming raises no event. Every message
             // of the peer is solicited; a completion of our own (a SEND done,
             // a READ landed) only needs to wake us when we wait for one.
+            let closing_with_sends_in_flight =
+                self.protocol.close_sent() && !self.protocol.sends_idle();
             let solicited_only = self.reads.is_empty()
                 && !self.protocol.send_slots_exhausted()
-                && !(self.protocol.close_sent() && !self.protocol.sends_idle());
+                && !closing_with_sends_in_flight;
             if let Err(error) = self.cq.req_notify(solicited_only) {
                 return End::Failed(format!("arming the completion queue: {error}"));
             }
