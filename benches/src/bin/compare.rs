@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release -p rdma-rpc-benches -- --quick     # under 2 minutes on 2 cores
 //! cargo run --release -p rdma-rpc-benches -- --full
+//! cargo run --release -p rdma-rpc-benches -- --quick --load 1   # with a busy process competing
 //! ```
 //! Every contender's server runs in its own process (this binary, started
 //! with `--serve <contender>`); the client runs here; both on current-thread
@@ -34,6 +35,8 @@ struct Settings {
     large: Vec<(usize, u32)>,
     overhead_calls: u64,
     floor_rounds: usize,
+    /// Busy processes competing for the CPUs during the whole run.
+    load: usize,
 }
 
 impl Settings {
@@ -47,6 +50,7 @@ impl Settings {
             large: vec![(256 << 10, 20), (1 << 20, 6), (16 << 20, 2), (64 << 20, 1)],
             overhead_calls: 5_000,
             floor_rounds: 2_000,
+            load: 0,
         }
     }
 
@@ -66,6 +70,7 @@ impl Settings {
             ],
             overhead_calls: 50_000,
             floor_rounds: 10_000,
+            load: 0,
         }
     }
 }
@@ -264,8 +269,13 @@ fn print_table(report: &Report) {
     let header: Vec<&str> = columns.iter().map(|m| m.label).collect();
     println!(
         "rdma-rpc against tonic and tarpc ({} mode; RDMA provider: {}). Two processes, one connection, \
-         current-thread runtimes, loopback. Ratios to tonic in brackets.\n",
-        report.settings.mode, report.rdma_provider
+         current-thread runtimes, loopback{}. Ratios to tonic in brackets.\n",
+        report.settings.mode,
+        report.rdma_provider,
+        match report.settings.load {
+            0 => String::new(),
+            n => format!(", {n} busy process(es) competing for the CPUs"),
+        }
     );
     println!("| workload | {} |", header.join(" | "));
     println!("|---|{}", "---|".repeat(columns.len()));
@@ -352,7 +362,50 @@ fn print_table(report: &Report) {
     );
 }
 
+/// The goals of a run under load: rdma:// (default mode) no worse than
+/// tcp:// on latency and calls/s. Needs only those two contenders.
+fn print_load_goals(report: &Report) {
+    let get = |c: Contender| report.contenders.iter().find(|m| m.contender == c);
+    let (Some(rdma), Some(tcp)) = (get(Contender::RdmaAdaptive), get(Contender::RpcTcp)) else {
+        return;
+    };
+    let verdict = |ok: bool| if ok { "met" } else { "missed" };
+    println!(
+        "\nGoals under load ({} busy process(es)):\n",
+        report.settings.load
+    );
+    println!("| goal | rdma:// | tcp:// | |");
+    println!("|---|---|---|---|");
+    for (name, ours, theirs) in [
+        ("64 B p50 ≤ tcp://", rdma.latency_64b.p50_us, tcp.latency_64b.p50_us),
+        ("64 B p99 ≤ tcp://", rdma.latency_64b.p99_us, tcp.latency_64b.p99_us),
+        ("64 B p99.9 ≤ tcp://", rdma.latency_64b.p999_us, tcp.latency_64b.p999_us),
+    ] {
+        println!(
+            "| {name} | {ours:.1} µs | {theirs:.1} µs | {} |",
+            verdict(ours <= theirs)
+        );
+    }
+    let rate = |m: &Measured, n: usize| {
+        m.throughput_64b
+            .iter()
+            .find(|(k, _)| *k == n)
+            .map_or(0.0, |(_, r)| *r)
+    };
+    for n in [16, 128] {
+        let (ours, theirs) = (rate(rdma, n), rate(tcp, n));
+        println!(
+            "| calls/s at {n} in flight ≥ tcp:// | {ours:.0} | {theirs:.0} | {} |",
+            verdict(ours >= theirs)
+        );
+    }
+}
+
 fn print_goals(report: &Report) {
+    if report.settings.load > 0 {
+        print_load_goals(report);
+        return;
+    }
     if report.contenders.len() < Contender::ALL.len() {
         println!("\n(Goals need every contender; run without --only.)");
         return;
@@ -518,6 +571,7 @@ fn main() {
         return floors::run_child(&args[1..]);
     }
     let mut settings = Settings::quick();
+    let mut load = 0;
     let mut only: Option<Vec<Contender>> = None;
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
@@ -527,8 +581,16 @@ fn main() {
                 let contender = Contender::from_key(key).expect("known contender");
                 return contenders::serve(contender);
             }
-            "--quick" => settings = Settings::quick(),
-            "--full" => settings = Settings::full(),
+            "--quick" => settings = Settings { load, ..Settings::quick() },
+            "--full" => settings = Settings { load, ..Settings::full() },
+            "--load" => {
+                load = iter
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .expect("--load N (busy processes)");
+                settings.load = load;
+            }
+            "--burn" => burn(),
             "--only" => {
                 let keys = iter.next().expect("--only rdma,tonic,...");
                 only = Some(
@@ -540,10 +602,13 @@ fn main() {
                 );
             }
             other => {
-                panic!("unknown argument {other}; use --quick or --full [--only rdma,tonic,...]")
+                panic!(
+                    "unknown argument {other}; use --quick or --full [--only rdma,tonic,...] [--load N]"
+                )
             }
         }
     }
+    let _load = BusyProcesses::start(settings.load);
     let started = Instant::now();
     let rdma_provider = rpc_transport_rdma::device::select(
         &rpc_transport_rdma::RdmaConfig::from_env().expect("RDMA settings"),
@@ -601,6 +666,48 @@ fn main() {
     let written = write_outputs(&report);
     println!("\nWritten: {}", written.join(", "));
     eprintln!("[{:>5.1}s] done", started.elapsed().as_secs_f64());
+}
+
+/// Processes that keep a CPU busy each (this binary with `--burn`), killed
+/// when dropped.
+struct BusyProcesses(Vec<std::process::Child>);
+
+impl BusyProcesses {
+    fn start(count: usize) -> BusyProcesses {
+        let exe = std::env::current_exe().expect("own path");
+        BusyProcesses(
+            (0..count)
+                .map(|_| {
+                    std::process::Command::new(&exe)
+                        .arg("--burn")
+                        .spawn()
+                        .expect("start a busy process")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for BusyProcesses {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Spins until killed (what `--load` runs, like `yes > /dev/null`). Exits
+/// by itself after an hour in case its parent died without killing it.
+fn burn() -> ! {
+    let until = Instant::now() + Duration::from_secs(3600);
+    let mut counter = 0u64;
+    while Instant::now() < until {
+        for _ in 0..1_000_000 {
+            counter = std::hint::black_box(counter.wrapping_add(1));
+        }
+    }
+    std::process::exit(0)
 }
 
 /// `256 KiB`, `64 MiB`: a payload size for a row label.
