@@ -13,14 +13,22 @@
 //! - **a CPU is free.** On an oversubscribed machine (more runnable threads
 //!   than CPUs, read from `/proc/loadavg` at most every
 //!   [`LOAD_CHECK_INTERVAL`]) the CPU a spinner holds is the one its peer or
-//!   the application needs: it sleeps at once, as a TCP socket would.
+//!   the application needs: it sleeps at once, as a TCP socket would. One
+//!   look is a snapshot (two spinners meeting for an instant count as
+//!   three runnable threads), so it takes [`BUSY_LOOKS`] looks in a row over
+//!   the CPU count to stop spinning, and [`FREE_LOOKS`] at or under it to
+//!   start again (not spinning lowers the count itself).
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How often the process looks at the machine's runnable threads.
 pub(crate) const LOAD_CHECK_INTERVAL: Duration = Duration::from_millis(2);
+/// Looks in a row with more runnable threads than CPUs that stop spinning.
+pub(crate) const BUSY_LOOKS: u32 = 2;
+/// Looks in a row with no more runnable threads than CPUs that allow it again.
+pub(crate) const FREE_LOOKS: u32 = 8;
 
 /// One connection's spin budget.
 #[derive(Debug, Clone)]
@@ -64,12 +72,12 @@ impl SpinPolicy {
     }
 }
 
-/// Whether no more threads are runnable than there are CPUs (refreshed at
-/// most every [`LOAD_CHECK_INTERVAL`], shared by the whole process).
+/// Whether the machine has a CPU to spare for spinning (refreshed at most
+/// every [`LOAD_CHECK_INTERVAL`], shared by the whole process).
 pub(crate) fn cpu_free(now: Instant) -> bool {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
     static CHECKED_AT: AtomicU64 = AtomicU64::new(0);
-    static OVERSUBSCRIBED: AtomicBool = AtomicBool::new(false);
+    static STATE: AtomicU32 = AtomicU32::new(0);
     let epoch = *EPOCH.get_or_init(Instant::now);
     let at = now.saturating_duration_since(epoch).as_micros() as u64 + 1;
     let last = CHECKED_AT.load(Ordering::Relaxed);
@@ -79,12 +87,56 @@ pub(crate) fn cpu_free(now: Instant) -> bool {
             .compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed)
             .is_ok()
     {
-        // One caller per interval reads the file; the others use its answer.
+        // One caller per interval reads the file and updates the state; the
+        // others use its answer.
         if let Some(runnable) = runnable_threads() {
-            OVERSUBSCRIBED.store(runnable > online_cpus(), Ordering::Relaxed);
+            let state = LoadState::from_bits(STATE.load(Ordering::Relaxed));
+            let next = state.look(runnable > online_cpus());
+            STATE.store(next.bits(), Ordering::Relaxed);
         }
     }
-    !OVERSUBSCRIBED.load(Ordering::Relaxed)
+    !LoadState::from_bits(STATE.load(Ordering::Relaxed)).oversubscribed
+}
+
+/// The oversubscription verdict and the looks in a row that disagree with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LoadState {
+    oversubscribed: bool,
+    against: u32,
+}
+
+impl LoadState {
+    fn from_bits(bits: u32) -> LoadState {
+        LoadState {
+            oversubscribed: bits & 1 == 1,
+            against: bits >> 1,
+        }
+    }
+
+    fn bits(self) -> u32 {
+        u32::from(self.oversubscribed) | (self.against << 1)
+    }
+
+    /// The state after one more look that saw the machine `busy`.
+    fn look(self, busy: bool) -> LoadState {
+        if busy == self.oversubscribed {
+            return LoadState { against: 0, ..self };
+        }
+        let against = self.against + 1;
+        let needed = if self.oversubscribed {
+            FREE_LOOKS
+        } else {
+            BUSY_LOOKS
+        };
+        if against >= needed {
+            LoadState {
+                oversubscribed: busy,
+                against: 0,
+            }
+        } else {
+            LoadState { against, ..self }
+        }
+    }
 }
 
 /// Threads running or waiting for a CPU, machine-wide: the fourth field of
@@ -143,6 +195,29 @@ mod tests {
     fn no_spinning_without_a_free_cpu() {
         let policy = SpinPolicy::new(MAX);
         assert!(!policy.keep_spinning(Duration::ZERO, false));
+    }
+
+    #[test]
+    fn a_busy_snapshot_alone_does_not_stop_spinning() {
+        let free = LoadState::from_bits(0);
+        // One busy look among free ones changes nothing.
+        let state = free.look(true).look(false).look(true).look(false);
+        assert!(!state.oversubscribed);
+        // Two in a row do.
+        let busy = free.look(true).look(true);
+        assert!(busy.oversubscribed);
+        assert_eq!(LoadState::from_bits(busy.bits()), busy);
+        // Back only after FREE_LOOKS free looks in a row.
+        let mut state = busy;
+        for _ in 0..FREE_LOOKS - 1 {
+            state = state.look(false);
+        }
+        assert!(state.oversubscribed);
+        assert!(
+            state.look(true).look(false).oversubscribed,
+            "a busy look resets the count"
+        );
+        assert!(!state.look(false).oversubscribed);
     }
 
     #[test]

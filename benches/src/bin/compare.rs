@@ -377,9 +377,21 @@ fn print_load_goals(report: &Report) {
     println!("| goal | rdma:// | tcp:// | |");
     println!("|---|---|---|---|");
     for (name, ours, theirs) in [
-        ("64 B p50 ≤ tcp://", rdma.latency_64b.p50_us, tcp.latency_64b.p50_us),
-        ("64 B p99 ≤ tcp://", rdma.latency_64b.p99_us, tcp.latency_64b.p99_us),
-        ("64 B p99.9 ≤ tcp://", rdma.latency_64b.p999_us, tcp.latency_64b.p999_us),
+        (
+            "64 B p50 ≤ tcp://",
+            rdma.latency_64b.p50_us,
+            tcp.latency_64b.p50_us,
+        ),
+        (
+            "64 B p99 ≤ tcp://",
+            rdma.latency_64b.p99_us,
+            tcp.latency_64b.p99_us,
+        ),
+        (
+            "64 B p99.9 ≤ tcp://",
+            rdma.latency_64b.p999_us,
+            tcp.latency_64b.p999_us,
+        ),
     ] {
         println!(
             "| {name} | {ours:.1} µs | {theirs:.1} µs | {} |",
@@ -581,8 +593,18 @@ fn main() {
                 let contender = Contender::from_key(key).expect("known contender");
                 return contenders::serve(contender);
             }
-            "--quick" => settings = Settings { load, ..Settings::quick() },
-            "--full" => settings = Settings { load, ..Settings::full() },
+            "--quick" => {
+                settings = Settings {
+                    load,
+                    ..Settings::quick()
+                }
+            }
+            "--full" => {
+                settings = Settings {
+                    load,
+                    ..Settings::full()
+                }
+            }
             "--load" => {
                 load = iter
                     .next()
