@@ -10,43 +10,72 @@
 //!   spinning, so the next wait spins that long; a wait spun through in vain
 //!   halves the next one. A connection with sporadic traffic soon stops
 //!   spinning; one in a conversation spins its replies in.
-//! - **a CPU is free.** On an oversubscribed machine (more runnable threads
-//!   than CPUs, read from `/proc/loadavg` at most every
-//!   [`LOAD_CHECK_INTERVAL`]) the CPU a spinner holds is the one its peer or
-//!   the application needs: it sleeps at once, as a TCP socket would. One
-//!   look is a snapshot (two spinners meeting for an instant count as
-//!   three runnable threads), so it takes [`BUSY_LOOKS`] looks in a row over
-//!   the CPU count to stop spinning, and [`FREE_LOOKS`] at or under it to
-//!   start again (not spinning lowers the count itself).
+//! - **its CPU is not wanted elsewhere.** A spinner that has waited
+//!   [`YIELD_CPU_AFTER`] gives its CPU away between polls (`sched_yield`).
+//!   If that, or a preemption, let another thread run on it (the thread's
+//!   involuntary context switches went up), the machine has more runnable
+//!   threads than CPUs: the CPU the spinner holds is the one its peer or the
+//!   application needs. It arms and sleeps at once, as a TCP socket would,
+//!   and every connection of the process stops spinning for
+//!   [`CONTENDED_BACKOFF`]. On an idle machine `sched_yield` finds nobody to
+//!   run and costs nothing, and a fast answer (within `YIELD_CPU_AFTER`)
+//!   never pays even that.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// How often the process looks at the machine's runnable threads.
-pub(crate) const LOAD_CHECK_INTERVAL: Duration = Duration::from_millis(2);
-/// Looks in a row with more runnable threads than CPUs that stop spinning.
-pub(crate) const BUSY_LOOKS: u32 = 2;
-/// Looks in a row with no more runnable threads than CPUs that allow it again.
-pub(crate) const FREE_LOOKS: u32 = 8;
+use crate::verbs::involuntary_switches;
+
+/// How long a spinning driver polls before it also yields its CPU to the
+/// operating system between polls (small calls complete well within it).
+pub(crate) const YIELD_CPU_AFTER: Duration = Duration::from_micros(20);
+
+/// How long the process stops spinning once a spinner found its CPU wanted.
+pub(crate) const CONTENDED_BACKOFF: Duration = Duration::from_millis(5);
 
 /// One connection's spin budget.
 #[derive(Debug, Clone)]
 pub(crate) struct SpinPolicy {
     max: Duration,
     budget: Duration,
+    /// The thread's involuntary switches when this wait first yielded.
+    switches_at_yield: Option<u64>,
 }
 
 impl SpinPolicy {
     /// A policy that spins at most `max` per wait.
     pub(crate) fn new(max: Duration) -> SpinPolicy {
-        SpinPolicy { max, budget: max }
+        SpinPolicy {
+            max,
+            budget: max,
+            switches_at_yield: None,
+        }
     }
 
-    /// How long to keep polling a wait that began `idle` ago, given whether
-    /// the machine has a CPU to spare.
-    pub(crate) fn keep_spinning(&self, idle: Duration, cpu_free: bool) -> bool {
-        cpu_free && idle < self.budget
+    /// Whether a wait that began `idle` ago keeps polling. Past
+    /// [`YIELD_CPU_AFTER`] this yields the CPU once and returns false (for
+    /// this wait, and for the whole process a while) if another thread
+    /// wanted it.
+    pub(crate) fn keep_spinning(&mut self, idle: Duration, now: Instant) -> bool {
+        if idle >= self.budget || !cpu_free(now) {
+            return false;
+        }
+        if idle < YIELD_CPU_AFTER {
+            return true;
+        }
+        let before = *self
+            .switches_at_yield
+            .get_or_insert_with(|| involuntary_switches().unwrap_or(0));
+        // A wait this long is rarely a small call's answer: let a thread
+        // that shares this CPU run - often the peer we wait for.
+        std::thread::yield_now();
+        let after = involuntary_switches().unwrap_or(0);
+        if after != before {
+            cpu_contended(now);
+            return false;
+        }
+        true
     }
 
     /// The wait ended after `waited` (spinning, then maybe sleeping): a
@@ -55,6 +84,7 @@ impl SpinPolicy {
     /// microseconds itself, so a wait up to half the maximum longer still
     /// counts as covered.
     pub(crate) fn waited(&mut self, waited: Duration) {
+        self.switches_at_yield = None;
         if waited <= self.max + self.max / 2 {
             self.budget = self.max;
         } else {
@@ -72,88 +102,50 @@ impl SpinPolicy {
     }
 }
 
-/// Whether the machine has a CPU to spare for spinning (refreshed at most
-/// every [`LOAD_CHECK_INTERVAL`], shared by the whole process).
-pub(crate) fn cpu_free(now: Instant) -> bool {
+fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
-    static CHECKED_AT: AtomicU64 = AtomicU64::new(0);
-    static STATE: AtomicU32 = AtomicU32::new(0);
-    let epoch = *EPOCH.get_or_init(Instant::now);
-    let at = now.saturating_duration_since(epoch).as_micros() as u64 + 1;
-    let last = CHECKED_AT.load(Ordering::Relaxed);
-    let interval = LOAD_CHECK_INTERVAL.as_micros() as u64;
-    if at.saturating_sub(last) >= interval
-        && CHECKED_AT
-            .compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-    {
-        // One caller per interval reads the file and updates the state; the
-        // others use its answer.
-        if let Some(runnable) = runnable_threads() {
-            let state = LoadState::from_bits(STATE.load(Ordering::Relaxed));
-            let next = state.look(runnable > online_cpus());
-            STATE.store(next.bits(), Ordering::Relaxed);
-        }
-    }
-    !LoadState::from_bits(STATE.load(Ordering::Relaxed)).oversubscribed
+    *EPOCH.get_or_init(Instant::now)
 }
 
-/// The oversubscription verdict and the looks in a row that disagree with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct LoadState {
-    oversubscribed: bool,
-    against: u32,
+fn micros_since_epoch(now: Instant) -> u64 {
+    now.saturating_duration_since(epoch()).as_micros() as u64
 }
 
-impl LoadState {
-    fn from_bits(bits: u32) -> LoadState {
-        LoadState {
-            oversubscribed: bits & 1 == 1,
-            against: bits >> 1,
+/// When spinning is allowed again after a spinner found its CPU wanted.
+struct SpinBackoff {
+    /// Microseconds since [`epoch`] before which nobody spins.
+    no_spin_until: AtomicU64,
+}
+
+impl SpinBackoff {
+    const fn new() -> SpinBackoff {
+        SpinBackoff {
+            no_spin_until: AtomicU64::new(0),
         }
     }
 
-    fn bits(self) -> u32 {
-        u32::from(self.oversubscribed) | (self.against << 1)
+    fn allows(&self, now: Instant) -> bool {
+        micros_since_epoch(now) >= self.no_spin_until.load(Ordering::Relaxed)
     }
 
-    /// The state after one more look that saw the machine `busy`.
-    fn look(self, busy: bool) -> LoadState {
-        if busy == self.oversubscribed {
-            return LoadState { against: 0, ..self };
-        }
-        let against = self.against + 1;
-        let needed = if self.oversubscribed {
-            FREE_LOOKS
-        } else {
-            BUSY_LOOKS
-        };
-        if against >= needed {
-            LoadState {
-                oversubscribed: busy,
-                against: 0,
-            }
-        } else {
-            LoadState { against, ..self }
-        }
+    fn contended(&self, now: Instant) {
+        let until = micros_since_epoch(now) + CONTENDED_BACKOFF.as_micros() as u64;
+        self.no_spin_until.fetch_max(until, Ordering::Relaxed);
     }
 }
 
-/// Threads running or waiting for a CPU, machine-wide: the fourth field of
-/// `/proc/loadavg` is `runnable/total` (the reader counts itself).
-fn runnable_threads() -> Option<usize> {
-    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
-    parse_runnable(&text)
+/// The process's backoff: every connection's driver shares it.
+static BACKOFF: SpinBackoff = SpinBackoff::new();
+
+/// Whether spinning is allowed now (no spinner of the process found its CPU
+/// wanted within the last [`CONTENDED_BACKOFF`]).
+pub(crate) fn cpu_free(now: Instant) -> bool {
+    BACKOFF.allows(now)
 }
 
-fn parse_runnable(loadavg: &str) -> Option<usize> {
-    let field = loadavg.split_whitespace().nth(3)?;
-    field.split_once('/')?.0.parse().ok()
-}
-
-fn online_cpus() -> usize {
-    static CPUS: OnceLock<usize> = OnceLock::new();
-    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
+/// A spinner found its CPU wanted: nobody in the process spins for a while.
+fn cpu_contended(now: Instant) {
+    BACKOFF.contended(now);
 }
 
 #[cfg(test)]
@@ -165,8 +157,9 @@ mod tests {
     #[test]
     fn waits_that_spinning_covers_keep_the_full_spin() {
         let mut policy = SpinPolicy::new(MAX);
-        assert!(policy.keep_spinning(Duration::from_micros(99), true));
-        assert!(!policy.keep_spinning(MAX, true));
+        let now = Instant::now();
+        assert!(policy.keep_spinning(Duration::from_micros(5), now));
+        assert!(!policy.keep_spinning(MAX, now));
         policy.waited(Duration::from_micros(7));
         assert_eq!(policy.budget(), MAX);
     }
@@ -178,7 +171,7 @@ mod tests {
             policy.waited(Duration::from_millis(3));
         }
         assert_eq!(policy.budget(), Duration::ZERO);
-        assert!(!policy.keep_spinning(Duration::ZERO, true));
+        assert!(!policy.keep_spinning(Duration::ZERO, Instant::now()));
         // A reply that came within the maximum spin: spin again.
         policy.waited(Duration::from_micros(40));
         assert_eq!(policy.budget(), MAX);
@@ -192,43 +185,55 @@ mod tests {
     }
 
     #[test]
-    fn no_spinning_without_a_free_cpu() {
-        let policy = SpinPolicy::new(MAX);
-        assert!(!policy.keep_spinning(Duration::ZERO, false));
+    fn a_wanted_cpu_stops_spinning_for_the_backoff() {
+        let backoff = SpinBackoff::new();
+        let now = epoch() + Duration::from_secs(1);
+        assert!(backoff.allows(now));
+        backoff.contended(now);
+        assert!(!backoff.allows(now));
+        assert!(!backoff.allows(now + CONTENDED_BACKOFF - Duration::from_micros(10)));
+        assert!(backoff.allows(now + CONTENDED_BACKOFF));
     }
 
     #[test]
-    fn a_busy_snapshot_alone_does_not_stop_spinning() {
-        let free = LoadState::from_bits(0);
-        // One busy look among free ones changes nothing.
-        let state = free.look(true).look(false).look(true).look(false);
-        assert!(!state.oversubscribed);
-        // Two in a row do.
-        let busy = free.look(true).look(true);
-        assert!(busy.oversubscribed);
-        assert_eq!(LoadState::from_bits(busy.bits()), busy);
-        // Back only after FREE_LOOKS free looks in a row.
-        let mut state = busy;
-        for _ in 0..FREE_LOOKS - 1 {
-            state = state.look(false);
+    fn a_thread_that_keeps_its_cpu_keeps_spinning() {
+        // The counter exists on Linux; here nobody competes for long
+        // stretches, but a preemption between the two reads is possible,
+        // so only the reading itself is asserted.
+        if cfg!(target_os = "linux") {
+            assert!(involuntary_switches().is_some());
         }
-        assert!(state.oversubscribed);
-        assert!(
-            state.look(true).look(false).oversubscribed,
-            "a busy look resets the count"
-        );
-        assert!(!state.look(false).oversubscribed);
     }
 
     #[test]
-    fn loadavg_runnable_field() {
-        assert_eq!(parse_runnable("1.60 1.30 1.25 3/512 12345\n"), Some(3));
-        assert_eq!(parse_runnable("0.00 0.01 0.05 1/80 7"), Some(1));
-        assert_eq!(parse_runnable("garbage"), None);
-        assert_eq!(parse_runnable("1 2 3 x/5 6"), None);
-        // On this machine the file exists and parses.
-        if std::path::Path::new("/proc/loadavg").exists() {
-            assert!(runnable_threads().is_some_and(|n| n >= 1));
+    fn yielding_to_a_busy_thread_on_the_same_cpu_counts_as_contention() {
+        // Pin this thread and a busy one to one CPU: the yield must let the
+        // busy one run, which the counter sees.
+        #[cfg(target_os = "linux")]
+        {
+            let Some(cpu) = crate::verbs::current_cpu() else {
+                return;
+            };
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let busy = {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    crate::verbs::pin_to_cpu(cpu);
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            };
+            crate::verbs::pin_to_cpu(cpu);
+            std::thread::sleep(Duration::from_millis(20));
+            let before = involuntary_switches().unwrap();
+            for _ in 0..10 {
+                std::thread::yield_now();
+            }
+            let after = involuntary_switches().unwrap();
+            stop.store(true, Ordering::Relaxed);
+            busy.join().unwrap();
+            assert!(after > before, "{before} -> {after}");
         }
     }
 }
