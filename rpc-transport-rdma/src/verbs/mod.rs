@@ -1248,23 +1248,6 @@ fn advise_huge_pages_in(start: usize, len: usize) {
     let _ = unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
 }
 
-/// Times the calling thread was switched out while it could have run
-/// (preempted, or gave way in `sched_yield` to a thread that wanted its
-/// CPU): how a spinning driver learns that its CPU is wanted elsewhere.
-/// `None` where the kernel does not say.
-pub fn involuntary_switches() -> Option<u64> {
-    #[cfg(target_os = "linux")]
-    {
-        let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-        // SAFETY: getrusage writes one `rusage` into the pointer we own.
-        let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr()) };
-        // SAFETY: initialised by the successful call (and zeroed before).
-        (rc == 0).then(|| unsafe { usage.assume_init() }.ru_nivcsw as u64)
-    }
-    #[cfg(not(target_os = "linux"))]
-    None
-}
-
 /// The CPU the calling thread runs on (tests).
 #[cfg(all(test, target_os = "linux"))]
 pub(crate) fn current_cpu() -> Option<usize> {
