@@ -14,11 +14,14 @@ pub enum PollMode {
     /// Arm the CQ and sleep on its channel whenever there is nothing to do.
     /// Cheapest on CPU; every message then pays a thread wake-up.
     Event,
-    /// Keep polling the CQ (yielding to other tasks between polls) for `spin`
-    /// after the last activity, then arm and sleep. The default: a round trip
-    /// that completes within the spin costs no wake-up.
+    /// Keep polling the CQ (yielding to other tasks between polls) for up
+    /// to `spin` after the last activity, then arm and sleep. The default: a
+    /// round trip that completes within the spin costs no wake-up. Adaptive:
+    /// a connection whose waits outlast the spin stops spinning, and nobody
+    /// spins while another thread wants the CPU (see `docs/providers.md`
+    /// and ARCHITECTURE.md, "Polling policy").
     Adaptive {
-        /// How long to keep polling after the last completion or send.
+        /// The longest a wait is polled before the driver sleeps.
         spin: Duration,
     },
     /// Never sleep: poll the CQ between every other task's turn. Lowest

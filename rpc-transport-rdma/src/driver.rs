@@ -157,6 +157,8 @@ pub(crate) struct Driver {
     /// The failure was a flush: our QP went to ERROR because the peer's did.
     flushed: bool,
     poll_mode: PollMode,
+    /// The device raises events for solicited SENDs on solicited-only arms.
+    solicited_events: bool,
     fault: Option<Fault>,
     max_inline: usize,
     completions: Vec<WorkCompletion>,
@@ -195,6 +197,7 @@ impl Driver {
             send,
         } = endpoint;
         let max_inline = qp.caps().max_inline_data as usize;
+        let solicited_events = device.context.caps().solicited_events;
         Driver {
             free_send_slots: (0..send.count() as u32).rev().collect(),
             qp,
@@ -226,6 +229,7 @@ impl Driver {
             reservations: HashMap::new(),
             flushed: false,
             poll_mode: config.poll_mode,
+            solicited_events,
             fault: config.fault,
             max_inline,
             completions: vec![WorkCompletion::BLANK; CQ_BATCH],
@@ -312,7 +316,8 @@ impl Driver {
             // a READ landed) only needs to wake us when we wait for one.
             let closing_with_sends_in_flight =
                 self.protocol.close_sent() && !self.protocol.sends_idle();
-            let solicited_only = self.reads.is_empty()
+            let solicited_only = self.solicited_events
+                && self.reads.is_empty()
                 && !self.protocol.send_slots_exhausted()
                 && !closing_with_sends_in_flight;
             if let Err(error) = self.cq.req_notify(solicited_only) {

@@ -562,6 +562,9 @@ pub struct DeviceCaps {
     pub write_with_imm: bool,
     /// Shared receive queues are supported.
     pub srq: bool,
+    /// A CQ armed solicited-only raises an event for a solicited SEND
+    /// (siw raises none: `docs/providers.md`).
+    pub solicited_events: bool,
     /// Largest CQ.
     pub max_cqe: u32,
     /// Deepest queue.

@@ -312,6 +312,9 @@ impl Context for IbvContext {
             // iWARP has no RDMA WRITE with immediate (siw rejects it at post).
             write_with_imm: !self.iwarp,
             srq: attr.max_srq > 0,
+            // siw raises no event for a solicited SEND on a solicited-only
+            // arm (the conformance suite shows it); rxe does.
+            solicited_events: !self.iwarp,
             max_cqe: attr.max_cqe.max(0) as u32,
             max_qp_wr: attr.max_qp_wr.max(0) as u32,
         }

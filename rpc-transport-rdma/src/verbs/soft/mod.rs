@@ -481,6 +481,7 @@ impl Context for SoftContext {
             atomics: true,
             write_with_imm: true,
             srq: true,
+            solicited_events: true,
             max_cqe: 1 << 20,
             max_qp_wr: 1 << 14,
         }
