@@ -93,12 +93,36 @@ impl Contender {
     }
 }
 
-/// A current-thread runtime: what every process of the comparison runs.
+static MULTI_THREAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes [`runtime`] (here and in the server processes started after this)
+/// a 2-worker multi-thread runtime, what `#[tokio::main]` gives a user.
+pub fn use_multi_thread_runtimes() {
+    MULTI_THREAD.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`runtime`] builds multi-thread runtimes (`BENCH_RUNTIME=multi`
+/// in a server process).
+pub fn multi_thread_runtimes() -> bool {
+    MULTI_THREAD.load(std::sync::atomic::Ordering::Relaxed)
+        || std::env::var("BENCH_RUNTIME").is_ok_and(|flavor| flavor == "multi")
+}
+
+/// The runtime every process of the comparison runs: current-thread, or
+/// multi-thread with 2 workers after [`use_multi_thread_runtimes`].
 pub fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
+    if multi_thread_runtimes() {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
 }
 
 /// Serves `contender` on a free loopback port; prints `LISTENING <addr>` and runs forever.
@@ -441,6 +465,14 @@ pub fn spawn_server(arg: &str, poll: &str) -> (ServerProcess, String) {
     let mut child = std::process::Command::new(std::env::current_exe().expect("own path"))
         .args(["--serve", arg])
         .env("RDMA_POLL", poll)
+        .env(
+            "BENCH_RUNTIME",
+            if multi_thread_runtimes() {
+                "multi"
+            } else {
+                "current"
+            },
+        )
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("server process");

@@ -4,6 +4,7 @@
 //! cargo run --release -p rdma-rpc-benches -- --quick     # under 2 minutes on 2 cores
 //! cargo run --release -p rdma-rpc-benches -- --full
 //! cargo run --release -p rdma-rpc-benches -- --quick --load 1   # with a busy process competing
+//! cargo run --release -p rdma-rpc-benches -- --quick --multi-thread   # #[tokio::main]-like runtimes
 //! ```
 //! Every contender's server runs in its own process (this binary, started
 //! with `--serve <contender>`); the client runs here; both on current-thread
@@ -37,6 +38,8 @@ struct Settings {
     floor_rounds: usize,
     /// Busy processes competing for the CPUs during the whole run.
     load: usize,
+    /// Multi-thread runtimes (2 workers) instead of current-thread ones.
+    multi_thread: bool,
 }
 
 impl Settings {
@@ -51,6 +54,7 @@ impl Settings {
             overhead_calls: 5_000,
             floor_rounds: 2_000,
             load: 0,
+            multi_thread: false,
         }
     }
 
@@ -71,6 +75,7 @@ impl Settings {
             overhead_calls: 50_000,
             floor_rounds: 10_000,
             load: 0,
+            multi_thread: false,
         }
     }
 }
@@ -269,9 +274,14 @@ fn print_table(report: &Report) {
     let header: Vec<&str> = columns.iter().map(|m| m.label).collect();
     println!(
         "rdma-rpc against tonic and tarpc ({} mode; RDMA provider: {}). Two processes, one connection, \
-         current-thread runtimes, loopback{}. Ratios to tonic in brackets.\n",
+         {} runtimes, loopback{}. Ratios to tonic in brackets.\n",
         report.settings.mode,
         report.rdma_provider,
+        if report.settings.multi_thread {
+            "multi-thread (2 workers)"
+        } else {
+            "current-thread"
+        },
         match report.settings.load {
             0 => String::new(),
             n => format!(", {n} busy process(es) competing for the CPUs"),
@@ -362,8 +372,9 @@ fn print_table(report: &Report) {
     );
 }
 
-/// The goals of a run under load: rdma:// (default mode) no worse than
-/// tcp:// on latency and calls/s. Needs only those two contenders.
+/// The goals of a run under load or on multi-thread runtimes: rdma://
+/// (default mode) no worse than tcp:// on latency and calls/s. Needs only
+/// those two contenders.
 fn print_load_goals(report: &Report) {
     let get = |c: Contender| report.contenders.iter().find(|m| m.contender == c);
     let (Some(rdma), Some(tcp)) = (get(Contender::RdmaAdaptive), get(Contender::RpcTcp)) else {
@@ -371,8 +382,13 @@ fn print_load_goals(report: &Report) {
     };
     let verdict = |ok: bool| if ok { "met" } else { "missed" };
     println!(
-        "\nGoals under load ({} busy process(es)):\n",
-        report.settings.load
+        "\nGoals against tcp:// ({} busy process(es), {} runtimes):\n",
+        report.settings.load,
+        if report.settings.multi_thread {
+            "multi-thread"
+        } else {
+            "current-thread"
+        }
     );
     println!("| goal | rdma:// | tcp:// | |");
     println!("|---|---|---|---|");
@@ -414,7 +430,7 @@ fn print_load_goals(report: &Report) {
 }
 
 fn print_goals(report: &Report) {
-    if report.settings.load > 0 {
+    if report.settings.load > 0 || report.settings.multi_thread {
         print_load_goals(report);
         return;
     }
@@ -584,6 +600,7 @@ fn main() {
     }
     let mut settings = Settings::quick();
     let mut load = 0;
+    let mut multi_thread = false;
     let mut only: Option<Vec<Contender>> = None;
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
@@ -596,14 +613,21 @@ fn main() {
             "--quick" => {
                 settings = Settings {
                     load,
+                    multi_thread,
                     ..Settings::quick()
                 }
             }
             "--full" => {
                 settings = Settings {
                     load,
+                    multi_thread,
                     ..Settings::full()
                 }
+            }
+            "--multi-thread" => {
+                multi_thread = true;
+                settings.multi_thread = true;
+                contenders::use_multi_thread_runtimes();
             }
             "--load" => {
                 load = iter
@@ -625,7 +649,7 @@ fn main() {
             }
             other => {
                 panic!(
-                    "unknown argument {other}; use --quick or --full [--only rdma,tonic,...] [--load N]"
+                    "unknown argument {other}; use --quick or --full [--only rdma,tonic,...] [--load N] [--multi-thread]"
                 )
             }
         }
