@@ -1,0 +1,531 @@
+//! READ windows without a registration per frame: type-2 memory windows
+//! bound over cached registrations of memory whose lifetime is known.
+//!
+//! Registering memory pins its pages (on hardware about 100 µs per MiB);
+//! registering every large frame's payload, and deregistering it after the
+//! peer's DONE, costs that on every call. A type-2 memory window costs a
+//! work request instead: it is bound over a range of an existing
+//! registration (made with [`AccessFlags::MW_BIND`], which grants the peer
+//! nothing by itself), REMOTE_READ only, usable only through the queue pair
+//! it was bound on, and destroyed at once when revoked (`ibv_dealloc_mw`).
+//!
+//! The registration it is bound over must cover memory that stays the same
+//! for as long as the registration exists. Caching registrations of
+//! arbitrary memory is unsound: when memory is freed and the allocator maps
+//! new pages at the same address, a registration made before still names the
+//! old, pinned pages, and a window bound over it would let the peer READ
+//! them instead of the payload (UCX's registration cache needs hooks into
+//! `malloc`/`munmap` for this reason). So [`WindowCache`] caches
+//! registrations only of rpc-core's recycled large buffers
+//! (`rpc_core::codec::recycle`: encoded large messages, frozen
+//! `SendBuffer`s, large frames read from sockets), whose memory that module
+//! tracks: it recognises bytes inside a live recycled buffer
+//! (`recycled_memory`), and calls this module's hook before that memory is
+//! freed, which deregisters what is cached over it first. Any other `Bytes`
+//! keeps its exact registration per frame
+//! ([`ProtectionDomain::register_window`]).
+//!
+//! The other memory of known lifetime is the transport's own registered
+//! buffers ([`super::RegisteredBuffer`]s registered with MW_BIND: the
+//! rendezvous pool's, where the device has windows). A frame received into
+//! one is handed up as `Bytes` over it, and a server that sends those bytes
+//! back (an echo, a proxy) gets a window bound over the buffer's own
+//! registration: the buffer is alive, and registered, for as long as the
+//! bytes are.
+//!
+//! The cache is bounded in bytes ([`MAX_CACHED_BYTES`] per protection
+//! domain): a registration no window uses is evicted, least recently used
+//! first; one under a bound window never is. When nothing can be evicted,
+//! the frame falls back to its own registration.
+//!
+//! Counters for tests and metrics: [`device_registrations`] (every
+//! registration a provider made: `ibv_reg_mr` calls on ibverbs),
+//! [`cached_registrations`], [`cached_registration_bytes`],
+//! [`windows_bound`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use rpc_core::codec::recycle::{self, RecycledMemory};
+
+use super::{AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, VerbsError};
+
+/// Memory-window binds a completion queue may have in flight (posted, their
+/// completion not yet polled): each holds a send-queue entry of its QP and
+/// will take a CQ entry, so whoever sizes a QP and its CQ adds this much to
+/// both (the RDMA transport does). A bind beyond it is refused, never
+/// posted, and the frame gets a registration of its own.
+pub const MAX_BINDS_IN_FLIGHT: u32 = 16;
+
+const _: () = assert!(MAX_BINDS_IN_FLIGHT >= 1 && MAX_BINDS_IN_FLIGHT <= 1024);
+
+/// The `wr_id` of a memory-window bind. Its completion is the provider's
+/// own: a successful one is consumed by the CQ's poll, a failed one (the
+/// QP broke) is reported with this id. The top two bits are set, a tag the
+/// RDMA transport's own requests never use.
+pub const WINDOW_BIND_WR_ID: u64 = 0xc000_0000_6d77_b1d0;
+
+/// Registrations each protection domain's [`WindowCache`] keeps, in bytes
+/// (1 GiB: twice the recycled buffers' idle cap, so that idle and in-flight
+/// buffers both fit).
+pub const MAX_CACHED_BYTES: usize = 1 << 30;
+
+static DEVICE_REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
+static CACHED_REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
+static CACHED_BYTES: AtomicU64 = AtomicU64::new(0);
+static WINDOWS_BOUND: AtomicU64 = AtomicU64::new(0);
+
+/// Memory registrations providers made in this process so far, for any
+/// purpose (on ibverbs: `ibv_reg_mr` calls). What the bulk path keeps flat
+/// when its windows are bound over cached registrations.
+pub fn device_registrations() -> u64 {
+    DEVICE_REGISTRATIONS.load(Ordering::Relaxed)
+}
+
+/// Counts one registration by a provider.
+pub(crate) fn count_device_registration() {
+    DEVICE_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Registrations [`WindowCache`]s made so far (each over a whole recycled buffer).
+pub fn cached_registrations() -> u64 {
+    CACHED_REGISTRATIONS.load(Ordering::Relaxed)
+}
+
+/// Bytes the [`WindowCache`]s keep registered now.
+pub fn cached_registration_bytes() -> u64 {
+    CACHED_BYTES.load(Ordering::Relaxed)
+}
+
+/// Memory windows bound so far (each a READ window without a registration of its own).
+pub fn windows_bound() -> u64 {
+    WINDOWS_BOUND.load(Ordering::Relaxed)
+}
+
+/// Counts one bound window.
+pub(crate) fn count_window_bound() {
+    WINDOWS_BOUND.fetch_add(1, Ordering::Relaxed);
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+/// Binds in flight on the QPs that send into one completion queue (see
+/// [`MAX_BINDS_IN_FLIGHT`]); shared by the CQ, which counts completions
+/// back, and its QPs, which count binds out.
+#[derive(Debug, Default)]
+pub(crate) struct BindBudget(AtomicU32);
+
+impl BindBudget {
+    /// Takes one bind slot; false when all are in flight.
+    pub(crate) fn try_acquire(&self) -> bool {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_BINDS_IN_FLIGHT).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// Gives one back (a bind completed, or was never posted).
+    pub(crate) fn release(&self) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+}
+
+/// A registration of one recycled buffer's memory, and how many bound windows use it.
+struct Cached {
+    region: Arc<dyn MemoryRegion>,
+    len: usize,
+    users: usize,
+    last_use: u64,
+}
+
+#[derive(Default)]
+struct CacheState {
+    /// By the recycled memory's id.
+    entries: HashMap<u64, Cached>,
+    bytes: usize,
+    tick: u64,
+}
+
+/// One protection domain's registrations over recycled buffers, which its
+/// memory windows are bound over (the module docs say why only those).
+pub struct WindowCache {
+    state: Mutex<CacheState>,
+    max_bytes: usize,
+}
+
+impl std::fmt::Debug for WindowCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = lock(&self.state);
+        f.debug_struct("WindowCache")
+            .field("entries", &state.entries.len())
+            .field("bytes", &state.bytes)
+            .field("max_bytes", &self.max_bytes)
+            .finish()
+    }
+}
+
+/// Every live cache, for the release hook.
+static CACHES: Mutex<Vec<Weak<WindowCache>>> = Mutex::new(Vec::new());
+
+/// rpc-core's release hook: the memory of a recycled buffer is about to be
+/// freed, so nothing registered over it may remain.
+fn release_recycled(memory: RecycledMemory) {
+    let caches: Vec<Arc<WindowCache>> = {
+        let mut caches = lock(&CACHES);
+        caches.retain(|cache| cache.strong_count() > 0);
+        caches.iter().filter_map(Weak::upgrade).collect()
+    };
+    for cache in caches {
+        cache.release(memory);
+    }
+}
+
+impl WindowCache {
+    /// A cache of at most `max_bytes` of registrations (the hook that keeps
+    /// it sound is installed with the first cache).
+    pub fn new(max_bytes: usize) -> Arc<WindowCache> {
+        recycle::on_release(release_recycled);
+        let cache = Arc::new(WindowCache {
+            state: Mutex::new(CacheState::default()),
+            max_bytes,
+        });
+        lock(&CACHES).push(Arc::downgrade(&cache));
+        cache
+    }
+
+    /// Bytes registered now.
+    pub fn cached_bytes(&self) -> usize {
+        lock(&self.state).bytes
+    }
+
+    /// A REMOTE_READ window over exactly `bytes`, usable only through `qp`,
+    /// bound over the cached registration of the recycled buffer the bytes
+    /// lie in (registered on the first use). `Ok(None)`: the bytes are not in
+    /// a recycled buffer, or the cache is full of registrations in use; the
+    /// caller registers them itself. `pd` is the cache's own PD.
+    ///
+    /// Deregistering the window invalidates it, then lets its registration
+    /// be evicted again. The window does not keep `bytes` alive: its owner
+    /// must, until it is deregistered ([`super::ExposedBytes`] does).
+    pub(crate) fn bind(
+        self: &Arc<Self>,
+        pd: &dyn ProtectionDomain,
+        qp: &Arc<dyn QueuePair>,
+        bytes: &[u8],
+    ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
+        let Some(memory) = recycle::recycled_memory(bytes) else {
+            return bind_over_registered_buffer(pd, qp, bytes);
+        };
+        let Some(region) = self.lease(pd, memory)? else {
+            return Ok(None);
+        };
+        // SAFETY: `bytes` lie inside the recycled buffer `memory`, which the
+        // caller keeps alive (and frozen: `Bytes` are immutable) until the
+        // window is deregistered; the window is READ-only, so the device
+        // never writes them. The region stays registered until then: the
+        // lease taken above keeps it from eviction, and the release hook
+        // cannot run for memory the caller's bytes keep alive.
+        let window = unsafe {
+            pd.bind_window(
+                &region,
+                bytes.as_ptr() as u64,
+                bytes.len(),
+                AccessFlags::REMOTE_READ,
+                qp,
+            )
+        };
+        match window {
+            Ok(window) => {
+                count_window_bound();
+                Ok(Some(Arc::new(LeasedWindow {
+                    window,
+                    lease: Mutex::new(Some(Lease {
+                        cache: self.clone(),
+                        id: memory.id,
+                    })),
+                })))
+            }
+            Err(error) => {
+                self.unlease(memory.id);
+                Err(error)
+            }
+        }
+    }
+
+    /// The registration of `memory`, with one more user; registered now on
+    /// a miss. `None` when it does not fit beside the registrations in use.
+    fn lease(
+        &self,
+        pd: &dyn ProtectionDomain,
+        memory: RecycledMemory,
+    ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
+        let evicted = {
+            let mut state = lock(&self.state);
+            state.tick += 1;
+            let tick = state.tick;
+            if let Some(cached) = state.entries.get_mut(&memory.id) {
+                cached.users += 1;
+                cached.last_use = tick;
+                return Ok(Some(cached.region.clone()));
+            }
+            if memory.len > self.max_bytes {
+                return Ok(None);
+            }
+            match self.evict_for(&mut state, memory.len) {
+                Some(evicted) => evicted,
+                None => return Ok(None),
+            }
+        };
+        deregister_all(evicted);
+        // SAFETY: `memory` is a recycled buffer's whole memory, allocated for
+        // as long as the buffer lives; the release hook deregisters this
+        // region before that memory is freed (it is in the cache from the
+        // insert below until then, or deregistered right here). The region
+        // is MW_BIND only: the device reads it only through windows bound
+        // over frozen bytes, and never writes it, so the buffer's owner may
+        // keep writing the parts that are not frozen.
+        let region =
+            unsafe { pd.register(memory.addr as *mut u8, memory.len, AccessFlags::MW_BIND)? };
+        let mut state = lock(&self.state);
+        state.tick += 1;
+        let tick = state.tick;
+        if let Some(cached) = state.entries.get_mut(&memory.id) {
+            // Registered by another connection meanwhile: use that one.
+            cached.users += 1;
+            cached.last_use = tick;
+            let existing = cached.region.clone();
+            drop(state);
+            deregister_all(vec![region]);
+            return Ok(Some(existing));
+        }
+        state.bytes += memory.len;
+        state.entries.insert(
+            memory.id,
+            Cached {
+                region: region.clone(),
+                len: memory.len,
+                users: 1,
+                last_use: tick,
+            },
+        );
+        drop(state);
+        CACHED_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
+        CACHED_BYTES.fetch_add(memory.len as u64, Ordering::Relaxed);
+        Ok(Some(region))
+    }
+
+    /// Removes idle registrations, least recently used first, until `len`
+    /// more bytes fit; `None` (nothing removed) when they cannot.
+    fn evict_for(&self, state: &mut CacheState, len: usize) -> Option<Vec<Arc<dyn MemoryRegion>>> {
+        let idle: usize = state
+            .entries
+            .values()
+            .filter(|cached| cached.users == 0)
+            .map(|cached| cached.len)
+            .sum();
+        if (state.bytes - idle) + len > self.max_bytes {
+            return None;
+        }
+        let mut evicted = Vec::new();
+        while state.bytes + len > self.max_bytes {
+            let (&id, _) = state
+                .entries
+                .iter()
+                .filter(|(_, cached)| cached.users == 0)
+                .min_by_key(|(_, cached)| cached.last_use)
+                .expect("enough idle bytes");
+            let cached = state.entries.remove(&id).expect("present");
+            state.bytes -= cached.len;
+            CACHED_BYTES.fetch_sub(cached.len as u64, Ordering::Relaxed);
+            evicted.push(cached.region);
+        }
+        Some(evicted)
+    }
+
+    /// One user fewer for the registration of memory `id`.
+    fn unlease(&self, id: u64) {
+        let mut state = lock(&self.state);
+        state.tick += 1;
+        let tick = state.tick;
+        if let Some(cached) = state.entries.get_mut(&id) {
+            cached.users -= 1;
+            cached.last_use = tick;
+        }
+    }
+
+    /// The hook's part: memory `memory` is about to be freed.
+    fn release(&self, memory: RecycledMemory) {
+        let cached = {
+            let mut state = lock(&self.state);
+            let cached = state.entries.remove(&memory.id);
+            if let Some(cached) = &cached {
+                state.bytes -= cached.len;
+                CACHED_BYTES.fetch_sub(cached.len as u64, Ordering::Relaxed);
+            }
+            cached
+        };
+        if let Some(cached) = cached {
+            if cached.users > 0 {
+                // Cannot happen: a bound window holds bytes of the buffer,
+                // which keeps it alive. Deregistering would fail (a window
+                // is bound over it); say so loudly.
+                tracing::error!(
+                    users = cached.users,
+                    "recycled memory freed under a bound memory window"
+                );
+            }
+            deregister_all(vec![cached.region]);
+        }
+    }
+}
+
+impl Drop for WindowCache {
+    fn drop(&mut self) {
+        let state = std::mem::take(&mut *lock(&self.state));
+        CACHED_BYTES.fetch_sub(state.bytes as u64, Ordering::Relaxed);
+        deregister_all(state.entries.into_values().map(|c| c.region).collect());
+    }
+}
+
+/// A [`super::RegisteredBuffer`] registered with MW_BIND: windows may be
+/// bound over its region while bytes of it are held.
+struct Known {
+    len: usize,
+    /// The protection domain's identity (its address).
+    pd: usize,
+    region: Arc<dyn MemoryRegion>,
+}
+
+/// Registered buffers with MW_BIND, by start address; each is in here from
+/// its registration until just before it is deregistered and freed.
+static KNOWN: Mutex<BTreeMap<usize, Known>> = Mutex::new(BTreeMap::new());
+
+fn pd_id(pd: &dyn ProtectionDomain) -> usize {
+    pd as *const dyn ProtectionDomain as *const () as usize
+}
+
+/// Records a registered buffer windows may be bound over.
+pub(crate) fn track_registered(
+    addr: usize,
+    len: usize,
+    pd: &dyn ProtectionDomain,
+    region: Arc<dyn MemoryRegion>,
+) {
+    let known = Known {
+        len,
+        pd: pd_id(pd),
+        region,
+    };
+    lock(&KNOWN).insert(addr, known);
+}
+
+/// Forgets a registered buffer (before it is deregistered).
+pub(crate) fn untrack_registered(addr: usize) {
+    lock(&KNOWN).remove(&addr);
+}
+
+/// A window over `bytes` bound over the registration of the
+/// [`super::RegisteredBuffer`] of `pd` they lie in; `Ok(None)` when they lie
+/// in none.
+fn bind_over_registered_buffer(
+    pd: &dyn ProtectionDomain,
+    qp: &Arc<dyn QueuePair>,
+    bytes: &[u8],
+) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
+    let start = bytes.as_ptr() as usize;
+    let Some(end) = start.checked_add(bytes.len()) else {
+        return Ok(None);
+    };
+    let region = {
+        let known = lock(&KNOWN);
+        match known.range(..=start).next_back() {
+            Some((&addr, known)) if end <= addr + known.len && known.pd == pd_id(pd) => {
+                known.region.clone()
+            }
+            _ => return Ok(None),
+        }
+    };
+    // SAFETY: `bytes` lie inside a registered buffer, whose memory the
+    // caller's bytes keep alive (a `Bytes` over a registered buffer owns it,
+    // as a pulled frame does) and immutable, until the window is
+    // deregistered; the buffer's region stays registered as long as the
+    // buffer lives. The window is READ-only.
+    let window = unsafe {
+        pd.bind_window(
+            &region,
+            bytes.as_ptr() as u64,
+            bytes.len(),
+            AccessFlags::REMOTE_READ,
+            qp,
+        )?
+    };
+    count_window_bound();
+    Ok(Some(window))
+}
+
+/// Deregisters regions nobody uses any more; one that fails is leaked (it
+/// grants no remote access by itself, and no window will be bound over it).
+fn deregister_all(regions: Vec<Arc<dyn MemoryRegion>>) {
+    for region in regions {
+        if let Err(error) = region.deregister() {
+            tracing::error!(%error, "deregistering a cached registration failed; leaking it");
+            std::mem::forget(region);
+        }
+    }
+}
+
+/// A user of a cached registration; given back when the window is deregistered.
+struct Lease {
+    cache: Arc<WindowCache>,
+    id: u64,
+}
+
+/// A memory window with the lease on the registration it is bound over.
+struct LeasedWindow {
+    window: Arc<dyn MemoryRegion>,
+    lease: Mutex<Option<Lease>>,
+}
+
+impl MemoryRegion for LeasedWindow {
+    fn addr(&self) -> u64 {
+        self.window.addr()
+    }
+    fn len(&self) -> usize {
+        self.window.len()
+    }
+    fn lkey(&self) -> u32 {
+        self.window.lkey()
+    }
+    fn rkey(&self) -> u32 {
+        self.window.rkey()
+    }
+    fn access(&self) -> AccessFlags {
+        self.window.access()
+    }
+    fn deregister(&self) -> Result<(), VerbsError> {
+        self.window.deregister()?;
+        if let Some(lease) = lock(&self.lease).take() {
+            lease.cache.unlease(lease.id);
+        }
+        Ok(())
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Drop for LeasedWindow {
+    fn drop(&mut self) {
+        if let Err(error) = self.deregister() {
+            // The registration stays leased (never evicted, never
+            // deregistered): the window may still be usable.
+            tracing::error!(%error, "invalidating a memory window failed");
+        }
+    }
+}
