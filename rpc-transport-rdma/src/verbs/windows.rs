@@ -108,6 +108,17 @@ pub(crate) fn count_window_bound() {
     WINDOWS_BOUND.fetch_add(1, Ordering::Relaxed);
 }
 
+/// `RDMA_MEMORY_WINDOWS=off` makes every READ window a registration of its
+/// own even where the device has memory windows (for comparisons, and as a
+/// way around a device whose windows misbehave); providers ask this when
+/// they allocate a protection domain.
+pub(crate) fn memory_windows_wanted() -> bool {
+    !matches!(
+        std::env::var("RDMA_MEMORY_WINDOWS").as_deref(),
+        Ok("off" | "0" | "false" | "no")
+    )
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
@@ -157,6 +168,7 @@ struct CacheState {
 pub struct WindowCache {
     state: Mutex<CacheState>,
     max_bytes: usize,
+    registrations: AtomicU64,
 }
 
 impl std::fmt::Debug for WindowCache {
@@ -194,6 +206,7 @@ impl WindowCache {
         let cache = Arc::new(WindowCache {
             state: Mutex::new(CacheState::default()),
             max_bytes,
+            registrations: AtomicU64::new(0),
         });
         lock(&CACHES).push(Arc::downgrade(&cache));
         cache
@@ -202,6 +215,11 @@ impl WindowCache {
     /// Bytes registered now.
     pub fn cached_bytes(&self) -> usize {
         lock(&self.state).bytes
+    }
+
+    /// Registrations this cache made so far.
+    pub fn registrations(&self) -> u64 {
+        self.registrations.load(Ordering::Relaxed)
     }
 
     /// A REMOTE_READ window over exactly `bytes`, usable only through `qp`,
@@ -316,6 +334,7 @@ impl WindowCache {
         );
         drop(state);
         CACHED_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
+        self.registrations.fetch_add(1, Ordering::Relaxed);
         CACHED_BYTES.fetch_add(memory.len as u64, Ordering::Relaxed);
         Ok(Some(region))
     }
@@ -527,5 +546,162 @@ impl Drop for LeasedWindow {
             // deregistered): the window may still be usable.
             tracing::error!(%error, "invalidating a memory window failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::soft::SoftProvider;
+    use crate::verbs::{Provider, QpCaps, QpInit, RegisteredBuffer};
+    use bytes::Bytes;
+
+    fn soft() -> (Arc<dyn ProtectionDomain>, Arc<dyn QueuePair>) {
+        let context = SoftProvider.open("soft0").unwrap();
+        let pd = context.alloc_pd().unwrap();
+        let cq = context.create_cq(64, None).unwrap();
+        let qp = pd
+            .create_qp(QpInit {
+                send_cq: cq.clone(),
+                recv_cq: cq,
+                srq: None,
+                caps: QpCaps::default(),
+                sq_sig_all: false,
+            })
+            .unwrap();
+        (pd, qp)
+    }
+
+    /// A frozen recycled buffer of `len` bytes.
+    fn recycled(len: usize, fill: u8) -> Bytes {
+        let mut buffer = rpc_core::SendBuffer::with_capacity(len);
+        buffer.resize(len, fill);
+        buffer.freeze()
+    }
+
+    #[test]
+    fn one_registration_per_recycled_buffer_however_many_windows() {
+        let (pd, qp) = soft();
+        let cache = WindowCache::new(256 << 20);
+        let payload = recycled((3 << 20) + 4096 * 5, 1);
+        let memory = recycle::recycled_memory(&payload).unwrap();
+        let first = cache
+            .bind(&*pd, &qp, &payload[..1 << 20])
+            .unwrap()
+            .expect("a recycled buffer");
+        assert_eq!(first.addr(), payload.as_ptr() as u64, "exactly the bytes");
+        assert_eq!(first.len(), 1 << 20);
+        assert_eq!(first.access(), AccessFlags::REMOTE_READ);
+        let second = cache
+            .bind(&*pd, &qp, &payload[1000..2000])
+            .unwrap()
+            .unwrap();
+        assert_eq!(second.addr(), payload.as_ptr() as u64 + 1000);
+        assert_ne!(second.rkey(), first.rkey());
+        assert_eq!(cache.registrations(), 1, "the buffer is registered once");
+        assert_eq!(cache.cached_bytes(), memory.len, "all of it");
+        first.deregister().unwrap();
+        second.deregister().unwrap();
+        let third = cache.bind(&*pd, &qp, &payload).unwrap().unwrap();
+        third.deregister().unwrap();
+        assert_eq!(
+            cache.registrations(),
+            1,
+            "and stays registered while it lives"
+        );
+        // Bytes elsewhere are not the cache's business.
+        let plain = Bytes::from(vec![7u8; 2 << 20]);
+        assert!(cache.bind(&*pd, &qp, &plain).unwrap().is_none());
+    }
+
+    #[test]
+    fn idle_registrations_are_evicted_least_recently_used_first_never_one_in_use() {
+        let (pd, qp) = soft();
+        let len = (13 << 20) + 4096 * 3;
+        let [a, b, c] = [1, 2, 3].map(|fill| recycled(len, fill));
+        let size = recycle::recycled_memory(&a).unwrap().len;
+        for other in [&b, &c] {
+            assert_eq!(recycle::recycled_memory(other).unwrap().len, size);
+        }
+        let cache = WindowCache::new(2 * size);
+        let bind = |bytes: &Bytes| cache.bind(&*pd, &qp, bytes).unwrap();
+        bind(&a).unwrap().deregister().unwrap();
+        bind(&b).unwrap().deregister().unwrap();
+        assert_eq!(cache.registrations(), 2);
+        // Full: C takes the place of A, the least recently used.
+        bind(&c).unwrap().deregister().unwrap();
+        assert_eq!(cache.registrations(), 3);
+        assert_eq!(cache.cached_bytes(), 2 * size);
+        bind(&b).unwrap().deregister().unwrap();
+        assert_eq!(cache.registrations(), 3, "B was kept");
+        // Two windows in use hold both registrations: a third buffer finds
+        // no room and is left to its caller (who registers it exactly).
+        let over_b = bind(&b).unwrap();
+        let over_c = bind(&c).unwrap();
+        assert!(bind(&a).is_none(), "nothing idle to evict");
+        assert_eq!(cache.registrations(), 3);
+        over_c.deregister().unwrap();
+        let over_a = bind(&a).expect("C was idle: evicted for A");
+        assert_eq!(cache.registrations(), 4);
+        over_a.deregister().unwrap();
+        over_b.deregister().unwrap();
+    }
+
+    #[test]
+    fn the_release_hook_deregisters_before_the_memory_is_freed() {
+        let (pd, qp) = soft();
+        let cache = WindowCache::new(usize::MAX);
+        // Larger than the recycled buffers' idle cap: freed when the last
+        // bytes go (only reserved, never touched: it costs no memory).
+        let mut buffer =
+            rpc_core::SendBuffer::with_capacity(rpc_core::codec::recycle::MAX_IDLE_BYTES + 4096);
+        buffer.extend_from_slice(b"payload");
+        let payload = buffer.freeze();
+        let window = cache.bind(&*pd, &qp, &payload).unwrap().unwrap();
+        window.deregister().unwrap();
+        assert!(cache.cached_bytes() > rpc_core::codec::recycle::MAX_IDLE_BYTES);
+        drop(payload);
+        assert_eq!(cache.cached_bytes(), 0, "deregistered by the hook");
+    }
+
+    #[test]
+    fn registered_buffers_with_mw_bind_take_windows_over_their_own_registration() {
+        let (pd, qp) = soft();
+        let cache = WindowCache::new(1 << 20);
+        let with = RegisteredBuffer::new(
+            &pd,
+            1 << 20,
+            AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+        )
+        .unwrap();
+        let without = RegisteredBuffer::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
+        let window = cache
+            .bind(&*pd, &qp, &with.as_slice()[4096..8192])
+            .unwrap()
+            .expect("a registered buffer with MW_BIND");
+        assert_eq!(window.addr(), with.addr() + 4096);
+        assert_eq!(window.len(), 4096);
+        window.deregister().unwrap();
+        assert!(
+            cache
+                .bind(&*pd, &qp, &without.as_slice()[..4096])
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(cache.registrations(), 0, "nothing registered for either");
+        // Another PD's buffer is not this PD's to bind over.
+        let (other_pd, _) = soft();
+        let foreign = RegisteredBuffer::new(
+            &other_pd,
+            1 << 20,
+            AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+        )
+        .unwrap();
+        assert!(
+            cache
+                .bind(&*pd, &qp, &foreign.as_slice()[..4096])
+                .unwrap()
+                .is_none()
+        );
     }
 }

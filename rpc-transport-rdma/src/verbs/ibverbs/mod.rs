@@ -325,7 +325,7 @@ impl Context for IbvContext {
         if pd.is_null() {
             return Err(os_error("ibv_alloc_pd"));
         }
-        let windows = (memory_windows(&self.device_attr) && memory_windows_wanted())
+        let windows = (memory_windows(&self.device_attr) && windows::memory_windows_wanted())
             .then(|| WindowCache::new(windows::MAX_CACHED_BYTES));
         Ok(Arc::new(IbvPd {
             windows,
@@ -424,16 +424,6 @@ fn memory_windows(attr: &sys::ibv_device_attr) -> bool {
     let type_2 = sys::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A.0
         | sys::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0;
     attr.device_cap_flags & type_2 != 0 && attr.max_mw > 0
-}
-
-/// `RDMA_MEMORY_WINDOWS=off` makes every READ window a registration of its
-/// own even where the device has memory windows (for comparisons, and as a
-/// way around a device whose windows misbehave).
-fn memory_windows_wanted() -> bool {
-    !matches!(
-        std::env::var("RDMA_MEMORY_WINDOWS").as_deref(),
-        Ok("off" | "0" | "false" | "no")
-    )
 }
 
 /// `ibv_inc_rkey`: the next key of a window (its low 8 bits, the "key" part

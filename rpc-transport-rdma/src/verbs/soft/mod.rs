@@ -483,7 +483,7 @@ impl Context for SoftContext {
             srq: true,
             max_cqe: 1 << 20,
             max_qp_wr: 1 << 14,
-            memory_windows: true,
+            memory_windows: super::windows::memory_windows_wanted(),
         }
     }
 
@@ -492,7 +492,8 @@ impl Context for SoftContext {
         Ok(Arc::new(SoftPd {
             context: self.shared.clone(),
             id,
-            windows: super::WindowCache::new(super::windows::MAX_CACHED_BYTES),
+            windows: super::windows::memory_windows_wanted()
+                .then(|| super::WindowCache::new(super::windows::MAX_CACHED_BYTES)),
         }))
     }
 
@@ -546,8 +547,9 @@ impl Context for SoftContext {
 struct SoftPd {
     context: Arc<ContextShared>,
     id: u64,
-    /// Registrations over recycled buffers that windows are bound over.
-    windows: Arc<super::WindowCache>,
+    /// Registrations over recycled buffers that windows are bound over
+    /// (`None` with `RDMA_MEMORY_WINDOWS=off`).
+    windows: Option<Arc<super::WindowCache>>,
 }
 
 impl SoftPd {
@@ -611,7 +613,7 @@ impl ProtectionDomain for SoftPd {
     }
 
     fn window_cache(&self) -> Option<&Arc<super::WindowCache>> {
-        Some(&self.windows)
+        self.windows.as_ref()
     }
 
     /// A window is a key-table entry bound to `qp`, like
@@ -627,6 +629,11 @@ impl ProtectionDomain for SoftPd {
         access: AccessFlags,
         qp: &Arc<dyn super::QueuePair>,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        if self.windows.is_none() {
+            return Err(VerbsError::Unsupported(
+                "memory windows (RDMA_MEMORY_WINDOWS=off)",
+            ));
+        }
         super::own::<qp::SoftQp>(qp.as_any(), "queue pair of another provider")?;
         let region = super::own::<SoftMr>(region.as_any(), "region of another provider")?;
         let registered = self
