@@ -269,6 +269,89 @@ fn exposed_bytes_are_read_where_they_lie_and_not_after_revocation() {
     );
 }
 
+/// The verbs underneath: a type-2 window bound over part of a registration
+/// (registered with MW_BIND only) lets the peer READ the window's bytes,
+/// through the QP it was bound on, and nothing else of the registration.
+/// rxe does not confine the READ to the window (a known deviation, checked
+/// as it is); the transport therefore binds windows there over registrations
+/// of exactly their bytes (`WindowCache::exact_extents`), which the next
+/// test checks end to end.
+#[test]
+#[allow(unsafe_code)]
+fn a_bound_window_confines_reads_to_its_range() {
+    let test = "a_bound_window_confines_reads_to_its_range";
+    let Some(device) = device() else { return };
+    if !device.caps.memory_windows {
+        skip(test, "no type-2 memory windows");
+        return;
+    }
+    for case in ["inside", "before", "past"] {
+        let pair = Pair::new(&device);
+        let mut memory: Vec<u8> = (0..64usize << 10).map(|i| (i * 31 % 253) as u8).collect();
+        // SAFETY: `memory` outlives the region and the window (both are
+        // deregistered below, before it is dropped), and it is not touched
+        // while they exist; MW_BIND grants no access by itself.
+        let region = unsafe {
+            pair.b
+                .pd
+                .register(memory.as_mut_ptr(), memory.len(), AccessFlags::MW_BIND)
+                .expect("register with MW_BIND")
+        };
+        let at = memory.as_ptr() as u64 + 16384;
+        // SAFETY: as above; the window lies inside the region.
+        let window = unsafe {
+            pair.b
+                .pd
+                .bind_window(&region, at, 8192, AccessFlags::REMOTE_READ, &pair.b.qp)
+                .expect("bind")
+        };
+        assert_eq!((window.addr(), window.len()), (at, 8192));
+        let (addr, rkey) = announce(&pair, window.addr(), window.rkey());
+        let local = Buffer::new(&pair.a.pd, 8192, LW);
+        let (from, len) = match case {
+            "inside" => (addr, 8192),
+            "before" => (addr - 4096, 4096),
+            _ => (addr + 8192, 4096),
+        };
+        let done = read_completion(
+            &pair.a,
+            1,
+            SendOp::RdmaRead {
+                remote_addr: from,
+                rkey,
+            },
+            local.sge(0, len),
+        );
+        let offset = (from - memory.as_ptr() as u64) as usize;
+        if case == "inside" {
+            assert_eq!(done.status, WcStatus::Success, "{done:?}");
+            assert!(local.bytes() == &memory[offset..offset + len]);
+        } else if device.quirks.applies(
+            device.quirks.window_range_not_enforced,
+            test,
+            "a READ outside the window but inside its registration succeeds",
+        ) {
+            assert_eq!(done.status, WcStatus::Success, "{case}: {done:?}");
+            assert!(local.bytes()[..len] == memory[offset..offset + len]);
+        } else {
+            let refused = if device.quirks.remote_access_as_flush {
+                WcStatus::WrFlushErr
+            } else {
+                WcStatus::RemAccessErr
+            };
+            assert_eq!(done.status, refused, "{case}: {done:?}");
+            assert!(
+                local.bytes().iter().all(|&b| b == 0),
+                "{case}: nothing was read"
+            );
+        }
+        window.deregister().expect("invalidate");
+        region.deregister().expect("deregister");
+        drop(pair);
+        drop(memory);
+    }
+}
+
 /// Bytes of a recycled buffer (what the codec encodes a large message
 /// into, or a frozen `SendBuffer`): `len` bytes at `offset` of a buffer of
 /// `offset + len + tail` bytes, so that the buffer extends on both sides.
@@ -393,12 +476,21 @@ fn memory_windows_are_exact_qp_bound_and_dead_after_revocation() {
                     local.bytes()[..len] == payload[..],
                     "the READ returned the bytes"
                 );
-                // A second frame in the same buffer reuses its registration.
-                let again = ExposedBytes::expose(&pair.b.pd, &pair.b.qp, payload.slice(..4096))
-                    .expect("expose");
+                // The same bytes again (a frame resent, or the next one of
+                // the same size in the same buffer): no registration.
+                let again =
+                    ExposedBytes::expose(&pair.b.pd, &pair.b.qp, payload.clone()).expect("expose");
                 assert!(again.is_bound());
                 assert!(again.revoke().is_some());
                 assert_eq!(cache.registrations(), 1, "registered once");
+                // Other bytes of the buffer: none either, unless the device
+                // needs registrations of exactly a window's bytes (rxe).
+                let part = ExposedBytes::expose(&pair.b.pd, &pair.b.qp, payload.slice(..4096))
+                    .expect("expose");
+                assert!(part.is_bound());
+                assert!(part.revoke().is_some());
+                let expected = if cache.exact_extents() { 2 } else { 1 };
+                assert_eq!(cache.registrations(), expected);
                 assert!(window.revoke().is_some());
                 continue;
             }

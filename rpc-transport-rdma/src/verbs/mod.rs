@@ -1025,25 +1025,16 @@ impl RegisteredBuffer {
             });
         }
         let addr = self.data.as_ptr() as *mut u8;
-        // A memory window over the buffer's own registration, where the
-        // device binds them and the buffer was registered for it.
+        // A memory window over the buffer's registration (or one of exactly
+        // the window's bytes, where the device needs it: `WindowCache`),
+        // where the device binds them and the buffer was registered for it.
         let mut bound = None;
-        if let Some(qp) = qp {
-            if self.pd.window_cache().is_some()
-                && self.region.access().contains(AccessFlags::MW_BIND)
-                && len > 0
-            {
-                // SAFETY: as below; and the region stays registered until
-                // the window is deregistered: it is this buffer's, which the
-                // window owns until then.
-                match unsafe {
-                    self.pd
-                        .bind_window(&self.region, addr as u64, len, access, qp)
-                } {
-                    Ok(window) => {
-                        windows::count_window_bound();
-                        bound = Some(window);
-                    }
+        if let (Some(qp), Some(cache)) = (qp, self.pd.window_cache()) {
+            if self.region.access().contains(AccessFlags::MW_BIND) && len > 0 {
+                // The window owns this buffer until it is deregistered: its
+                // bytes stay allocated, registered and unwritten until then.
+                match cache.bind(&*self.pd, qp, &self.data[..len]) {
+                    Ok(window) => bound = window,
                     Err(error) => {
                         tracing::debug!(%error, "binding a memory window failed; registering a window instead");
                     }

@@ -147,27 +147,55 @@ impl BindBudget {
     }
 }
 
-/// A registration of one recycled buffer's memory, and how many bound windows use it.
+/// Whose memory a cached registration covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Owner {
+    /// A recycled buffer (its id from `rpc_core::codec::recycle`).
+    Recycled(u64),
+    /// A registered buffer of the transport (its id in [`KNOWN`]).
+    Registered(u64),
+}
+
+/// What a cached registration covers: `len` bytes at `addr`, inside the
+/// memory of `owner` (all of it, or exactly a window's bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    owner: Owner,
+    addr: usize,
+    len: usize,
+}
+
+/// A cached registration, and how many bound windows use it.
 struct Cached {
     region: Arc<dyn MemoryRegion>,
-    len: usize,
     users: usize,
     last_use: u64,
 }
 
 #[derive(Default)]
 struct CacheState {
-    /// By the recycled memory's id.
-    entries: HashMap<u64, Cached>,
+    entries: HashMap<Key, Cached>,
     bytes: usize,
     tick: u64,
 }
 
-/// One protection domain's registrations over recycled buffers, which its
-/// memory windows are bound over (the module docs say why only those).
+/// One protection domain's registrations over memory of known lifetime,
+/// which its memory windows are bound over (the module docs say why only
+/// those).
+///
+/// Where the device confines a READ to its window's range (the spec; soft;
+/// hardware), a recycled buffer is registered once, whole, and any frame in
+/// it gets a window over that registration. A device that checks a window's
+/// READ only against the registration under it (rxe in kernel 6.1:
+/// [`WindowCache::exact_extents`]) would let the peer read the rest of the
+/// buffer — older frames, possibly to other peers — so there every window is
+/// bound over a registration of exactly its bytes, cached by extent: steady
+/// traffic (frames of one size in the same buffers) registers nothing after
+/// warm-up; frames of many sizes register each new extent once.
 pub struct WindowCache {
     state: Mutex<CacheState>,
     max_bytes: usize,
+    exact: bool,
     registrations: AtomicU64,
 }
 
@@ -178,38 +206,48 @@ impl std::fmt::Debug for WindowCache {
             .field("entries", &state.entries.len())
             .field("bytes", &state.bytes)
             .field("max_bytes", &self.max_bytes)
+            .field("exact_extents", &self.exact)
             .finish()
     }
 }
 
-/// Every live cache, for the release hook.
+/// Every live cache, for the release hooks.
 static CACHES: Mutex<Vec<Weak<WindowCache>>> = Mutex::new(Vec::new());
+
+fn live_caches() -> Vec<Arc<WindowCache>> {
+    let mut caches = lock(&CACHES);
+    caches.retain(|cache| cache.strong_count() > 0);
+    caches.iter().filter_map(Weak::upgrade).collect()
+}
 
 /// rpc-core's release hook: the memory of a recycled buffer is about to be
 /// freed, so nothing registered over it may remain.
 fn release_recycled(memory: RecycledMemory) {
-    let caches: Vec<Arc<WindowCache>> = {
-        let mut caches = lock(&CACHES);
-        caches.retain(|cache| cache.strong_count() > 0);
-        caches.iter().filter_map(Weak::upgrade).collect()
-    };
-    for cache in caches {
-        cache.release(memory);
+    for cache in live_caches() {
+        cache.release(Owner::Recycled(memory.id));
     }
 }
 
 impl WindowCache {
-    /// A cache of at most `max_bytes` of registrations (the hook that keeps
-    /// it sound is installed with the first cache).
-    pub fn new(max_bytes: usize) -> Arc<WindowCache> {
+    /// A cache of at most `max_bytes` of registrations, each over a whole
+    /// buffer, or (`exact_extents`) over exactly a window's bytes (the hook
+    /// that keeps it sound is installed with the first cache).
+    pub fn new(max_bytes: usize, exact_extents: bool) -> Arc<WindowCache> {
         recycle::on_release(release_recycled);
         let cache = Arc::new(WindowCache {
             state: Mutex::new(CacheState::default()),
             max_bytes,
+            exact: exact_extents,
             registrations: AtomicU64::new(0),
         });
         lock(&CACHES).push(Arc::downgrade(&cache));
         cache
+    }
+
+    /// True when every window is bound over a registration of exactly its
+    /// bytes (the device does not confine a window's READs to its range).
+    pub fn exact_extents(&self) -> bool {
+        self.exact
     }
 
     /// Bytes registered now.
@@ -223,10 +261,12 @@ impl WindowCache {
     }
 
     /// A REMOTE_READ window over exactly `bytes`, usable only through `qp`,
-    /// bound over the cached registration of the recycled buffer the bytes
-    /// lie in (registered on the first use). `Ok(None)`: the bytes are not in
-    /// a recycled buffer, or the cache is full of registrations in use; the
-    /// caller registers them itself. `pd` is the cache's own PD.
+    /// bound over a registration of the memory of known lifetime the bytes
+    /// lie in: a cached one of their recycled buffer (registered on the
+    /// first use), or their registered buffer's own (or, with exact
+    /// extents, a cached one of exactly the bytes). `Ok(None)`: the bytes
+    /// lie in no such memory, or the cache is full of registrations in use;
+    /// the caller registers them itself. `pd` is the cache's own PD.
     ///
     /// Deregistering the window invalidates it, then lets its registration
     /// be evicted again. The window does not keep `bytes` alive: its owner
@@ -237,22 +277,64 @@ impl WindowCache {
         qp: &Arc<dyn QueuePair>,
         bytes: &[u8],
     ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
-        let Some(memory) = recycle::recycled_memory(bytes) else {
-            return bind_over_registered_buffer(pd, qp, bytes);
+        let start = bytes.as_ptr() as usize;
+        let key = if let Some(memory) = recycle::recycled_memory(bytes) {
+            let owner = Owner::Recycled(memory.id);
+            if self.exact {
+                Key {
+                    owner,
+                    addr: start,
+                    len: bytes.len(),
+                }
+            } else {
+                Key {
+                    owner,
+                    addr: memory.addr,
+                    len: memory.len,
+                }
+            }
+        } else {
+            let Some((id, region)) = registered_buffer(pd, bytes) else {
+                return Ok(None);
+            };
+            if !self.exact {
+                // SAFETY: `bytes` lie inside a registered buffer of this PD,
+                // whose memory the caller's bytes keep alive (a `Bytes` over
+                // a registered buffer owns it, as a pulled frame does) and
+                // immutable until the window is deregistered; the buffer's
+                // region stays registered as long as the buffer lives. The
+                // window is READ-only.
+                let window = unsafe {
+                    pd.bind_window(
+                        &region,
+                        start as u64,
+                        bytes.len(),
+                        AccessFlags::REMOTE_READ,
+                        qp,
+                    )?
+                };
+                count_window_bound();
+                return Ok(Some(window));
+            }
+            Key {
+                owner: Owner::Registered(id),
+                addr: start,
+                len: bytes.len(),
+            }
         };
-        let Some(region) = self.lease(pd, memory)? else {
+        let Some(region) = self.lease(pd, key)? else {
             return Ok(None);
         };
-        // SAFETY: `bytes` lie inside the recycled buffer `memory`, which the
+        // SAFETY: `bytes` lie inside the memory of `key.owner`, which the
         // caller keeps alive (and frozen: `Bytes` are immutable) until the
         // window is deregistered; the window is READ-only, so the device
         // never writes them. The region stays registered until then: the
-        // lease taken above keeps it from eviction, and the release hook
+        // lease taken above keeps it from eviction, and the release hooks
         // cannot run for memory the caller's bytes keep alive.
         let window = unsafe {
             pd.bind_window(
                 &region,
-                bytes.as_ptr() as u64,
+                start as u64,
                 bytes.len(),
                 AccessFlags::REMOTE_READ,
                 qp,
@@ -265,55 +347,55 @@ impl WindowCache {
                     window,
                     lease: Mutex::new(Some(Lease {
                         cache: self.clone(),
-                        id: memory.id,
+                        key,
                     })),
                 })))
             }
             Err(error) => {
-                self.unlease(memory.id);
+                self.unlease(key);
                 Err(error)
             }
         }
     }
 
-    /// The registration of `memory`, with one more user; registered now on
-    /// a miss. `None` when it does not fit beside the registrations in use.
+    /// The registration of `key`, with one more user; registered now on a
+    /// miss. `None` when it does not fit beside the registrations in use.
     fn lease(
         &self,
         pd: &dyn ProtectionDomain,
-        memory: RecycledMemory,
+        key: Key,
     ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
         let evicted = {
             let mut state = lock(&self.state);
             state.tick += 1;
             let tick = state.tick;
-            if let Some(cached) = state.entries.get_mut(&memory.id) {
+            if let Some(cached) = state.entries.get_mut(&key) {
                 cached.users += 1;
                 cached.last_use = tick;
                 return Ok(Some(cached.region.clone()));
             }
-            if memory.len > self.max_bytes {
+            if key.len > self.max_bytes {
                 return Ok(None);
             }
-            match self.evict_for(&mut state, memory.len) {
+            match self.evict_for(&mut state, key.len) {
                 Some(evicted) => evicted,
                 None => return Ok(None),
             }
         };
         deregister_all(evicted);
-        // SAFETY: `memory` is a recycled buffer's whole memory, allocated for
-        // as long as the buffer lives; the release hook deregisters this
-        // region before that memory is freed (it is in the cache from the
-        // insert below until then, or deregistered right here). The region
-        // is MW_BIND only: the device reads it only through windows bound
-        // over frozen bytes, and never writes it, so the buffer's owner may
-        // keep writing the parts that are not frozen.
-        let region =
-            unsafe { pd.register(memory.addr as *mut u8, memory.len, AccessFlags::MW_BIND)? };
+        // SAFETY: `key` covers memory of a recycled buffer (or of a
+        // registered buffer) that is allocated for as long as the buffer
+        // lives; the release hooks deregister this region before that
+        // memory is freed (it is in the cache from the insert below until
+        // then, or deregistered right here). The region is MW_BIND only: the
+        // device reads it only through windows bound over frozen bytes, and
+        // never writes it, so the buffer's owner may keep writing the parts
+        // that are not frozen.
+        let region = unsafe { pd.register(key.addr as *mut u8, key.len, AccessFlags::MW_BIND)? };
         let mut state = lock(&self.state);
         state.tick += 1;
         let tick = state.tick;
-        if let Some(cached) = state.entries.get_mut(&memory.id) {
+        if let Some(cached) = state.entries.get_mut(&key) {
             // Registered by another connection meanwhile: use that one.
             cached.users += 1;
             cached.last_use = tick;
@@ -322,12 +404,11 @@ impl WindowCache {
             deregister_all(vec![region]);
             return Ok(Some(existing));
         }
-        state.bytes += memory.len;
+        state.bytes += key.len;
         state.entries.insert(
-            memory.id,
+            key,
             Cached {
                 region: region.clone(),
-                len: memory.len,
                 users: 1,
                 last_use: tick,
             },
@@ -335,7 +416,7 @@ impl WindowCache {
         drop(state);
         CACHED_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
         self.registrations.fetch_add(1, Ordering::Relaxed);
-        CACHED_BYTES.fetch_add(memory.len as u64, Ordering::Relaxed);
+        CACHED_BYTES.fetch_add(key.len as u64, Ordering::Relaxed);
         Ok(Some(region))
     }
 
@@ -344,59 +425,68 @@ impl WindowCache {
     fn evict_for(&self, state: &mut CacheState, len: usize) -> Option<Vec<Arc<dyn MemoryRegion>>> {
         let idle: usize = state
             .entries
-            .values()
-            .filter(|cached| cached.users == 0)
-            .map(|cached| cached.len)
+            .iter()
+            .filter(|(_, cached)| cached.users == 0)
+            .map(|(key, _)| key.len)
             .sum();
         if (state.bytes - idle) + len > self.max_bytes {
             return None;
         }
         let mut evicted = Vec::new();
         while state.bytes + len > self.max_bytes {
-            let (&id, _) = state
+            let (&key, _) = state
                 .entries
                 .iter()
                 .filter(|(_, cached)| cached.users == 0)
                 .min_by_key(|(_, cached)| cached.last_use)
                 .expect("enough idle bytes");
-            let cached = state.entries.remove(&id).expect("present");
-            state.bytes -= cached.len;
-            CACHED_BYTES.fetch_sub(cached.len as u64, Ordering::Relaxed);
+            let cached = state.entries.remove(&key).expect("present");
+            state.bytes -= key.len;
+            CACHED_BYTES.fetch_sub(key.len as u64, Ordering::Relaxed);
             evicted.push(cached.region);
         }
         Some(evicted)
     }
 
-    /// One user fewer for the registration of memory `id`.
-    fn unlease(&self, id: u64) {
+    /// One user fewer for the registration of `key`.
+    fn unlease(&self, key: Key) {
         let mut state = lock(&self.state);
         state.tick += 1;
         let tick = state.tick;
-        if let Some(cached) = state.entries.get_mut(&id) {
+        if let Some(cached) = state.entries.get_mut(&key) {
             cached.users -= 1;
             cached.last_use = tick;
         }
     }
 
-    /// The hook's part: memory `memory` is about to be freed.
-    fn release(&self, memory: RecycledMemory) {
-        let cached = {
+    /// A release hook's part: the memory of `owner` is about to be freed.
+    fn release(&self, owner: Owner) {
+        let released: Vec<(Key, Cached)> = {
             let mut state = lock(&self.state);
-            let cached = state.entries.remove(&memory.id);
-            if let Some(cached) = &cached {
-                state.bytes -= cached.len;
-                CACHED_BYTES.fetch_sub(cached.len as u64, Ordering::Relaxed);
+            let keys: Vec<Key> = state
+                .entries
+                .keys()
+                .filter(|key| key.owner == owner)
+                .copied()
+                .collect();
+            let released: Vec<(Key, Cached)> = keys
+                .into_iter()
+                .filter_map(|key| state.entries.remove(&key).map(|cached| (key, cached)))
+                .collect();
+            for (key, _) in &released {
+                state.bytes -= key.len;
+                CACHED_BYTES.fetch_sub(key.len as u64, Ordering::Relaxed);
             }
-            cached
+            released
         };
-        if let Some(cached) = cached {
+        for (_, cached) in released {
             if cached.users > 0 {
                 // Cannot happen: a bound window holds bytes of the buffer,
-                // which keeps it alive. Deregistering would fail (a window
-                // is bound over it); say so loudly.
+                // which keeps it alive. Deregistering fails (a window is
+                // bound over it) and leaks the region; say so loudly.
                 tracing::error!(
                     users = cached.users,
-                    "recycled memory freed under a bound memory window"
+                    "memory freed under a bound memory window"
                 );
             }
             deregister_all(vec![cached.region]);
@@ -416,6 +506,7 @@ impl Drop for WindowCache {
 /// bound over its region while bytes of it are held.
 struct Known {
     len: usize,
+    id: u64,
     /// The protection domain's identity (its address).
     pd: usize,
     region: Arc<dyn MemoryRegion>,
@@ -424,6 +515,7 @@ struct Known {
 /// Registered buffers with MW_BIND, by start address; each is in here from
 /// its registration until just before it is deregistered and freed.
 static KNOWN: Mutex<BTreeMap<usize, Known>> = Mutex::new(BTreeMap::new());
+static NEXT_KNOWN: AtomicU64 = AtomicU64::new(1);
 
 fn pd_id(pd: &dyn ProtectionDomain) -> usize {
     pd as *const dyn ProtectionDomain as *const () as usize
@@ -438,54 +530,34 @@ pub(crate) fn track_registered(
 ) {
     let known = Known {
         len,
+        id: NEXT_KNOWN.fetch_add(1, Ordering::Relaxed),
         pd: pd_id(pd),
         region,
     };
     lock(&KNOWN).insert(addr, known);
 }
 
-/// Forgets a registered buffer (before it is deregistered).
+/// Forgets a registered buffer, and deregisters what the caches registered
+/// over it: it is about to be deregistered and freed.
 pub(crate) fn untrack_registered(addr: usize) {
-    lock(&KNOWN).remove(&addr);
+    let known = lock(&KNOWN).remove(&addr);
+    if let Some(known) = known {
+        for cache in live_caches() {
+            cache.release(Owner::Registered(known.id));
+        }
+    }
 }
 
-/// A window over `bytes` bound over the registration of the
-/// [`super::RegisteredBuffer`] of `pd` they lie in; `Ok(None)` when they lie
-/// in none.
-fn bind_over_registered_buffer(
+/// The registered buffer of `pd` that holds all of `bytes`: its id and region.
+fn registered_buffer(
     pd: &dyn ProtectionDomain,
-    qp: &Arc<dyn QueuePair>,
     bytes: &[u8],
-) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
+) -> Option<(u64, Arc<dyn MemoryRegion>)> {
     let start = bytes.as_ptr() as usize;
-    let Some(end) = start.checked_add(bytes.len()) else {
-        return Ok(None);
-    };
-    let region = {
-        let known = lock(&KNOWN);
-        match known.range(..=start).next_back() {
-            Some((&addr, known)) if end <= addr + known.len && known.pd == pd_id(pd) => {
-                known.region.clone()
-            }
-            _ => return Ok(None),
-        }
-    };
-    // SAFETY: `bytes` lie inside a registered buffer, whose memory the
-    // caller's bytes keep alive (a `Bytes` over a registered buffer owns it,
-    // as a pulled frame does) and immutable, until the window is
-    // deregistered; the buffer's region stays registered as long as the
-    // buffer lives. The window is READ-only.
-    let window = unsafe {
-        pd.bind_window(
-            &region,
-            bytes.as_ptr() as u64,
-            bytes.len(),
-            AccessFlags::REMOTE_READ,
-            qp,
-        )?
-    };
-    count_window_bound();
-    Ok(Some(window))
+    let end = start.checked_add(bytes.len())?;
+    let known = lock(&KNOWN);
+    let (&addr, known) = known.range(..=start).next_back()?;
+    (end <= addr + known.len && known.pd == pd_id(pd)).then(|| (known.id, known.region.clone()))
 }
 
 /// Deregisters regions nobody uses any more; one that fails is leaked (it
@@ -502,7 +574,7 @@ fn deregister_all(regions: Vec<Arc<dyn MemoryRegion>>) {
 /// A user of a cached registration; given back when the window is deregistered.
 struct Lease {
     cache: Arc<WindowCache>,
-    id: u64,
+    key: Key,
 }
 
 /// A memory window with the lease on the registration it is bound over.
@@ -530,7 +602,7 @@ impl MemoryRegion for LeasedWindow {
     fn deregister(&self) -> Result<(), VerbsError> {
         self.window.deregister()?;
         if let Some(lease) = lock(&self.lease).take() {
-            lease.cache.unlease(lease.id);
+            lease.cache.unlease(lease.key);
         }
         Ok(())
     }
@@ -582,7 +654,7 @@ mod tests {
     #[test]
     fn one_registration_per_recycled_buffer_however_many_windows() {
         let (pd, qp) = soft();
-        let cache = WindowCache::new(256 << 20);
+        let cache = WindowCache::new(256 << 20, false);
         let payload = recycled((3 << 20) + 4096 * 5, 1);
         let memory = recycle::recycled_memory(&payload).unwrap();
         let first = cache
@@ -623,7 +695,7 @@ mod tests {
         for other in [&b, &c] {
             assert_eq!(recycle::recycled_memory(other).unwrap().len, size);
         }
-        let cache = WindowCache::new(2 * size);
+        let cache = WindowCache::new(2 * size, false);
         let bind = |bytes: &Bytes| cache.bind(&*pd, &qp, bytes).unwrap();
         bind(&a).unwrap().deregister().unwrap();
         bind(&b).unwrap().deregister().unwrap();
@@ -650,7 +722,7 @@ mod tests {
     #[test]
     fn the_release_hook_deregisters_before_the_memory_is_freed() {
         let (pd, qp) = soft();
-        let cache = WindowCache::new(usize::MAX);
+        let cache = WindowCache::new(usize::MAX, false);
         // Larger than the recycled buffers' idle cap: freed when the last
         // bytes go (only reserved, never touched: it costs no memory).
         let mut buffer =
@@ -664,10 +736,54 @@ mod tests {
         assert_eq!(cache.cached_bytes(), 0, "deregistered by the hook");
     }
 
+    /// Where the device does not confine a window's READs to its range,
+    /// each window is bound over a registration of exactly its bytes,
+    /// cached by extent, and released with the memory it covers.
+    #[test]
+    fn exact_extents_register_each_window_extent_once_and_release_it_with_the_memory() {
+        let (pd, qp) = soft();
+        let cache = WindowCache::new(256 << 20, true);
+        assert!(cache.exact_extents());
+        let payload = recycled((5 << 20) + 4096 * 7, 4);
+        let bind = |bytes: &[u8]| cache.bind(&*pd, &qp, bytes).unwrap().expect("bound");
+        let whole = bind(&payload[..1 << 20]);
+        assert_eq!(
+            (whole.addr(), whole.len()),
+            (payload.as_ptr() as u64, 1 << 20)
+        );
+        whole.deregister().unwrap();
+        bind(&payload[..1 << 20]).deregister().unwrap();
+        assert_eq!(cache.registrations(), 1, "the same extent again: cached");
+        assert_eq!(cache.cached_bytes(), 1 << 20, "exactly the window's bytes");
+        let part = bind(&payload[1000..2000]);
+        assert_eq!(cache.registrations(), 2, "another extent: registered once");
+        assert_eq!(cache.cached_bytes(), (1 << 20) + 1000);
+        part.deregister().unwrap();
+
+        // A registered buffer's window gets an exact registration too (not
+        // the buffer's own, which covers older frames' bytes), released
+        // before the buffer is deregistered and freed.
+        let buffer = RegisteredBuffer::new(
+            &pd,
+            1 << 20,
+            AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+        )
+        .unwrap();
+        let window = bind(&buffer.as_slice()[..4096]);
+        assert_eq!(cache.registrations(), 3);
+        window.deregister().unwrap();
+        drop(buffer);
+        assert_eq!(
+            cache.cached_bytes(),
+            (1 << 20) + 1000,
+            "the buffer's extent went with it"
+        );
+    }
+
     #[test]
     fn registered_buffers_with_mw_bind_take_windows_over_their_own_registration() {
         let (pd, qp) = soft();
-        let cache = WindowCache::new(1 << 20);
+        let cache = WindowCache::new(1 << 20, false);
         let with = RegisteredBuffer::new(
             &pd,
             1 << 20,

@@ -325,8 +325,13 @@ impl Context for IbvContext {
         if pd.is_null() {
             return Err(os_error("ibv_alloc_pd"));
         }
-        let windows = (memory_windows(&self.device_attr) && windows::memory_windows_wanted())
-            .then(|| WindowCache::new(windows::MAX_CACHED_BYTES));
+        let windows =
+            (memory_windows(&self.device_attr) && windows::memory_windows_wanted()).then(|| {
+                WindowCache::new(
+                    windows::MAX_CACHED_BYTES,
+                    !window_reads_confined(&self.device_attr),
+                )
+            });
         Ok(Arc::new(IbvPd {
             windows,
             raw: Arc::new(RawPd {
@@ -424,6 +429,20 @@ fn memory_windows(attr: &sys::ibv_device_attr) -> bool {
     let type_2 = sys::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A.0
         | sys::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0;
     attr.device_cap_flags & type_2 != 0 && attr.max_mw > 0
+}
+
+/// The vendor id of Soft-RoCE (`RXE_VENDOR_ID` in the kernel's rxe driver).
+const RXE_VENDOR_ID: u32 = 0xff_ffff;
+
+/// False for a device known to check a READ through a memory window only
+/// against the registration under the window, not against the window's own
+/// range: rxe (kernel 6.1, `check_rkey()` in `rxe_resp.c` calls
+/// `mr_check_range()` on the window's MR; measured in the VM: a READ that
+/// starts 4 KiB before a window, inside its MR, succeeds). Windows on such
+/// a device are bound over registrations of exactly their bytes
+/// ([`WindowCache::exact_extents`]).
+fn window_reads_confined(attr: &sys::ibv_device_attr) -> bool {
+    attr.vendor_id != RXE_VENDOR_ID
 }
 
 /// `ibv_inc_rkey`: the next key of a window (its low 8 bits, the "key" part

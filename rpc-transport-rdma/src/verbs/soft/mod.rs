@@ -493,7 +493,7 @@ impl Context for SoftContext {
             context: self.shared.clone(),
             id,
             windows: super::windows::memory_windows_wanted()
-                .then(|| super::WindowCache::new(super::windows::MAX_CACHED_BYTES)),
+                .then(|| super::WindowCache::new(super::windows::MAX_CACHED_BYTES, false)),
         }))
     }
 
