@@ -31,7 +31,14 @@
 //! one is handed up as `Bytes` over it, and a server that sends those bytes
 //! back (an echo, a proxy) gets a window bound over the buffer's own
 //! registration: the buffer is alive, and registered, for as long as the
-//! bytes are.
+//! bytes are; [`super::RegisteredBuffer`] forgets it (and releases what the
+//! caches hold over it) before deregistering and freeing it.
+//!
+//! A device that checks a READ through a window only against the
+//! registration under it, not the window's own range (rxe in kernel 6.1),
+//! gets registrations of exactly each window's bytes instead, cached by
+//! extent ([`WindowCache::exact_extents`]): otherwise the peer could READ the
+//! rest of the buffer.
 //!
 //! The cache is bounded in bytes ([`MAX_CACHED_BYTES`] per protection
 //! domain): a registration no window uses is evicted, least recently used
