@@ -92,8 +92,13 @@ static RELEASE: std::sync::OnceLock<ReleaseHook> = std::sync::OnceLock::new();
 ///
 /// The hook runs on whichever thread frees the memory, with no lock of this
 /// module held; it must not take or return recycled buffers itself.
-pub fn on_release(hook: ReleaseHook) {
-    let _ = RELEASE.set(hook);
+///
+/// Returns true when this call set `hook`; false when a hook was set before
+/// (then `hook` is never called, and whoever depends on it must not rely on
+/// recycled memory's lifetime).
+#[must_use = "a hook that was not set is never called"]
+pub fn on_release(hook: ReleaseHook) -> bool {
+    RELEASE.set(hook).is_ok()
 }
 
 /// The recycled buffer whose memory holds all of `bytes`, while that buffer is
@@ -460,7 +465,7 @@ mod tests {
 
     #[test]
     fn frozen_buffers_are_recognised_with_one_id_across_reuse() {
-        on_release(record);
+        let _ = on_release(record);
         let len = (7 << 20) + 4096;
         let bytes = frozen(len, 1);
         let memory = recycled_memory(&bytes).expect("a frozen recycled buffer");
@@ -493,7 +498,7 @@ mod tests {
 
     #[test]
     fn memory_is_released_before_it_is_freed_by_every_route() {
-        on_release(record);
+        let _ = on_release(record);
         // Larger than the whole free list may hold: freed at once when the
         // last bytes go (only reserved, never touched: no memory is used).
         let huge = into_bytes(BytesMut::with_capacity(MAX_IDLE_BYTES + 4096));

@@ -203,6 +203,8 @@ pub struct WindowCache {
     state: Mutex<CacheState>,
     max_bytes: usize,
     exact: bool,
+    /// rpc-core tells this module when recycled memory is freed.
+    recycled: bool,
     registrations: AtomicU64,
 }
 
@@ -227,6 +229,22 @@ fn live_caches() -> Vec<Arc<WindowCache>> {
     caches.iter().filter_map(Weak::upgrade).collect()
 }
 
+/// True when rpc-core calls this module's release hook: installed once per
+/// process, with the first cache. Were another hook set before it, no cache
+/// would be told when recycled memory is freed, so none registers any.
+fn recycled_memory_hooked() -> bool {
+    static HOOKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HOOKED.get_or_init(|| {
+        let hooked = recycle::on_release(release_recycled);
+        if !hooked {
+            tracing::warn!(
+                "another release hook is set for rpc-core's recycled buffers: READ windows over them get registrations of their own"
+            );
+        }
+        hooked
+    })
+}
+
 /// rpc-core's release hook: the memory of a recycled buffer is about to be
 /// freed, so nothing registered over it may remain.
 fn release_recycled(memory: RecycledMemory) {
@@ -240,11 +258,11 @@ impl WindowCache {
     /// buffer, or (`exact_extents`) over exactly a window's bytes (the hook
     /// that keeps it sound is installed with the first cache).
     pub fn new(max_bytes: usize, exact_extents: bool) -> Arc<WindowCache> {
-        recycle::on_release(release_recycled);
         let cache = Arc::new(WindowCache {
             state: Mutex::new(CacheState::default()),
             max_bytes,
             exact: exact_extents,
+            recycled: recycled_memory_hooked(),
             registrations: AtomicU64::new(0),
         });
         lock(&CACHES).push(Arc::downgrade(&cache));
@@ -285,7 +303,12 @@ impl WindowCache {
         bytes: &[u8],
     ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
         let start = bytes.as_ptr() as usize;
-        let key = if let Some(memory) = recycle::recycled_memory(bytes) {
+        let recycled = if self.recycled {
+            recycle::recycled_memory(bytes)
+        } else {
+            None
+        };
+        let key = if let Some(memory) = recycled {
             let owner = Owner::Recycled(memory.id);
             if self.exact {
                 Key {
