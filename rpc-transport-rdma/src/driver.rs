@@ -959,6 +959,9 @@ fn split_for_announce(frame: &EncodedFrame, max_inline: usize) -> Option<(Bytes,
 
 fn describe_failure(completion: &WorkCompletion, tag: u64) -> String {
     let what = match tag {
+        _ if completion.wr_id == crate::verbs::WINDOW_BIND_WR_ID => {
+            "binding a rendezvous READ window (memory window)"
+        }
         TAG_RECV => "a receive",
         TAG_SEND => "a send",
         TAG_READ => "a rendezvous READ",

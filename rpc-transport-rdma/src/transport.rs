@@ -32,8 +32,8 @@ use crate::pool::SlotPool;
 use crate::protocol::{GEOMETRY_LEN, Geometry, MAX_FRAME_LEN, PROTOCOL_VERSION, Protocol};
 use crate::setup::{self, Hello, SetupError};
 use crate::verbs::{
-    AccessFlags, AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions, QpCaps, QpInit,
-    QueuePair, VerbsError,
+    AccessFlags, AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions,
+    MAX_BINDS_IN_FLIGHT, QpCaps, QpInit, QueuePair, VerbsError,
 };
 
 /// How long the set-up exchange may take before the attempt is abandoned.
@@ -529,14 +529,20 @@ async fn connect_queue_pair(
 fn prepare(device: &Device, config: &RdmaConfig) -> Result<QpEndpoint, VerbsError> {
     let limits = &config.limits;
     let channel = device.context.create_comp_channel()?;
-    let cq_depth = config.recv_slots + limits.send_slots + limits.max_outstanding_reads + 8;
+    // The send queue holds the protocol's SENDs and READs, plus the binds of
+    // READ windows (memory windows, where the device has them): at most
+    // MAX_BINDS_IN_FLIGHT per CQ, refused beyond (the frame then gets a
+    // registration), so a bind never takes an entry the protocol counts on.
+    // Each completes into the CQ too.
+    let sq_depth = limits.send_slots + limits.max_outstanding_reads + MAX_BINDS_IN_FLIGHT;
+    let cq_depth = config.recv_slots + sq_depth + 8;
     let cq = device.context.create_cq(cq_depth, Some(&channel))?;
     let qp = device.pd.create_qp(QpInit {
         send_cq: cq.clone(),
         recv_cq: cq.clone(),
         srq: None,
         caps: QpCaps {
-            max_send_wr: limits.send_slots + limits.max_outstanding_reads,
+            max_send_wr: sq_depth,
             max_recv_wr: config.recv_slots,
             max_send_sge: 1,
             max_recv_sge: 1,

@@ -263,6 +263,88 @@ async fn send_buffer_fields_go_out_without_a_copy(channel: &Channel) {
     );
 }
 
+/// The bulk path without a registration per call: a few dozen large calls
+/// whose payloads are built in `SendBuffer`s (recycled memory, as encoded
+/// large messages are) and echoed back (the response lies in the server's
+/// pooled destination). Where the device binds type-2 memory windows
+/// (rxe, soft), every frame's READ window is a window bound over a cached
+/// registration and revoked at its DONE, and after warm-up nothing is
+/// registered at all (on ibverbs: no `ibv_reg_mr`). Where it does not
+/// (siw), each frame gets its own exact registration, and revoking them
+/// leaves live registrations where they were.
+async fn large_calls_register_nothing_after_warm_up_where_windows_bind(channel: &Channel) {
+    let config = crate::common::strict_config();
+    let device = rpc_transport_rdma::device::open(&config).unwrap();
+    let memory_windows = device.pd.window_cache().is_some();
+    let len = 3 << 20;
+    let expected = pattern(len, 9);
+    let call = || async {
+        let mut buffer = rpc_core::SendBuffer::with_capacity(len);
+        buffer.extend_from_slice(&expected);
+        let back = echo(channel, buffer.freeze()).await;
+        assert!(back == expected, "echoed byte-exact");
+    };
+    // Warm-up: the request buffer is registered (once) by the window
+    // cache, the pool's destinations of this size class once.
+    for _ in 0..3 {
+        call().await;
+    }
+    let live = settled_registered_bytes().await;
+    let cached = verbs::cached_registration_bytes();
+    let registrations = verbs::device_registrations();
+    let bound = verbs::windows_bound();
+    let exposed = verbs::windows_exposed();
+    let soft = config.provider.as_deref() == Some("soft");
+    let calls: u64 = if soft { 200 } else { 24 };
+    for _ in 0..calls {
+        call().await;
+    }
+    let live_after = settled_registered_bytes().await;
+    let exposed = verbs::windows_exposed() - exposed;
+    let bound = verbs::windows_bound() - bound;
+    let registered = verbs::device_registrations() - registrations;
+    println!(
+        "{} large calls on {}: {exposed} READ windows, {bound} bound over cached registrations, {registered} registrations",
+        calls, device.name
+    );
+    assert!(
+        exposed >= 2 * calls,
+        "request and response by rendezvous: {exposed}"
+    );
+    assert_eq!(live_after, live, "every window was revoked");
+    assert_eq!(
+        verbs::cached_registration_bytes(),
+        cached,
+        "the cached registrations stay as they were"
+    );
+    if memory_windows {
+        assert_eq!(
+            bound, exposed,
+            "every READ window was a bound memory window"
+        );
+        assert_eq!(registered, 0, "nothing registered after warm-up");
+        // Bytes outside memory of known lifetime (here a plain Vec) still get
+        // an exact registration: caching one would outlive the memory.
+        let plain = pattern(len, 10);
+        let before = verbs::device_registrations();
+        assert!(echo(channel, plain.clone()).await == plain);
+        assert!(
+            verbs::device_registrations() > before,
+            "a Vec's bytes are registered for their frame"
+        );
+    } else {
+        println!(
+            "skipped: memory-window binds: {} has no type-2 memory windows; checked its exact registration per frame instead",
+            device.name
+        );
+        assert_eq!(bound, 0, "no windows bound");
+        assert!(
+            registered >= exposed,
+            "each window is a registration of its own: {registered} for {exposed}"
+        );
+    }
+}
+
 /// One test, so the phases never overlap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_memory_stays_flat_under_load() {
@@ -273,5 +355,6 @@ async fn registered_memory_stays_flat_under_load() {
     rendezvous_buffers_are_reused_and_windows_revoked(&channel).await;
     send_buffers_go_out_without_a_copy(&channel).await;
     send_buffer_fields_go_out_without_a_copy(&channel).await;
+    large_calls_register_nothing_after_warm_up_where_windows_bind(&channel).await;
     silent_set_ups_hold_bounded_registered_memory(&server, &channel).await;
 }

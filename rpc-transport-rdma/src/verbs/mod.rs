@@ -29,8 +29,13 @@ pub mod owned;
 pub mod pool;
 pub mod reactor;
 pub mod soft;
+pub mod windows;
 
 pub use reactor::AsyncCompletionChannel;
+pub use windows::{
+    MAX_BINDS_IN_FLIGHT, WINDOW_BIND_WR_ID, WindowCache, cached_registration_bytes,
+    cached_registrations, device_registrations, windows_bound,
+};
 
 use std::fmt;
 use std::os::fd::RawFd;
@@ -55,6 +60,9 @@ impl AccessFlags {
     pub const REMOTE_READ: AccessFlags = AccessFlags(1 << 2);
     /// The peer may run atomics on the region.
     pub const REMOTE_ATOMIC: AccessFlags = AccessFlags(1 << 3);
+    /// Memory windows may be bound over the region (`IBV_ACCESS_MW_BIND`);
+    /// gives the peer nothing by itself.
+    pub const MW_BIND: AccessFlags = AccessFlags(1 << 4);
 
     /// The raw bits.
     pub fn bits(self) -> u32 {
@@ -63,7 +71,7 @@ impl AccessFlags {
 
     /// From raw bits (unknown bits are dropped).
     pub fn from_bits_truncate(bits: u32) -> AccessFlags {
-        AccessFlags(bits & 0xf)
+        AccessFlags(bits & 0x1f)
     }
 
     /// True when every flag of `other` is set.
@@ -86,6 +94,7 @@ impl fmt::Debug for AccessFlags {
             (AccessFlags::REMOTE_WRITE, "REMOTE_WRITE"),
             (AccessFlags::REMOTE_READ, "REMOTE_READ"),
             (AccessFlags::REMOTE_ATOMIC, "REMOTE_ATOMIC"),
+            (AccessFlags::MW_BIND, "MW_BIND"),
         ];
         let set: Vec<&str> = names
             .iter()
@@ -569,6 +578,10 @@ pub struct DeviceCaps {
     pub max_cqe: u32,
     /// Deepest queue.
     pub max_qp_wr: u32,
+    /// Type-2 memory windows can be bound over registered memory
+    /// ([`ProtectionDomain::bind_window`]): a READ window per large frame
+    /// costs a posted work request instead of a registration.
+    pub memory_windows: bool,
 }
 
 /// A family of devices (soft, ibverbs).
@@ -691,6 +704,42 @@ pub trait ProtectionDomain: Send + Sync {
         unsafe { self.register(addr, len, access) }
     }
 
+    /// The registrations this PD binds memory windows over, when the device
+    /// has type-2 windows ([`DeviceCaps::memory_windows`]); `None` when every
+    /// window must be a registration of its own
+    /// ([`ProtectionDomain::register_window`]).
+    fn window_cache(&self) -> Option<&Arc<WindowCache>> {
+        None
+    }
+
+    /// Binds a type-2 memory window over `len` bytes at `addr` inside
+    /// `region` (a region of this PD registered with
+    /// [`AccessFlags::MW_BIND`]), with `access`, for requests arriving on
+    /// `qp` only. On hardware the bind is a work request on `qp`'s send
+    /// queue (signaled; its completion is the provider's own and never
+    /// reaches a poller): it takes effect before anything posted on `qp`
+    /// after it, so a key announced by a later SEND is valid when the peer
+    /// gets it. At most [`MAX_BINDS_IN_FLIGHT`] binds per CQ are in flight;
+    /// beyond that this fails ([`VerbsError::QueueFull`]) instead of
+    /// overflowing the send queue. Deregistering the window invalidates it
+    /// at once (`ibv_dealloc_mw`).
+    ///
+    /// # Safety
+    /// As for [`ProtectionDomain::register`], for the window's bytes, until
+    /// the window is deregistered; and `region` must stay registered until
+    /// then.
+    unsafe fn bind_window(
+        &self,
+        region: &Arc<dyn MemoryRegion>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        qp: &Arc<dyn QueuePair>,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        let _ = (region, addr, len, access, qp);
+        Err(VerbsError::Unsupported("memory windows"))
+    }
+
     /// A new reliable-connected queue pair in state RESET.
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError>;
 
@@ -724,6 +773,8 @@ pub trait MemoryRegion: Send + Sync {
     /// work requests posted before. On `Err` the device may still reach the
     /// memory: its owner must never free or reuse it (leak it).
     fn deregister(&self) -> Result<(), VerbsError>;
+    /// Lets a provider recognise its own regions (to bind windows over them).
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// A completion queue.
@@ -933,6 +984,9 @@ impl RegisteredBuffer {
         // successfully (it leaks it otherwise); the region itself stays
         // private to this struct.
         let region = unsafe { pd.register(data.as_mut_ptr(), len, access)? };
+        if access.contains(AccessFlags::MW_BIND) && len > 0 {
+            windows::track_registered(data.as_ptr() as usize, len, &**pd, region.clone());
+        }
         Ok(RegisteredBuffer {
             region,
             pd: pd.clone(),
@@ -974,22 +1028,43 @@ impl RegisteredBuffer {
             });
         }
         let addr = self.data.as_ptr() as *mut u8;
-        // SAFETY: the range lies inside `data`, which stays allocated and
-        // unmoved while the window exists: `ExposedBuffer` owns this buffer and
-        // hands it back (or frees it) only after the window was deregistered,
-        // leaking it if that fails; the buffer is never written through
-        // `&mut` while exposed (ExposedBuffer only gives `&[u8]`).
-        let window = unsafe {
-            match qp {
-                Some(qp) => self.pd.register_window(addr, len, access, qp),
-                None => self.pd.register(addr, len, access),
+        // A memory window over the buffer's registration (or one of exactly
+        // the window's bytes, where the device needs it: `WindowCache`),
+        // where the device binds them and the buffer was registered for it.
+        let mut bound = None;
+        if let (Some(qp), Some(cache)) = (qp, self.pd.window_cache()) {
+            if self.region.access().contains(AccessFlags::MW_BIND) && len > 0 {
+                // The window owns this buffer until it is deregistered: its
+                // bytes stay allocated, registered and unwritten until then.
+                match cache.bind(&*self.pd, qp, &self.data[..len]) {
+                    Ok(window) => bound = window,
+                    Err(error) => {
+                        tracing::debug!(%error, "binding a memory window failed; registering a window instead");
+                    }
+                }
             }
+        }
+        let is_bound = bound.is_some();
+        let window = match bound {
+            Some(window) => Ok(window),
+            // SAFETY: the range lies inside `data`, which stays allocated and
+            // unmoved while the window exists: `ExposedBuffer` owns this buffer and
+            // hands it back (or frees it) only after the window was deregistered,
+            // leaking it if that fails; the buffer is never written through
+            // `&mut` while exposed (ExposedBuffer only gives `&[u8]`).
+            None => unsafe {
+                match qp {
+                    Some(qp) => self.pd.register_window(addr, len, access, qp),
+                    None => self.pd.register(addr, len, access),
+                }
+            },
         };
         match window {
             Ok(window) => Ok(Window {
                 window,
                 _tally: RegistrationTally::new(len, &WINDOWS),
                 held: Some(self),
+                bound: is_bound,
             }),
             Err(error) => Err(ExposeError {
                 error,
@@ -1064,6 +1139,9 @@ impl RegisteredBuffer {
 
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
+        if self.region.access().contains(AccessFlags::MW_BIND) {
+            windows::untrack_registered(self.data.as_ptr() as usize);
+        }
         if let Err(error) = self.region.deregister() {
             // The device may still reach these bytes: never free them.
             tracing::error!(%error, len = self.data.len(), "deregistering memory failed; leaking it");
@@ -1093,6 +1171,8 @@ pub struct Window<T> {
     _tally: RegistrationTally,
     /// `None` only after the window was revoked (or leaked).
     held: Option<T>,
+    /// A memory window bound over an existing registration.
+    bound: bool,
 }
 
 /// A [`RegisteredBuffer`] whose first bytes the peer may reach
@@ -1137,6 +1217,13 @@ impl<T> Window<T> {
         self.window.rkey()
     }
 
+    /// True when the window is a type-2 memory window bound over an
+    /// existing registration (no registration of its own; see
+    /// [`windows`]); false when it is a registration of exactly its bytes.
+    pub fn is_bound(&self) -> bool {
+        self.bound
+    }
+
     /// What keeps the memory alive.
     fn held(&self) -> &T {
         self.held.as_ref().expect("present until revoked")
@@ -1174,6 +1261,7 @@ impl<T> fmt::Debug for Window<T> {
             .field("addr", &self.addr())
             .field("len", &self.len())
             .field("rkey", &self.rkey())
+            .field("bound", &self.bound)
             .finish()
     }
 }
@@ -1186,8 +1274,11 @@ impl Window<RegisteredBuffer> {
 }
 
 impl Window<Bytes> {
-    /// Registers a REMOTE_READ window over `bytes` that only requests
-    /// arriving on `qp` may use.
+    /// A REMOTE_READ window over exactly `bytes` that only requests
+    /// arriving on `qp` may use: a memory window bound over the cached
+    /// registration of the recycled buffer the bytes lie in, where the
+    /// device has memory windows and they do ([`windows`]); else a
+    /// registration of exactly the bytes.
     pub fn expose(
         pd: &Arc<dyn ProtectionDomain>,
         qp: &Arc<dyn QueuePair>,
@@ -1195,6 +1286,23 @@ impl Window<Bytes> {
     ) -> Result<ExposedBytes, VerbsError> {
         if bytes.is_empty() {
             return Err(VerbsError::InvalidArgument("exposing no bytes"));
+        }
+        if let Some(cache) = pd.window_cache() {
+            match cache.bind(&**pd, qp, &bytes) {
+                Ok(Some(window)) => {
+                    BYTES_WINDOWS.fetch_add(1, AtomicOrdering::Relaxed);
+                    return Ok(Window {
+                        _tally: RegistrationTally::new(bytes.len(), &WINDOWS),
+                        window,
+                        held: Some(bytes),
+                        bound: true,
+                    });
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::debug!(%error, "binding a memory window failed; registering the bytes instead");
+                }
+            }
         }
         let addr = bytes.as_ptr().cast_mut();
         // SAFETY: the range is exactly `bytes`, which this value owns until the
@@ -1209,6 +1317,7 @@ impl Window<Bytes> {
             _tally: RegistrationTally::new(bytes.len(), &WINDOWS),
             window,
             held: Some(bytes),
+            bound: false,
         })
     }
 

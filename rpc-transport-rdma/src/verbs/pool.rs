@@ -330,10 +330,18 @@ impl LargePool {
     fn register(&self, class: usize) -> Result<RegisteredBuffer, VerbsError> {
         // Large destinations are what a server echoes back (peers READ
         // them): huge pages make that READ about twice as fast on soft.
-        if class >= HUGE_PAGES_FROM {
-            RegisteredBuffer::new_huge(&self.pd, class, AccessFlags::LOCAL_WRITE)
+        // Where the device binds memory windows, a READ window over a
+        // buffer (a copied frame, or a received one sent on) is bound over
+        // its registration instead of registering it again.
+        let access = if self.pd.window_cache().is_some() {
+            AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND
         } else {
-            RegisteredBuffer::new(&self.pd, class, AccessFlags::LOCAL_WRITE)
+            AccessFlags::LOCAL_WRITE
+        };
+        if class >= HUGE_PAGES_FROM {
+            RegisteredBuffer::new_huge(&self.pd, class, access)
+        } else {
+            RegisteredBuffer::new(&self.pd, class, access)
         }
     }
 

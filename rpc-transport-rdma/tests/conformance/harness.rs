@@ -78,6 +78,10 @@ pub struct Quirks {
     pub no_solicited_events: bool,
     /// An SRQ holds more receives than asked for (depth rounded up; rxe).
     pub srq_depth_rounded_up: bool,
+    /// A READ through a memory window is checked against the registration
+    /// under the window, not the window's own range (rxe 6.1: `check_rkey`
+    /// calls `mr_check_range` on the window's MR).
+    pub window_range_not_enforced: bool,
 }
 
 impl Quirks {
@@ -94,6 +98,7 @@ impl Quirks {
                 no_receive_flush_on_internal_error: true,
                 misaligned_atomic_refused_at_post: true,
                 srq_depth_rounded_up: true,
+                window_range_not_enforced: true,
                 ..Quirks::default()
             },
             ("ibverbs", name) if name.starts_with("siw") => Quirks {

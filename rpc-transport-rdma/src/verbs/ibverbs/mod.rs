@@ -26,11 +26,12 @@ use rdma_mummy_sys as sys;
 
 mod cm;
 
+use super::windows::{self, BindBudget};
 use super::{
     AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, ConnectionManager, Context,
     DeviceCaps, DeviceInfo, MemoryRegion, PostError, ProtectionDomain, Provider, QpAddress, QpCaps,
     QpInit, QpState, QueuePair, RecvWr, SendOp, SendWr, SharedReceiveQueue, VerbsError, WcOpcode,
-    WcStatus, WorkCompletion,
+    WcStatus, WindowCache, WorkCompletion,
 };
 
 /// The port every QP uses.
@@ -317,6 +318,7 @@ impl Context for IbvContext {
             solicited_events: !self.iwarp,
             max_cqe: attr.max_cqe.max(0) as u32,
             max_qp_wr: attr.max_qp_wr.max(0) as u32,
+            memory_windows: memory_windows(attr),
         }
     }
 
@@ -326,7 +328,15 @@ impl Context for IbvContext {
         if pd.is_null() {
             return Err(os_error("ibv_alloc_pd"));
         }
+        let windows =
+            (memory_windows(&self.device_attr) && windows::memory_windows_wanted()).then(|| {
+                WindowCache::new(
+                    windows::MAX_CACHED_BYTES,
+                    !window_reads_confined(&self.device_attr),
+                )
+            });
         Ok(Arc::new(IbvPd {
+            windows,
             raw: Arc::new(RawPd {
                 pd,
                 _context: self.raw.clone(),
@@ -409,10 +419,39 @@ impl Context for IbvContext {
             cq,
             id,
             capacity,
+            binds: Arc::default(),
             channel,
             _context: self.raw.clone(),
         }))
     }
+}
+
+/// True when the device binds type-2 memory windows (2A: to a QP; 2B: to a
+/// QP and a PD; both are QP-bound) and can allocate some.
+fn memory_windows(attr: &sys::ibv_device_attr) -> bool {
+    let type_2 = sys::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A.0
+        | sys::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0;
+    attr.device_cap_flags & type_2 != 0 && attr.max_mw > 0
+}
+
+/// The vendor id of Soft-RoCE (`RXE_VENDOR_ID` in the kernel's rxe driver).
+const RXE_VENDOR_ID: u32 = 0xff_ffff;
+
+/// False for a device known to check a READ through a memory window only
+/// against the registration under the window, not against the window's own
+/// range: rxe (kernel 6.1, `check_rkey()` in `rxe_resp.c` calls
+/// `mr_check_range()` on the window's MR; measured in the VM: a READ that
+/// starts 4 KiB before a window, inside its MR, succeeds). Windows on such
+/// a device are bound over registrations of exactly their bytes
+/// ([`WindowCache::exact_extents`]).
+fn window_reads_confined(attr: &sys::ibv_device_attr) -> bool {
+    attr.vendor_id != RXE_VENDOR_ID
+}
+
+/// `ibv_inc_rkey`: the next key of a window (its low 8 bits, the "key" part
+/// the owner chooses, advance; the index part stays).
+fn next_rkey(rkey: u32) -> u32 {
+    (rkey & !0xff) | (rkey.wrapping_add(1) & 0xff)
 }
 
 #[derive(Clone, Copy)]
@@ -446,6 +485,8 @@ impl Drop for RawPd {
 struct IbvPd {
     raw: Arc<RawPd>,
     port: PortInfo,
+    /// Registrations over recycled buffers, where the device binds type-2 windows.
+    windows: Option<Arc<WindowCache>>,
 }
 
 impl ProtectionDomain for IbvPd {
@@ -460,6 +501,7 @@ impl ProtectionDomain for IbvPd {
         if mr.is_null() {
             return Err(os_error("ibv_reg_mr"));
         }
+        windows::count_device_registration();
         // SAFETY: a live MR just returned by ibv_reg_mr.
         let (addr, len, lkey, rkey) =
             unsafe { ((*mr).addr as u64, (*mr).length, (*mr).lkey, (*mr).rkey) };
@@ -474,10 +516,103 @@ impl ProtectionDomain for IbvPd {
         }))
     }
 
+    fn window_cache(&self) -> Option<&Arc<WindowCache>> {
+        self.windows.as_ref()
+    }
+
+    /// `ibv_alloc_mw(TYPE_2)`, then an `IBV_WR_BIND_MW` request on `qp`
+    /// (signaled, [`super::WINDOW_BIND_WR_ID`]) with the next key
+    /// (`ibv_inc_rkey`). A fresh window per bind, deallocated (not
+    /// invalidated for reuse) when revoked: see [`IbvMw::deregister`].
+    unsafe fn bind_window(
+        &self,
+        region: &Arc<dyn MemoryRegion>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        qp: &Arc<dyn QueuePair>,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        if self.windows.is_none() {
+            return Err(VerbsError::Unsupported("type-2 memory windows"));
+        }
+        let mr = super::own::<IbvMr>(region.as_any(), "region of another provider")?;
+        let raw_qp = super::own::<IbvQp>(qp.as_any(), "queue pair of another provider")?;
+        let inside = addr
+            .checked_add(len as u64)
+            .is_some_and(|end| addr >= mr.addr && end <= mr.addr + mr.len as u64);
+        if len == 0 || !inside {
+            return Err(VerbsError::InvalidArgument("a window outside its region"));
+        }
+        if !mr.access.contains(AccessFlags::MW_BIND) {
+            return Err(VerbsError::InvalidArgument(
+                "binding a window over a region registered without MW_BIND",
+            ));
+        }
+        // The region stays registered while its lock is held (deregister
+        // takes it): the bind names a live MR.
+        let mr_slot = lock(&mr.mr);
+        let Some(MrPtr(raw_mr)) = *mr_slot else {
+            return Err(VerbsError::InvalidArgument(
+                "binding a window over a deregistered region",
+            ));
+        };
+        if !raw_qp.binds.try_acquire() {
+            return Err(VerbsError::QueueFull("memory-window binds in flight"));
+        }
+        // SAFETY: live PD; null is an error.
+        let mw = unsafe { sys::ibv_alloc_mw(self.raw.pd, sys::ibv_mw_type::IBV_MW_TYPE_2) };
+        if mw.is_null() {
+            raw_qp.binds.release();
+            return Err(os_error("ibv_alloc_mw"));
+        }
+        // SAFETY: a live MW just allocated.
+        let rkey = next_rkey(unsafe { (*mw).rkey });
+        // SAFETY: ibv_send_wr is plain data (pointers, integers, unions of them).
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = super::WINDOW_BIND_WR_ID;
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_BIND_MW;
+        wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.bind_mw_tso_union.bind_mw = sys::bind_mw_t {
+            mw,
+            rkey,
+            bind_info: sys::ibv_mw_bind_info {
+                mr: raw_mr,
+                addr,
+                length: len as u64,
+                mw_access_flags: access.bits(),
+            },
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: live QP, MW and MR (the MR's lock is held); the request
+        // lives through the call. The caller upholds the memory contract
+        // for the window's bytes.
+        let rc = unsafe { sys::ibv_post_send(raw_qp.qp, &mut wr, &mut bad) };
+        drop(mr_slot);
+        if rc != 0 {
+            raw_qp.binds.release();
+            // SAFETY: the MW was never bound (the post failed); deallocated once.
+            unsafe { sys::ibv_dealloc_mw(mw) };
+            return Err(errno_error("posting a memory-window bind", rc));
+        }
+        Ok(Arc::new(IbvMw {
+            mw: Mutex::new(Some(MwPtr(mw))),
+            addr,
+            len,
+            rkey,
+            access,
+            _qp: qp.clone(),
+            _region: region.clone(),
+            _pd: self.raw.clone(),
+        }))
+    }
+
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
         let cq_of = |cq: &Arc<dyn CompletionQueue>| {
             super::own::<IbvCq>(cq.as_any(), "CQ of another provider").map(|cq| cq.cq)
         };
+        let binds = super::own::<IbvCq>(init.send_cq.as_any(), "CQ of another provider")?
+            .binds
+            .clone();
         let srq = match &init.srq {
             Some(srq) => super::own::<IbvSrq>(srq.as_any(), "SRQ of another provider")?.srq,
             None => ptr::null_mut(),
@@ -515,6 +650,7 @@ impl ProtectionDomain for IbvPd {
         let psn = (std::process::id().wrapping_mul(2_654_435_761) ^ qp as usize as u32) & 0xff_ffff;
         Ok(Arc::new(IbvQp {
             qp,
+            binds,
             caps: granted,
             port: self.port,
             psn,
@@ -586,6 +722,9 @@ impl MemoryRegion for IbvMr {
     fn access(&self) -> AccessFlags {
         self.access
     }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
     fn deregister(&self) -> Result<(), VerbsError> {
         let mut mr = self.mr.lock().unwrap_or_else(|p| p.into_inner());
         let Some(MrPtr(raw)) = *mr else {
@@ -611,6 +750,82 @@ impl Drop for IbvMr {
             // Owners that free memory call `deregister` first and leak on
             // failure; here there is nothing more to do than say so.
             tracing::error!(%error, "ibv_dereg_mr failed");
+        }
+    }
+}
+
+/// An `ibv_mw` pointer, passed only to verbs calls.
+struct MwPtr(*mut sys::ibv_mw);
+// SAFETY: a thread-safe verbs object; the pointer is only handed to
+// ibv_dealloc_mw, under the IbvMw's lock.
+unsafe impl Send for MwPtr {}
+
+/// A type-2 memory window bound over part of an [`IbvMr`], usable only
+/// through the QP it was bound on.
+struct IbvMw {
+    /// `None` once deallocated.
+    mw: Mutex<Option<MwPtr>>,
+    addr: u64,
+    len: usize,
+    rkey: u32,
+    access: AccessFlags,
+    /// A window bound to a QP holds it (rxe: `ibv_destroy_qp` waits for its
+    /// windows): the QP is destroyed only after the window is gone.
+    _qp: Arc<dyn QueuePair>,
+    /// The region it is bound over (a bound region cannot be deregistered).
+    _region: Arc<dyn MemoryRegion>,
+    _pd: Arc<RawPd>,
+}
+
+impl MemoryRegion for IbvMw {
+    fn addr(&self) -> u64 {
+        self.addr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    /// A window has no local key.
+    fn lkey(&self) -> u32 {
+        0
+    }
+    fn rkey(&self) -> u32 {
+        self.rkey
+    }
+    fn access(&self) -> AccessFlags {
+        self.access
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    /// `ibv_dealloc_mw`: a system call that returns once the window is gone
+    /// (rxe removes it from its key table before returning, and checks the
+    /// key again for every packet of a READ response), so no access through
+    /// its key happens afterwards. Chosen over invalidating with a posted
+    /// `IBV_WR_LOCAL_INV` and waiting for that completion: revoking stays
+    /// synchronous (the `Window` contract: the memory is let go only after
+    /// this returned), and it works whatever state the QP is in — an
+    /// invalidation posted on a QP in ERROR is flushed and proves nothing.
+    /// The cost is one `ibv_alloc_mw` per window besides the bind.
+    fn deregister(&self) -> Result<(), VerbsError> {
+        let mut mw = lock(&self.mw);
+        let Some(MwPtr(raw)) = *mw else {
+            return Ok(());
+        };
+        // SAFETY: a live MW, deallocated at most once (the slot is cleared
+        // on success, under the lock).
+        let rc = unsafe { sys::ibv_dealloc_mw(raw) };
+        if rc != 0 {
+            return Err(errno_error("ibv_dealloc_mw", rc));
+        }
+        *mw = None;
+        Ok(())
+    }
+}
+
+impl Drop for IbvMw {
+    fn drop(&mut self) {
+        if let Err(error) = self.deregister() {
+            tracing::error!(%error, "ibv_dealloc_mw failed");
         }
     }
 }
@@ -695,6 +910,8 @@ struct IbvCq {
     cq: *mut sys::ibv_cq,
     id: u32,
     capacity: u32,
+    /// Memory-window binds in flight on the QPs that send into this CQ.
+    binds: Arc<BindBudget>,
     channel: Option<Arc<ChannelInner>>,
     _context: Arc<RawContext>,
 }
@@ -765,7 +982,22 @@ impl CompletionQueue for IbvCq {
             if polled < 0 {
                 return Err(errno_error("ibv_poll_cq", polled));
             }
-            for (slot, wc) in out[done..].iter_mut().zip(&wcs[..polled as usize]) {
+            let mut taken = 0;
+            for wc in &wcs[..polled as usize] {
+                if wc.wr_id == super::WINDOW_BIND_WR_ID
+                    && (wc.opcode == sys::ibv_wc_opcode::IBV_WC_BIND_MW
+                        || wc.status != sys::ibv_wc_status::IBV_WC_SUCCESS)
+                {
+                    // A bind of ours finished: its send-queue entry is free.
+                    // A successful one is nobody else's business; a failed
+                    // one (the QP broke) is reported like any failure.
+                    self.binds.release();
+                    if wc.status == sys::ibv_wc_status::IBV_WC_SUCCESS {
+                        continue;
+                    }
+                }
+                let slot = &mut out[done + taken];
+                taken += 1;
                 let with_imm = wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
                 *slot = WorkCompletion {
                     wr_id: wc.wr_id,
@@ -781,7 +1013,7 @@ impl CompletionQueue for IbvCq {
                     qp_num: wc.qp_num,
                 };
             }
-            done += polled as usize;
+            done += taken;
             if (polled as usize) < want {
                 break;
             }
@@ -902,6 +1134,8 @@ struct QpDependencies {
 
 struct IbvQp {
     qp: *mut sys::ibv_qp,
+    /// Memory-window binds in flight, shared with the send CQ.
+    binds: Arc<BindBudget>,
     caps: QpCaps,
     port: PortInfo,
     psn: u32,

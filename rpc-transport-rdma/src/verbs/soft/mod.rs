@@ -484,6 +484,7 @@ impl Context for SoftContext {
             solicited_events: true,
             max_cqe: 1 << 20,
             max_qp_wr: 1 << 14,
+            memory_windows: super::windows::memory_windows_wanted(),
         }
     }
 
@@ -492,6 +493,8 @@ impl Context for SoftContext {
         Ok(Arc::new(SoftPd {
             context: self.shared.clone(),
             id,
+            windows: super::windows::memory_windows_wanted()
+                .then(|| super::WindowCache::new(super::windows::MAX_CACHED_BYTES, false)),
         }))
     }
 
@@ -545,14 +548,19 @@ impl Context for SoftContext {
 struct SoftPd {
     context: Arc<ContextShared>,
     id: u64,
+    /// Registrations over recycled buffers that windows are bound over
+    /// (`None` with `RDMA_MEMORY_WINDOWS=off`).
+    windows: Option<Arc<super::WindowCache>>,
 }
 
-impl ProtectionDomain for SoftPd {
-    unsafe fn register(
+impl SoftPd {
+    /// A region (or, with `bound_qp`, a window) in the key table.
+    fn insert(
         &self,
         addr: *mut u8,
         len: usize,
         access: AccessFlags,
+        bound_qp: Option<u32>,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
         if addr.is_null() && len > 0 {
             return Err(VerbsError::InvalidArgument("null address"));
@@ -569,7 +577,7 @@ impl ProtectionDomain for SoftPd {
             len: len as u64,
             access,
             pd: self.id,
-            bound_qp: None,
+            bound_qp,
         };
         let key = self.context.insert_region(entry)?;
         Ok(Arc::new(SoftMr {
@@ -577,6 +585,19 @@ impl ProtectionDomain for SoftPd {
             key,
             entry,
         }))
+    }
+}
+
+impl ProtectionDomain for SoftPd {
+    unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        let region = self.insert(addr, len, access, None)?;
+        super::windows::count_device_registration();
+        Ok(region)
     }
 
     unsafe fn register_window(
@@ -587,19 +608,58 @@ impl ProtectionDomain for SoftPd {
         qp: &Arc<dyn super::QueuePair>,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
         super::own::<qp::SoftQp>(qp.as_any(), "queue pair of another provider")?;
-        // SAFETY: the caller upholds `register`'s contract.
-        let region = unsafe { self.register(addr, len, access)? };
-        let key = region.rkey();
-        if let Some(entry) = self
+        let region = self.insert(addr, len, access, Some(qp.qp_num()))?;
+        super::windows::count_device_registration();
+        Ok(region)
+    }
+
+    fn window_cache(&self) -> Option<&Arc<super::WindowCache>> {
+        self.windows.as_ref()
+    }
+
+    /// A window is a key-table entry bound to `qp`, like
+    /// [`ProtectionDomain::register_window`]'s, made after the checks a
+    /// device makes when it binds a type-2 window (the region is this PD's,
+    /// registered with MW_BIND and still registered; the range lies inside
+    /// it). Synchronous: no work request, no completion.
+    unsafe fn bind_window(
+        &self,
+        region: &Arc<dyn MemoryRegion>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        qp: &Arc<dyn super::QueuePair>,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        if self.windows.is_none() {
+            return Err(VerbsError::Unsupported(
+                "memory windows (RDMA_MEMORY_WINDOWS=off)",
+            ));
+        }
+        super::own::<qp::SoftQp>(qp.as_any(), "queue pair of another provider")?;
+        let region = super::own::<SoftMr>(region.as_any(), "region of another provider")?;
+        let registered = self
             .context
             .mrs
-            .write()
+            .read()
             .unwrap_or_else(|p| p.into_inner())
-            .get_mut(&key)
-        {
-            entry.bound_qp = Some(qp.qp_num());
+            .contains_key(&region.key);
+        if !registered || region.entry.pd != self.id {
+            return Err(VerbsError::InvalidArgument(
+                "binding a window over a region of another PD, or a deregistered one",
+            ));
         }
-        Ok(region)
+        if !region.entry.access.contains(AccessFlags::MW_BIND) {
+            return Err(VerbsError::InvalidArgument(
+                "binding a window over a region registered without MW_BIND",
+            ));
+        }
+        let inside = addr.checked_add(len as u64).is_some_and(|end| {
+            addr >= region.entry.addr && end <= region.entry.addr + region.entry.len
+        });
+        if len == 0 || !inside {
+            return Err(VerbsError::InvalidArgument("a window outside its region"));
+        }
+        self.insert(addr as *mut u8, len, access, Some(qp.qp_num()))
     }
 
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
@@ -648,6 +708,9 @@ impl MemoryRegion for SoftMr {
     }
     fn access(&self) -> AccessFlags {
         self.entry.access
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
     /// Removes the key under the region table's write lock, which waits for
     /// every copy in progress (they hold the read lock and check the key at
