@@ -1275,10 +1275,11 @@ impl Window<RegisteredBuffer> {
 
 impl Window<Bytes> {
     /// A REMOTE_READ window over exactly `bytes` that only requests
-    /// arriving on `qp` may use: a memory window bound over the cached
-    /// registration of the recycled buffer the bytes lie in, where the
-    /// device has memory windows and they do ([`windows`]); else a
-    /// registration of exactly the bytes.
+    /// arriving on `qp` may use: where the device has memory windows, a
+    /// window bound over a cached registration — of the recycled or pooled
+    /// buffer the bytes lie in, or of the bytes themselves, which the cache
+    /// then keeps alive while registered ([`windows`]); else a registration
+    /// of exactly the bytes.
     pub fn expose(
         pd: &Arc<dyn ProtectionDomain>,
         qp: &Arc<dyn QueuePair>,
@@ -1288,7 +1289,7 @@ impl Window<Bytes> {
             return Err(VerbsError::InvalidArgument("exposing no bytes"));
         }
         if let Some(cache) = pd.window_cache() {
-            match cache.bind(&**pd, qp, &bytes) {
+            match cache.bind_bytes(&**pd, qp, &bytes) {
                 Ok(Some(window)) => {
                     BYTES_WINDOWS.fetch_add(1, AtomicOrdering::Relaxed);
                     return Ok(Window {

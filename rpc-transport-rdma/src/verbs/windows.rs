@@ -25,6 +25,18 @@
 //! keeps its exact registration per frame
 //! ([`ProtectionDomain::register_window`]).
 //!
+//! Memory whose lifetime this module makes known itself: any other `Bytes`
+//! the application sends (a `Vec` it filled, a file it read) is cached
+//! together with a clone of those `Bytes` ([`Owner::Held`]): the clone keeps
+//! the memory allocated, and immutable, for as long as the registration is
+//! cached, so a later frame in the same bytes (the same tensor sent again,
+//! or to another peer) finds the same pages under the same registration.
+//! The price is memory kept after the application let go of it, bounded by
+//! [`MAX_HELD_BYTES`] per protection domain (idle ones evicted, least
+//! recently used first; never one under a bound window). A frame that lies
+//! in held bytes gets a window over exactly the held range or a part of it;
+//! with exact extents (rxe), only over exactly the held range.
+//!
 //! The other memory of known lifetime is the transport's own registered
 //! buffers ([`super::RegisteredBuffer`]s registered with MW_BIND: the
 //! rendezvous pool's, where the device has windows). A frame received into
@@ -72,6 +84,10 @@ const _: () = assert!(MAX_BINDS_IN_FLIGHT >= 1 && MAX_BINDS_IN_FLIGHT <= 1024);
 /// QP broke) is reported with this id. The top two bits are set, a tag the
 /// RDMA transport's own requests never use.
 pub const WINDOW_BIND_WR_ID: u64 = 0xc000_0000_6d77_b1d0;
+
+/// Of [`MAX_CACHED_BYTES`], the application's own bytes a cache keeps
+/// alive (and registered) after the application let go of them.
+pub const MAX_HELD_BYTES: usize = 256 << 20;
 
 /// Registrations each protection domain's [`WindowCache`] keeps, in bytes
 /// (1 GiB: twice the recycled buffers' idle cap, so that idle and in-flight
@@ -161,6 +177,9 @@ enum Owner {
     Recycled(u64),
     /// A registered buffer of the transport (its id in [`KNOWN`]).
     Registered(u64),
+    /// Bytes of the application that the cache itself keeps alive (a
+    /// number of the cache's own).
+    Held(u64),
 }
 
 /// What a cached registration covers: `len` bytes at `addr`, inside the
@@ -177,6 +196,25 @@ struct Cached {
     region: Arc<dyn MemoryRegion>,
     users: usize,
     last_use: u64,
+    /// For [`Owner::Held`]: what keeps the memory alive; dropped only after
+    /// the region is deregistered.
+    holder: Option<bytes::Bytes>,
+}
+
+/// A registration leaving the cache, and the bytes it kept alive (let go of
+/// only once the registration is gone).
+struct Evicted {
+    region: Arc<dyn MemoryRegion>,
+    holder: Option<bytes::Bytes>,
+}
+
+impl From<Cached> for Evicted {
+    fn from(cached: Cached) -> Evicted {
+        Evicted {
+            region: cached.region,
+            holder: cached.holder,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -184,6 +222,42 @@ struct CacheState {
     entries: HashMap<Key, Cached>,
     bytes: usize,
     tick: u64,
+    /// Held ranges by start address: (length, number).
+    held: BTreeMap<usize, (usize, u64)>,
+    held_bytes: usize,
+    next_held: u64,
+}
+
+impl CacheState {
+    /// Takes `key` out of the cache's books.
+    fn remove(&mut self, key: &Key) -> Option<Cached> {
+        let cached = self.entries.remove(key)?;
+        self.bytes -= key.len;
+        CACHED_BYTES.fetch_sub(key.len as u64, Ordering::Relaxed);
+        if let Owner::Held(number) = key.owner {
+            if self.held.get(&key.addr).is_some_and(|(_, n)| *n == number) {
+                self.held.remove(&key.addr);
+            }
+            self.held_bytes -= key.len;
+        }
+        Some(cached)
+    }
+
+    /// The held range that covers `start..start + len` (exactly it, when
+    /// `exact`).
+    fn held_covering(&self, start: usize, len: usize, exact: bool) -> Option<Key> {
+        let (&addr, &(held_len, number)) = self.held.range(..=start).next_back()?;
+        let covers = if exact {
+            addr == start && held_len == len
+        } else {
+            start + len <= addr + held_len
+        };
+        covers.then_some(Key {
+            owner: Owner::Held(number),
+            addr,
+            len: held_len,
+        })
+    }
 }
 
 /// One protection domain's registrations over memory of known lifetime,
@@ -352,7 +426,7 @@ impl WindowCache {
                 len: bytes.len(),
             }
         };
-        let Some(region) = self.lease(pd, key)? else {
+        let Some(region) = self.lease(pd, key, None)? else {
             return Ok(None);
         };
         // SAFETY: `bytes` lie inside the memory of `key.owner`, which the
@@ -388,12 +462,83 @@ impl WindowCache {
         }
     }
 
+    /// [`WindowCache::bind`] for `Bytes` in any memory: bytes that lie in
+    /// no memory of known lifetime are held by the cache (a clone of `bytes`
+    /// keeps them allocated and unchanged while they are registered), within
+    /// [`MAX_HELD_BYTES`]. `Ok(None)`: nothing fits; the caller registers
+    /// the bytes itself.
+    pub(crate) fn bind_bytes(
+        self: &Arc<Self>,
+        pd: &dyn ProtectionDomain,
+        qp: &Arc<dyn QueuePair>,
+        bytes: &bytes::Bytes,
+    ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
+        if let Some(window) = self.bind(pd, qp, bytes)? {
+            return Ok(Some(window));
+        }
+        let known = (self.recycled && recycle::recycled_memory(bytes).is_some())
+            || registered_buffer(pd, bytes).is_some();
+        if known {
+            // Memory of known lifetime that did not fit: not held either.
+            return Ok(None);
+        }
+        let start = bytes.as_ptr() as usize;
+        let key = {
+            let mut state = lock(&self.state);
+            match state.held_covering(start, bytes.len(), self.exact) {
+                Some(key) => key,
+                None => {
+                    state.next_held += 1;
+                    Key {
+                        owner: Owner::Held(state.next_held),
+                        addr: start,
+                        len: bytes.len(),
+                    }
+                }
+            }
+        };
+        let Some(region) = self.lease(pd, key, Some(bytes))? else {
+            return Ok(None);
+        };
+        // SAFETY: `bytes` lie inside `key`'s range, which is one allocation
+        // (the held `Bytes` it was first registered for, or these bytes):
+        // the caller keeps `bytes` (so that allocation) alive and immutable
+        // until the window is deregistered, and the cache keeps the region
+        // registered meanwhile (the lease). The window is READ-only.
+        let window = unsafe {
+            pd.bind_window(
+                &region,
+                start as u64,
+                bytes.len(),
+                AccessFlags::REMOTE_READ,
+                qp,
+            )
+        };
+        match window {
+            Ok(window) => {
+                count_window_bound();
+                Ok(Some(Arc::new(LeasedWindow {
+                    window,
+                    lease: Mutex::new(Some(Lease {
+                        cache: self.clone(),
+                        key,
+                    })),
+                })))
+            }
+            Err(error) => {
+                self.unlease(key);
+                Err(error)
+            }
+        }
+    }
+
     /// The registration of `key`, with one more user; registered now on a
     /// miss. `None` when it does not fit beside the registrations in use.
     fn lease(
         &self,
         pd: &dyn ProtectionDomain,
         key: Key,
+        holder: Option<&bytes::Bytes>,
     ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
         let evicted = {
             let mut state = lock(&self.state);
@@ -407,17 +552,33 @@ impl WindowCache {
             if key.len > self.max_bytes {
                 return Ok(None);
             }
+            let mut evicted = Vec::new();
+            if holder.is_some() {
+                match self.evict_held_for(&mut state, key.len) {
+                    Some(held) => evicted = held,
+                    None => return Ok(None),
+                }
+            }
             match self.evict_for(&mut state, key.len) {
-                Some(evicted) => evicted,
-                None => return Ok(None),
+                Some(more) => {
+                    evicted.extend(more);
+                    evicted
+                }
+                None => {
+                    drop(state);
+                    release_all(evicted);
+                    return Ok(None);
+                }
             }
         };
-        deregister_all(evicted);
+        release_all(evicted);
         // SAFETY: `key` covers memory of a recycled buffer (or of a
         // registered buffer) that is allocated for as long as the buffer
         // lives; the release hooks deregister this region before that
         // memory is freed (it is in the cache from the insert below until
-        // then, or deregistered right here). The region is MW_BIND only: the
+        // then, or deregistered right here). Held bytes are kept allocated
+        // by the clone the entry stores, dropped only after the region is
+        // deregistered. The region is MW_BIND only: the
         // device reads it only through windows bound over frozen bytes, and
         // never writes it, so the buffer's owner may keep writing the parts
         // that are not frozen.
@@ -435,12 +596,17 @@ impl WindowCache {
             return Ok(Some(existing));
         }
         state.bytes += key.len;
+        if let Owner::Held(number) = key.owner {
+            state.held.insert(key.addr, (key.len, number));
+            state.held_bytes += key.len;
+        }
         state.entries.insert(
             key,
             Cached {
                 region: region.clone(),
                 users: 1,
                 last_use: tick,
+                holder: holder.cloned(),
             },
         );
         drop(state);
@@ -452,7 +618,7 @@ impl WindowCache {
 
     /// Removes idle registrations, least recently used first, until `len`
     /// more bytes fit; `None` (nothing removed) when they cannot.
-    fn evict_for(&self, state: &mut CacheState, len: usize) -> Option<Vec<Arc<dyn MemoryRegion>>> {
+    fn evict_for(&self, state: &mut CacheState, len: usize) -> Option<Vec<Evicted>> {
         let idle: usize = state
             .entries
             .iter()
@@ -470,10 +636,37 @@ impl WindowCache {
                 .filter(|(_, cached)| cached.users == 0)
                 .min_by_key(|(_, cached)| cached.last_use)
                 .expect("enough idle bytes");
-            let cached = state.entries.remove(&key).expect("present");
-            state.bytes -= key.len;
-            CACHED_BYTES.fetch_sub(key.len as u64, Ordering::Relaxed);
-            evicted.push(cached.region);
+            let cached = state.remove(&key).expect("present");
+            evicted.push(cached.into());
+        }
+        Some(evicted)
+    }
+
+    /// Removes idle held registrations, least recently used first, until
+    /// `len` more held bytes fit under [`MAX_HELD_BYTES`]; `None` (nothing
+    /// removed) when they cannot.
+    fn evict_held_for(&self, state: &mut CacheState, len: usize) -> Option<Vec<Evicted>> {
+        let idle_held = |state: &CacheState| -> usize {
+            state
+                .entries
+                .iter()
+                .filter(|(key, cached)| matches!(key.owner, Owner::Held(_)) && cached.users == 0)
+                .map(|(key, _)| key.len)
+                .sum()
+        };
+        if len > MAX_HELD_BYTES || (state.held_bytes - idle_held(state)) + len > MAX_HELD_BYTES {
+            return None;
+        }
+        let mut evicted = Vec::new();
+        while state.held_bytes + len > MAX_HELD_BYTES {
+            let (&key, _) = state
+                .entries
+                .iter()
+                .filter(|(key, cached)| matches!(key.owner, Owner::Held(_)) && cached.users == 0)
+                .min_by_key(|(_, cached)| cached.last_use)
+                .expect("enough idle held bytes");
+            let cached = state.remove(&key).expect("present");
+            evicted.push(cached.into());
         }
         Some(evicted)
     }
@@ -499,15 +692,9 @@ impl WindowCache {
                 .filter(|key| key.owner == owner)
                 .copied()
                 .collect();
-            let released: Vec<(Key, Cached)> = keys
-                .into_iter()
-                .filter_map(|key| state.entries.remove(&key).map(|cached| (key, cached)))
-                .collect();
-            for (key, _) in &released {
-                state.bytes -= key.len;
-                CACHED_BYTES.fetch_sub(key.len as u64, Ordering::Relaxed);
-            }
-            released
+            keys.into_iter()
+                .filter_map(|key| state.remove(&key).map(|cached| (key, cached)))
+                .collect()
         };
         for (_, cached) in released {
             if cached.users > 0 {
@@ -528,7 +715,23 @@ impl Drop for WindowCache {
     fn drop(&mut self) {
         let state = std::mem::take(&mut *lock(&self.state));
         CACHED_BYTES.fetch_sub(state.bytes as u64, Ordering::Relaxed);
-        deregister_all(state.entries.into_values().map(|c| c.region).collect());
+        release_all(state.entries.into_values().map(Evicted::from).collect());
+    }
+}
+
+/// Deregisters what leaves the cache, then lets go of the bytes each kept
+/// alive; bytes under a registration that failed to deregister are leaked
+/// with it (the device might still read them).
+fn release_all(evicted: Vec<Evicted>) {
+    for Evicted { region, holder } in evicted {
+        match region.deregister() {
+            Ok(()) => drop(holder),
+            Err(error) => {
+                tracing::error!(%error, "deregistering a cached registration failed; leaking it");
+                std::mem::forget(region);
+                std::mem::forget(holder);
+            }
+        }
     }
 }
 
@@ -714,6 +917,113 @@ mod tests {
         // Bytes elsewhere are not the cache's business.
         let plain = Bytes::from(vec![7u8; 2 << 20]);
         assert!(cache.bind(&*pd, &qp, &plain).unwrap().is_none());
+    }
+
+    /// `Bytes` of `len` bytes whose memory says when it is freed.
+    fn watched(len: usize, fill: u8) -> (Bytes, Arc<std::sync::atomic::AtomicBool>) {
+        struct Watched(Vec<u8>, Arc<std::sync::atomic::AtomicBool>);
+        impl AsRef<[u8]> for Watched {
+            fn as_ref(&self) -> &[u8] {
+                &self.0
+            }
+        }
+        impl Drop for Watched {
+            fn drop(&mut self) {
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
+        let freed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let bytes = Bytes::from_owner(Watched(vec![fill; len], freed.clone()));
+        (bytes, freed)
+    }
+
+    #[test]
+    fn application_bytes_are_registered_once_and_kept_alive_while_cached() {
+        let (pd, qp) = soft();
+        let cache = WindowCache::new(MAX_CACHED_BYTES, false);
+        let (payload, freed) = watched(1 << 20, 4);
+        let first = cache
+            .bind_bytes(&*pd, &qp, &payload)
+            .unwrap()
+            .expect("held");
+        assert_eq!(first.addr(), payload.as_ptr() as u64, "exactly the bytes");
+        assert_eq!(first.len(), 1 << 20);
+        assert_eq!(first.access(), AccessFlags::REMOTE_READ);
+        first.deregister().unwrap();
+        // The same bytes again, and a part of them: no new registration.
+        let again = cache.bind_bytes(&*pd, &qp, &payload).unwrap().unwrap();
+        let part = cache
+            .bind_bytes(&*pd, &qp, &payload.slice(4096..8192))
+            .unwrap()
+            .unwrap();
+        assert_eq!(part.addr(), payload.as_ptr() as u64 + 4096);
+        assert_eq!(cache.registrations(), 1);
+        again.deregister().unwrap();
+        part.deregister().unwrap();
+        // The application lets go: the cache keeps the memory (registered
+        // pages must not be freed under it) until the registration goes.
+        drop(payload);
+        assert!(!freed.load(Ordering::SeqCst), "kept alive by the cache");
+        drop(cache);
+        assert!(freed.load(Ordering::SeqCst), "freed after deregistration");
+    }
+
+    #[test]
+    fn with_exact_extents_only_the_same_bytes_share_a_held_registration() {
+        let (pd, qp) = soft();
+        let cache = WindowCache::new(MAX_CACHED_BYTES, true);
+        let payload = Bytes::from(vec![5u8; 1 << 20]);
+        for _ in 0..3 {
+            let window = cache.bind_bytes(&*pd, &qp, &payload).unwrap().unwrap();
+            window.deregister().unwrap();
+        }
+        assert_eq!(cache.registrations(), 1);
+        // A part would be bound over a registration of all the bytes, which
+        // such a device lets a READ through the window reach: its own.
+        let part = cache
+            .bind_bytes(&*pd, &qp, &payload.slice(..4096))
+            .unwrap()
+            .unwrap();
+        assert_eq!(cache.registrations(), 2);
+        part.deregister().unwrap();
+    }
+
+    #[test]
+    fn held_bytes_stay_within_their_cap_least_recently_used_first() {
+        let (pd, qp) = soft();
+        let cache = WindowCache::new(MAX_CACHED_BYTES, false);
+        let len = MAX_HELD_BYTES / 4;
+        let mut watched_all = Vec::new();
+        for fill in 0..5u8 {
+            let (bytes, freed) = watched(len, fill);
+            cache
+                .bind_bytes(&*pd, &qp, &bytes)
+                .unwrap()
+                .unwrap()
+                .deregister()
+                .unwrap();
+            watched_all.push(freed);
+        }
+        assert_eq!(cache.registrations(), 5);
+        assert!(
+            cache.cached_bytes() <= MAX_HELD_BYTES,
+            "{}",
+            cache.cached_bytes()
+        );
+        assert!(watched_all[0].load(Ordering::SeqCst), "the oldest let go");
+        assert!(!watched_all[4].load(Ordering::SeqCst), "the newest kept");
+        // One in use is never evicted: with a window bound over each of four
+        // held ranges, a fifth does not fit and is not held.
+        let held: Vec<Bytes> = (0..4u8).map(|fill| watched(len, fill).0).collect();
+        let windows: Vec<_> = held
+            .iter()
+            .map(|bytes| cache.bind_bytes(&*pd, &qp, bytes).unwrap().unwrap())
+            .collect();
+        let extra = watched(len, 9).0;
+        assert!(cache.bind_bytes(&*pd, &qp, &extra).unwrap().is_none());
+        for window in windows {
+            window.deregister().unwrap();
+        }
     }
 
     #[test]
