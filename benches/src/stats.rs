@@ -37,3 +37,15 @@ pub fn minor_faults() -> u64 {
         .and_then(|value| value.parse().ok())
         .unwrap_or(0)
 }
+
+/// A numeric field of `/proc/<pid>/status` (`pid` may be `self`), e.g.
+/// `VmRSS:` (KiB) or `Threads:`; 0 when absent.
+pub fn proc_status_field(pid: &str, name: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(name))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+}

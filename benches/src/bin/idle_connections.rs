@@ -28,15 +28,7 @@ struct Gauges {
 }
 
 fn gauges(pid: u32) -> Gauges {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix(name))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|value| value.parse().ok())
-            .unwrap_or(0)
-    };
+    let field = |name: &str| rdma_rpc_benches::stats::proc_status_field(&pid.to_string(), name);
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |dir| dir.count() as u64);
     Gauges {
         rss_kib: field("VmRSS:"),

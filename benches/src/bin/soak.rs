@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rdma_rpc_benches::contenders::{self, Contender};
+use rdma_rpc_benches::stats::proc_status_field;
 use rdma_rpc_examples::echo::{EchoRequest, echo_client::EchoClient};
 use rpc_transport_rdma::verbs;
 use tokio::task::JoinSet;
@@ -32,18 +33,9 @@ struct Footprint {
 }
 
 fn footprint(pid: &str) -> Footprint {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix(name))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|value| value.parse().ok())
-            .unwrap_or(0)
-    };
     Footprint {
-        rss_kib: field("VmRSS:"),
-        threads: field("Threads:"),
+        rss_kib: proc_status_field(pid, "VmRSS:"),
+        threads: proc_status_field(pid, "Threads:"),
     }
 }
 

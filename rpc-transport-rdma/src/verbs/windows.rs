@@ -150,8 +150,10 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// [`MAX_BINDS_IN_FLIGHT`]); shared by the CQ, which counts completions
 /// back, and its QPs, which count binds out.
 #[derive(Debug, Default)]
+#[cfg_attr(not(feature = "ibverbs"), allow(dead_code))] // only devices post binds
 pub(crate) struct BindBudget(AtomicU32);
 
+#[cfg_attr(not(feature = "ibverbs"), allow(dead_code))]
 impl BindBudget {
     /// Takes one bind slot; false when all are in flight.
     pub(crate) fn try_acquire(&self) -> bool {
@@ -426,19 +428,38 @@ impl WindowCache {
                 len: bytes.len(),
             }
         };
-        let Some(region) = self.lease(pd, key, None)? else {
+        // The caller keeps `bytes`, inside the memory of `key.owner`, alive
+        // (and frozen: `Bytes` are immutable) until the window is
+        // deregistered; the release hooks cannot run for memory the
+        // caller's bytes keep alive.
+        self.lease_and_bind(pd, qp, key, None, bytes)
+    }
+
+    /// Leases the registration of `key` (registering it on a miss, holding
+    /// `holder` with it) and binds a READ window over exactly `bytes`,
+    /// which lie inside `key`'s range and which the caller keeps alive and
+    /// unchanged until the window is deregistered. `Ok(None)`: the
+    /// registration does not fit.
+    fn lease_and_bind(
+        self: &Arc<Self>,
+        pd: &dyn ProtectionDomain,
+        qp: &Arc<dyn QueuePair>,
+        key: Key,
+        holder: Option<&bytes::Bytes>,
+        bytes: &[u8],
+    ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
+        let Some(region) = self.lease(pd, key, holder)? else {
             return Ok(None);
         };
-        // SAFETY: `bytes` lie inside the memory of `key.owner`, which the
-        // caller keeps alive (and frozen: `Bytes` are immutable) until the
-        // window is deregistered; the window is READ-only, so the device
-        // never writes them. The region stays registered until then: the
-        // lease taken above keeps it from eviction, and the release hooks
-        // cannot run for memory the caller's bytes keep alive.
+        // SAFETY: `bytes` lie inside `key`'s memory, which the caller keeps
+        // alive and unchanged until the window is deregistered; the window
+        // is READ-only, so the device never writes them. The region stays
+        // registered until then: the lease taken above keeps it from
+        // eviction.
         let window = unsafe {
             pd.bind_window(
                 &region,
-                start as u64,
+                bytes.as_ptr() as u64,
                 bytes.len(),
                 AccessFlags::REMOTE_READ,
                 qp,
@@ -497,39 +518,9 @@ impl WindowCache {
                 }
             }
         };
-        let Some(region) = self.lease(pd, key, Some(bytes))? else {
-            return Ok(None);
-        };
-        // SAFETY: `bytes` lie inside `key`'s range, which is one allocation
-        // (the held `Bytes` it was first registered for, or these bytes):
-        // the caller keeps `bytes` (so that allocation) alive and immutable
-        // until the window is deregistered, and the cache keeps the region
-        // registered meanwhile (the lease). The window is READ-only.
-        let window = unsafe {
-            pd.bind_window(
-                &region,
-                start as u64,
-                bytes.len(),
-                AccessFlags::REMOTE_READ,
-                qp,
-            )
-        };
-        match window {
-            Ok(window) => {
-                count_window_bound();
-                Ok(Some(Arc::new(LeasedWindow {
-                    window,
-                    lease: Mutex::new(Some(Lease {
-                        cache: self.clone(),
-                        key,
-                    })),
-                })))
-            }
-            Err(error) => {
-                self.unlease(key);
-                Err(error)
-            }
-        }
+        // `key`'s range is one allocation: the held `Bytes` it was first
+        // registered for, or these bytes, which the caller keeps alive.
+        self.lease_and_bind(pd, qp, key, Some(bytes), bytes)
     }
 
     /// The registration of `key`, with one more user; registered now on a
