@@ -31,8 +31,10 @@
 //! the memory allocated, and immutable, for as long as the registration is
 //! cached, so a later frame in the same bytes (the same tensor sent again,
 //! or to another peer) finds the same pages under the same registration.
-//! The price is memory kept after the application let go of it, bounded by
-//! [`MAX_HELD_BYTES`] per protection domain (idle ones evicted, least
+//! Only bytes of [`HOLD_FROM`] or more are held (shorter frames are mostly
+//! encoded afresh per call). The price is memory kept after the
+//! application let go of it, bounded by [`MAX_HELD_BYTES`] per protection
+//! domain (idle ones evicted, least
 //! recently used first; never one under a bound window). A frame that lies
 //! in held bytes gets a window over exactly the held range or a part of it;
 //! with exact extents (rxe), only over exactly the held range.
@@ -87,7 +89,16 @@ pub const WINDOW_BIND_WR_ID: u64 = 0xc000_0000_6d77_b1d0;
 
 /// Of [`MAX_CACHED_BYTES`], the application's own bytes a cache keeps
 /// alive (and registered) after the application let go of them.
-pub const MAX_HELD_BYTES: usize = 256 << 20;
+pub const MAX_HELD_BYTES: usize = 64 << 20;
+
+/// Application bytes shorter than this are not held: a frame of them gets
+/// a registration of its own. Mid-size frames are mostly encoded afresh
+/// for each call (a message whose fields were copied into a new buffer);
+/// holding those would keep every one of them alive to the cap for nothing
+/// (measured: a soak of mixed sizes grew both processes' RSS by over 100%).
+/// Large messages are encoded into recycled buffers, cached without being
+/// held; what is held is the application's own large `Bytes`.
+pub const HOLD_FROM: usize = 1 << 20;
 
 /// Registrations each protection domain's [`WindowCache`] keeps, in bytes
 /// (1 GiB: twice the recycled buffers' idle cap, so that idle and in-flight
@@ -508,6 +519,9 @@ impl WindowCache {
             let mut state = lock(&self.state);
             match state.held_covering(start, bytes.len(), self.exact) {
                 Some(key) => key,
+                // Too short to be worth keeping alive: a registration of
+                // its own.
+                None if bytes.len() < HOLD_FROM => return Ok(None),
                 None => {
                     state.next_held += 1;
                     Key {
@@ -941,6 +955,9 @@ mod tests {
         assert_eq!(first.len(), 1 << 20);
         assert_eq!(first.access(), AccessFlags::REMOTE_READ);
         first.deregister().unwrap();
+        // Short bytes are not held (a registration of their own).
+        let short = Bytes::from(vec![1u8; HOLD_FROM - 1]);
+        assert!(cache.bind_bytes(&*pd, &qp, &short).unwrap().is_none());
         // The same bytes again, and a part of them: no new registration.
         let again = cache.bind_bytes(&*pd, &qp, &payload).unwrap().unwrap();
         let part = cache
@@ -971,11 +988,14 @@ mod tests {
         assert_eq!(cache.registrations(), 1);
         // A part would be bound over a registration of all the bytes, which
         // such a device lets a READ through the window reach: its own.
+        let payload = Bytes::from(vec![5u8; 3 << 20]);
+        let whole = cache.bind_bytes(&*pd, &qp, &payload).unwrap().unwrap();
+        whole.deregister().unwrap();
         let part = cache
-            .bind_bytes(&*pd, &qp, &payload.slice(..4096))
+            .bind_bytes(&*pd, &qp, &payload.slice(..HOLD_FROM))
             .unwrap()
             .unwrap();
-        assert_eq!(cache.registrations(), 2);
+        assert_eq!(cache.registrations(), 3);
         part.deregister().unwrap();
     }
 
