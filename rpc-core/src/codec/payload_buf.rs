@@ -22,9 +22,14 @@ pub const SEPARATE_PARTS_FROM: usize = 32 << 10;
 
 static BYTES_COPIED: AtomicU64 = AtomicU64::new(0);
 
+/// Messages that copied fewer bytes (and kept no part) are not counted.
+const COUNT_COPIES_FROM: usize = 32 << 10;
+
 /// Bytes codecs wrote into [`PayloadBuf`] chunks (copied) since the process
-/// started, as opposed to large `Bytes` kept as parts of their own. Tests
-/// and benchmarks read it to prove a large field was sent without a copy.
+/// started, as opposed to large `Bytes` kept as parts of their own, counted
+/// for large messages only (those with a part kept, or with at least 32 KiB
+/// copied): small calls, the hot path, touch no shared counter. Tests and benchmarks read it to prove a large field
+/// was sent without a copy.
 pub fn bytes_copied_by_encoding() -> u64 {
     BYTES_COPIED.load(Ordering::Relaxed)
 }
@@ -79,7 +84,9 @@ impl PayloadBuf {
         let last = std::mem::take(&mut self.current);
         self.done.push(recycle::into_bytes(last));
         let copied = self.done.len() - self.kept;
-        BYTES_COPIED.fetch_add(copied as u64, Ordering::Relaxed);
+        if self.kept > 0 || copied >= COUNT_COPIES_FROM {
+            BYTES_COPIED.fetch_add(copied as u64, Ordering::Relaxed);
+        }
         self.done
     }
 
