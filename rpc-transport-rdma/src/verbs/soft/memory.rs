@@ -21,7 +21,8 @@ fn to_iovecs(spans: &[Span]) -> Vec<libc::iovec> {
         .collect()
 }
 
-fn total(spans: &[Span]) -> usize {
+/// The bytes `spans` cover.
+pub(crate) fn total(spans: &[Span]) -> usize {
     spans.iter().map(|(_, len)| *len as usize).sum()
 }
 
@@ -149,15 +150,26 @@ pub(crate) unsafe fn copy_from_spans(spans: &[Span], out: &mut Vec<u8>) {
 }
 
 /// The first `len` bytes of `spans`.
-pub(crate) fn truncate(spans: &[Span], mut len: usize) -> Vec<Span> {
-    let mut out = Vec::with_capacity(spans.len());
+pub(crate) fn truncate(spans: &[Span], len: usize) -> Vec<Span> {
+    slice(spans, 0, len)
+}
+
+/// The `len` bytes of `spans` from byte `start` on (fewer where they end).
+pub(crate) fn slice(spans: &[Span], mut start: usize, mut len: usize) -> Vec<Span> {
+    let mut out = Vec::new();
     for &(addr, span_len) in spans {
         if len == 0 {
             break;
         }
-        let take = (span_len as usize).min(len);
-        out.push((addr, take as u32));
+        let span_len = span_len as usize;
+        if start >= span_len {
+            start -= span_len;
+            continue;
+        }
+        let take = (span_len - start).min(len);
+        out.push((addr + start as u64, take as u32));
         len -= take;
+        start = 0;
     }
     out
 }
@@ -200,6 +212,17 @@ mod tests {
         };
         assert_eq!(out[0], 9);
         assert_eq!(&out[1..], &src[..]);
+    }
+
+    #[test]
+    fn slices_cut_across_span_boundaries() {
+        let spans = [(100, 10), (200, 5), (300, 20)];
+        assert_eq!(slice(&spans, 0, 35), spans.to_vec());
+        assert_eq!(slice(&spans, 8, 10), vec![(108, 2), (200, 5), (300, 3)]);
+        assert_eq!(slice(&spans, 15, 4), vec![(300, 4)]);
+        assert_eq!(slice(&spans, 30, 100), vec![(315, 5)]);
+        assert_eq!(slice(&spans, 35, 1), vec![]);
+        assert_eq!(truncate(&spans, 12), vec![(100, 10), (200, 2)]);
     }
 
     #[test]

@@ -28,6 +28,7 @@
 //!   at once.
 
 mod memory;
+mod parallel;
 mod peer;
 mod qp;
 mod ring;

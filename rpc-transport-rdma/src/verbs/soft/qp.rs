@@ -819,7 +819,7 @@ impl QpShared {
         let process = process.ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::NotConnected, "soft QP has no peer")
         })?;
-        process.transfer(|pid| memory::read_from(pid, remote, local))
+        process.transfer(|pid| super::parallel::read_from(pid, remote, local))
     }
 
     fn execute(&self, inner: &mut QpInner, request: Request) -> Outcome {

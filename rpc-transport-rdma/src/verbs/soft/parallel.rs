@@ -1,0 +1,257 @@
+//! Large cross-process copies split across the cores.
+//!
+//! One `process_vm_readv` runs on one core. A rendezvous READ moves a
+//! payload while the peer waits for it, so a single copying thread leaves
+//! the other cores idle exactly when the call's latency is the copy (tcp://
+//! over loopback, by contrast, copies on the sender's and the receiver's
+//! core at once). A READ of at least [`SPLIT_FROM`] bytes is therefore cut
+//! into pieces: the thread that finishes the READ copies one piece, a small
+//! process-wide set of helper threads the others.
+//!
+//! The caller never waits for a helper that has not started: once its own
+//! piece is done it takes every piece no helper claimed yet, so on a busy
+//! machine (helpers not scheduled) the copy degrades to the single-thread
+//! one, not to a stall. It returns only after every piece has finished,
+//! which keeps the caller's guarantee (the local spans stay registered for
+//! the call) covering the helpers' writes too. Helpers only ever write our
+//! own memory, with `process_vm_readv`, as the caller would.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+
+use super::lock;
+use super::memory::{self, Span};
+
+/// Copies from this many bytes are split (measured on 2 cores: below it the
+/// hand-off costs about what the split saves).
+pub(crate) const SPLIT_FROM: usize = 256 * 1024;
+/// Bytes per piece: several pieces per thread, claimed one at a time, so the
+/// threads end within one piece of each other.
+const PIECE_LEN: usize = 256 * 1024;
+/// Pieces per copy at most.
+const MAX_PIECES: usize = 64;
+/// Helper threads at most, whatever the core count: memory bandwidth, not
+/// cores, bounds a copy beyond a few threads.
+const MAX_HELPERS: usize = 3;
+/// Polls of the unfinished count before the caller sleeps on it (a helper
+/// that started a piece usually ends within the caller's own piece).
+const SPIN_BEFORE_SLEEP: u32 = 2_000;
+
+/// Copies `remote` (in process `pid`) into `local` (ours) like
+/// [`memory::read_from`], on several threads when the copy is large and the
+/// machine has more than one core.
+pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result<()> {
+    let len = memory::total(local);
+    let pool = if len >= SPLIT_FROM && len == memory::total(remote) {
+        helpers()
+    } else {
+        None
+    };
+    let Some((pool, helpers)) = pool else {
+        return memory::read_from(pid, remote, local);
+    };
+    let pieces = (len / PIECE_LEN).clamp(helpers + 1, MAX_PIECES);
+    let job = Arc::new(Job::new(pid, remote, local, len, pieces));
+    {
+        let mut queue = lock(&pool.queue);
+        queue.push_back(job.clone());
+    }
+    for _ in 1..pieces {
+        pool.ready.notify_one();
+    }
+    job.run_claimable();
+    job.wait()
+}
+
+/// One split copy: its pieces, which of them are claimed, how many are
+/// still running, and the first error.
+struct Job {
+    pid: u32,
+    pieces: Vec<(Vec<Span>, Vec<Span>)>,
+    next: AtomicUsize,
+    unfinished: AtomicUsize,
+    finished_lock: Mutex<()>,
+    finished: Condvar,
+    error: Mutex<Option<io::Error>>,
+}
+
+impl Job {
+    fn new(pid: u32, remote: &[Span], local: &[Span], len: usize, count: usize) -> Job {
+        let each = len.div_ceil(count);
+        let pieces = (0..count)
+            .map(|i| {
+                let start = (i * each).min(len);
+                let piece_len = each.min(len - start);
+                (
+                    memory::slice(remote, start, piece_len),
+                    memory::slice(local, start, piece_len),
+                )
+            })
+            .collect();
+        Job {
+            pid,
+            pieces,
+            next: AtomicUsize::new(0),
+            unfinished: AtomicUsize::new(count),
+            finished_lock: Mutex::new(()),
+            finished: Condvar::new(),
+            error: Mutex::new(None),
+        }
+    }
+
+    fn exhausted(&self) -> bool {
+        self.next.load(Ordering::Acquire) >= self.pieces.len()
+    }
+
+    /// Copies pieces nobody claimed yet, until none is left.
+    fn run_claimable(&self) {
+        loop {
+            let index = self.next.fetch_add(1, Ordering::AcqRel);
+            let Some((remote, local)) = self.pieces.get(index) else {
+                return;
+            };
+            if let Err(error) = memory::read_from(self.pid, remote, local) {
+                lock(&self.error).get_or_insert(error);
+            }
+            if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
+                // Taking the lock orders this notify after a waiter's check.
+                let _guard = lock(&self.finished_lock);
+                self.finished.notify_all();
+            }
+        }
+    }
+
+    /// Waits until every piece has finished; the first error, if any.
+    fn wait(&self) -> io::Result<()> {
+        let mut spins = 0;
+        while self.unfinished.load(Ordering::Acquire) > 0 && spins < SPIN_BEFORE_SLEEP {
+            std::hint::spin_loop();
+            spins += 1;
+        }
+        let mut guard = lock(&self.finished_lock);
+        while self.unfinished.load(Ordering::Acquire) > 0 {
+            guard = self
+                .finished
+                .wait(guard)
+                .unwrap_or_else(|poison| poison.into_inner());
+        }
+        drop(guard);
+        match lock(&self.error).take() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The process's copy helpers: a queue of split copies with pieces left.
+struct Pool {
+    /// Helper threads running (set once, after they are started).
+    helpers: AtomicUsize,
+    queue: Mutex<VecDeque<Arc<Job>>>,
+    ready: Condvar,
+}
+
+/// The helpers, started on first use; `None` on one core (or when no
+/// thread could be started).
+fn helpers() -> Option<(&'static Pool, usize)> {
+    static POOL: OnceLock<Option<&'static Pool>> = OnceLock::new();
+    let pool = (*POOL.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let wanted = cores.saturating_sub(1).min(MAX_HELPERS);
+        if wanted == 0 {
+            return None;
+        }
+        // Lives as long as the process, like its helper threads.
+        let pool: &'static Pool = Box::leak(Box::new(Pool {
+            helpers: AtomicUsize::new(0),
+            queue: Mutex::new(VecDeque::new()),
+            ready: Condvar::new(),
+        }));
+        let started = (0..wanted)
+            .take_while(|i| {
+                std::thread::Builder::new()
+                    .name(format!("soft-rdma-copy-{i}"))
+                    .spawn(move || helper(pool))
+                    .is_ok()
+            })
+            .count();
+        pool.helpers.store(started, Ordering::Release);
+        (started > 0).then_some(pool)
+    }))?;
+    Some((pool, pool.helpers.load(Ordering::Acquire)))
+}
+
+/// A helper thread: takes pieces of the oldest job with pieces left, sleeps
+/// when there is none.
+fn helper(pool: &'static Pool) {
+    loop {
+        let job = {
+            let mut queue = lock(&pool.queue);
+            loop {
+                while queue.front().is_some_and(|job| job.exhausted()) {
+                    queue.pop_front();
+                }
+                if let Some(job) = queue.front() {
+                    break job.clone();
+                }
+                queue = pool
+                    .ready
+                    .wait(queue)
+                    .unwrap_or_else(|poison| poison.into_inner());
+            }
+        };
+        job.run_claimable();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_split_copy_moves_every_byte_across_uneven_spans() {
+        let len = 3 * SPLIT_FROM + 12_345;
+        let src: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let mut a = vec![0u8; 100_000];
+        let mut b = vec![0u8; len - 100_000];
+        let local = [
+            (a.as_mut_ptr() as u64, a.len() as u32),
+            (b.as_mut_ptr() as u64, b.len() as u32),
+        ];
+        let cut = 700_001;
+        let remote = [
+            (src.as_ptr() as u64, cut as u32),
+            (src.as_ptr() as u64 + cut as u64, (len - cut) as u32),
+        ];
+        for _ in 0..20 {
+            a.fill(0);
+            b.fill(0);
+            read_from(std::process::id(), &remote, &local).unwrap();
+            assert_eq!(&a[..], &src[..100_000]);
+            assert_eq!(&b[..], &src[100_000..]);
+        }
+    }
+
+    #[test]
+    fn a_bad_address_in_any_piece_fails_the_copy() {
+        let len = 4 * SPLIT_FROM;
+        let src = vec![1u8; len];
+        let mut dst = vec![0u8; len];
+        // The last quarter of the source is unmapped (address 8 onwards).
+        let remote = [
+            (src.as_ptr() as u64, (len - SPLIT_FROM) as u32),
+            (8, SPLIT_FROM as u32),
+        ];
+        let err = read_from(
+            std::process::id(),
+            &remote,
+            &[(dst.as_mut_ptr() as u64, len as u32)],
+        )
+        .unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
+        // Every piece was waited for: the job is done with `dst` here.
+        dst.fill(2);
+    }
+}
