@@ -1584,6 +1584,44 @@ fn spawn_child(side: &Side) -> Child {
     }
 }
 
+/// The soft provider serves every connected QP from a fixed set of engine
+/// threads (one per core, at most 4): a hundred connections start no thread
+/// of their own, and each of them still works.
+#[test]
+fn soft_queue_pairs_share_a_fixed_set_of_engine_threads() {
+    let test = "soft_queue_pairs_share_a_fixed_set_of_engine_threads";
+    let Some(device) = device() else { return };
+    if !device.context.device_name().starts_with("soft") {
+        skip(test, "soft provider only");
+        return;
+    }
+    let pairs: Vec<Pair> = (0..100).map(|_| Pair::new(&device)).collect();
+    for (i, pair) in pairs.iter().enumerate() {
+        let inbox = Buffer::new(&pair.b.pd, 64, LW);
+        pair.b.post_recv(1, vec![inbox.sge(0, 64)]);
+        let mut note = Buffer::new(&pair.a.pd, 64, LW);
+        note.write(0, &(i as u64).to_le_bytes());
+        pair.a.post_send(wr(2, SendOp::Send, vec![note.sge(0, 8)]));
+        assert_eq!(wait(&pair.a.send_cq, 1)[0].status, WcStatus::Success);
+        assert_eq!(wait(&pair.b.recv_cq, 1)[0].status, WcStatus::Success);
+        assert_eq!(inbox.u64_at(0), i as u64);
+    }
+    let threads = |prefix: &str| {
+        std::fs::read_dir("/proc/self/task")
+            .expect("/proc/self/task")
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+            .filter(|name| name.starts_with(prefix))
+            .count()
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let engines = threads("soft-rdma-engin");
+    assert!(
+        (1..=cores.min(4)).contains(&engines),
+        "{engines} engine threads on {cores} cores"
+    );
+    assert_eq!(threads("soft-rdma-qp"), 0, "no thread per QP");
+}
+
 #[test]
 fn two_processes_write_read_and_send() {
     let Some(device) = device() else { return };

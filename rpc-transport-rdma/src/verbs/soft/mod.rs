@@ -27,6 +27,7 @@
 //!   oldest request completes with RETRY_EXC_ERR and everything else flushes,
 //!   at once.
 
+mod engine;
 mod memory;
 mod parallel;
 mod peer;

@@ -29,6 +29,12 @@ use crate::verbs::{
     SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus, WorkCompletion,
 };
 
+/// Responses an engine turn queues for a peer whose ring is full before it
+/// stops reading that peer's requests.
+const ENGINE_BACKLOG: usize = 64 * 1024;
+/// A peer that leaves no room in its ring for this long fails the QP (as a
+/// caller's write to a full ring times out).
+const BACKLOG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// SENDs and WRITEs up to this many bytes travel inside their descriptor.
 const EAGER_COPY_BYTES: u64 = 512;
 /// Requests a peer may send before this QP reaches RTR (held until then);
@@ -73,6 +79,9 @@ struct QpInner {
     /// What `unwritten` needs from the peer (`need` bits; 0: nothing urgent,
     /// no wake-up).
     unwritten_needs: u32,
+    /// Since when the peer's ring has had no room for what the engine
+    /// wrote (see [`QpShared::flush_some`]).
+    backlog_since: Option<Instant>,
     next_seq: u64,
     outstanding: VecDeque<Outstanding>,
     recv_queue: VecDeque<RecvWr>,
@@ -86,7 +95,7 @@ struct QpInner {
 }
 
 pub(crate) struct QpShared {
-    qp_num: u32,
+    pub(crate) qp_num: u32,
     /// Presented by whoever attaches to this QP over the Unix socket: only
     /// the peer that got our address from the set-up hello knows it.
     secret: Secret,
@@ -166,6 +175,7 @@ pub(crate) fn create(
             ring: None,
             unwritten: Vec::new(),
             unwritten_needs: 0,
+            backlog_since: None,
             next_seq: 0,
             outstanding: VecDeque::new(),
             recv_queue: VecDeque::new(),
@@ -400,11 +410,6 @@ impl QpShared {
                 return false;
             }
         }
-        // The engine blocks on the socket with a read time-out.
-        if stream.set_nonblocking(false).is_err() {
-            let _ = stream.shutdown(Shutdown::Both);
-            return false;
-        }
         let _ = self.peer_wakers.set(wakers);
         let ring = Arc::new(ring);
         inner.peer = Some(peer);
@@ -414,11 +419,8 @@ impl QpShared {
         let _ = self.polled_ring.set(ring.clone());
         *lock(&self.reader) = Some((stream, MessageReader::new(), ring.clone()));
         let generation = self.generation.fetch_add(1, AtomicOrdering::SeqCst) + 1;
-        let qp = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("soft-rdma-qp-{}", self.qp_num))
-            .spawn(move || qp.engine(waiter, ring, generation));
-        if spawned.is_err() {
+        if let Err(error) = super::engine::attach(self.clone(), waiter, ring, generation) {
+            tracing::warn!(qp = self.qp_num, %error, "soft QP has no engine");
             self.enter_error(&mut inner, None);
             return false;
         }
@@ -501,16 +503,26 @@ impl QpShared {
         }
     }
 
-    /// Writes the queued messages in one go; on failure the QP goes to ERROR.
+    /// Writes the queued messages in one go, waiting while the peer's ring
+    /// is full; on failure the QP goes to ERROR.
     fn flush(&self, inner: &mut QpInner) {
+        self.write_out(inner, true);
+    }
+
+    /// [`QpShared::flush`] for the engine, which never waits on one peer:
+    /// writes what the peer's ring has room for and keeps the rest queued.
+    /// True when nothing is left.
+    fn flush_some(&self, inner: &mut QpInner) -> bool {
+        self.write_out(inner, false)
+    }
+
+    fn write_out(&self, inner: &mut QpInner, wait: bool) -> bool {
         if inner.unwritten.is_empty() {
-            return;
+            return true;
         }
-        self.responses_pending.store(false, AtomicOrdering::Relaxed);
-        let batch = std::mem::take(&mut inner.unwritten);
-        let needs = std::mem::take(&mut inner.unwritten_needs);
+        let needs = inner.unwritten_needs;
         let (Some(writer), Some(ring)) = (inner.writer.as_ref(), inner.ring.as_ref()) else {
-            return;
+            return true;
         };
         let wakers = self.peer_wakers.get();
         // A sleeping peer engine is rung only for work that must not wait
@@ -522,12 +534,34 @@ impl QpShared {
         // cannot tell the difference.
         let engine_needed = needs & (need::ENGINE | need::PROMPT_ACK) != 0;
         let direct = || wakers.is_some_and(|wakers| wakers.wake(needs)) || !engine_needed;
-        if ring.send(&batch, writer, needs != 0, direct).is_err() {
-            self.enter_error(inner, Some(WcStatus::RetryExcErr));
+        let batch = &inner.unwritten;
+        let written = if wait {
+            ring.send(batch, writer, needs != 0, direct)
+                .map(|()| batch.len())
         } else {
-            // Keep the allocation for the next batch.
-            inner.unwritten = batch;
-            inner.unwritten.clear();
+            ring.send_some(batch, writer, needs != 0, direct)
+        };
+        // Either way a polling caller has nothing left to write: what a
+        // full ring kept waits for the engine's next turn.
+        self.responses_pending.store(false, AtomicOrdering::Relaxed);
+        match written {
+            Ok(n) if n == inner.unwritten.len() => {
+                // Keep the allocation for the next batch.
+                inner.unwritten.clear();
+                inner.unwritten_needs = 0;
+                inner.backlog_since = None;
+                true
+            }
+            Ok(n) => {
+                inner.unwritten.drain(..n);
+                inner.backlog_since.get_or_insert_with(Instant::now);
+                false
+            }
+            Err(_) => {
+                inner.unwritten.clear();
+                self.enter_error(inner, Some(WcStatus::RetryExcErr));
+                true
+            }
         }
     }
 
@@ -549,7 +583,7 @@ impl QpShared {
             inner.writer.as_ref(),
             inner.ring.as_ref(),
         ) {
-            let _ = ring.send(&unwritten, writer, true, || false);
+            let _ = ring.send_some(&unwritten, writer, true, || false);
         }
         for (i, outstanding) in inner.outstanding.drain(..).enumerate() {
             let status = match (i, first) {
@@ -578,62 +612,65 @@ impl QpShared {
         tracing::debug!(qp = self.qp_num, ?first, "soft QP entered ERROR");
     }
 
-    /// The engine thread: sleeps until the wire is readable (or an RNR timer
-    /// is due), then progresses the QP.
-    fn engine(self: Arc<Self>, waiter: UnixStream, ring: Arc<RingPair>, generation: u64) {
-        // The socket's read time-out, set only when it changes (a system call).
-        let mut read_timeout = None;
-        let mut set_timeout = |timeout: std::time::Duration| {
-            let timeout = timeout.max(std::time::Duration::from_micros(1));
-            if read_timeout != Some(timeout) {
-                let _ = waiter.set_read_timeout(Some(timeout));
-                read_timeout = Some(timeout);
-            }
-        };
-        loop {
-            let rnr_due = self.lock().rnr_resend_at;
-            // While a caller polls it reads the ring itself: nap with the
-            // sleeping flag clear (no doorbells), don't sleep. The second look
-            // catches a caller that stopped (and set the flag for us) between
-            // the first look and the clearing.
-            let polled = ring.polled_recently() && {
-                ring.set_sleeping(false);
-                ring.polled_recently()
-            };
-            if polled {
-                let nap = rnr_due.map_or(super::ring::POLLED_ENGINE_NAP, |at| {
-                    at.saturating_duration_since(Instant::now())
-                        .min(super::ring::POLLED_ENGINE_NAP)
-                });
-                set_timeout(nap);
-                wire::wait_for_data(&waiter);
-            } else {
-                // Rounded to whole milliseconds, so the time-out rarely changes.
-                let timeout = rnr_due.map_or(std::time::Duration::from_millis(100), |at| {
-                    let left = at.saturating_duration_since(Instant::now());
-                    std::time::Duration::from_millis(left.as_millis() as u64 + 1)
-                });
-                set_timeout(timeout);
-                // Say we sleep, look once more, then sleep: a producer that
-                // publishes after our look sees the flag and rings the doorbell.
-                if ring.may_sleep() {
-                    wire::wait_for_data(&waiter);
-                }
-                ring.set_sleeping(false);
-            }
-            if self.generation.load(AtomicOrdering::SeqCst) != generation {
-                return;
-            }
-            // A caller polling right now reads the ring itself (and fires
-            // RNR resends): leave the work to it instead of contending for
-            // the QP, and only swallow the doorbells. EOF still goes through.
-            if ring.polled_recently() && !drain_doorbells(&waiter) {
-                continue;
-            }
-            if !self.progress() {
-                return;
-            }
+    /// One turn of this QP's engine (`engine.rs`), after a doorbell, EOF or
+    /// a timer: swallows the doorbells, progresses the QP unless a caller
+    /// polls it (that caller reads the ring itself and fires RNR resends;
+    /// EOF still goes through), then says how to wait next: napping with
+    /// the sleeping flag clear while a caller polls (producers ring no
+    /// doorbell; the nap bounds the wait of a message that arrives just as
+    /// the polling stops), else asleep with the flag set. `Err(())`: bytes
+    /// arrived while it was going to sleep, take another turn.
+    pub(crate) fn engine_turn(
+        &self,
+        waiter: &UnixStream,
+        ring: &RingPair,
+        generation: u64,
+    ) -> Result<super::engine::Next, ()> {
+        use super::engine::Next;
+        if self.generation.load(AtomicOrdering::SeqCst) != generation {
+            return Ok(Next::Done);
         }
+        ring.set_sleeping(false);
+        let peer_gone = drain_doorbells(waiter);
+        if (peer_gone || !ring.polled_recently()) && !self.progress() {
+            return Ok(Next::Done);
+        }
+        let (rnr_due, backlogged) = {
+            let mut inner = self.lock();
+            if inner
+                .backlog_since
+                .is_some_and(|since| since.elapsed() > BACKLOG_TIMEOUT)
+            {
+                // As a blocked write would: the peer has stopped reading.
+                self.enter_error(&mut inner, Some(WcStatus::RetryExcErr));
+                return Ok(Next::Done);
+            }
+            (inner.rnr_resend_at, inner.backlog_since.is_some())
+        };
+        // The second look catches a caller that stopped (and set the flag
+        // for us) between the first look and the clearing.
+        let polled = ring.polled_recently() && {
+            ring.set_sleeping(false);
+            ring.polled_recently()
+        };
+        if polled || backlogged {
+            // A backlog (the peer's ring was full) is retried after a nap
+            // too; meanwhile the peer's requests wait in its ring.
+            let nap = Instant::now() + super::ring::POLLED_ENGINE_NAP;
+            return Ok(Next::Wait(Some(rnr_due.map_or(nap, |at| at.min(nap)))));
+        }
+        // Say we sleep, look once more, then sleep: a producer that
+        // publishes after our look sees the flag and rings the doorbell.
+        if ring.may_sleep() {
+            Ok(Next::Wait(rnr_due))
+        } else {
+            Err(())
+        }
+    }
+
+    /// The engine could not take this QP: it fails.
+    pub(crate) fn fail_from_engine(&self) {
+        self.enter_error(&mut self.lock(), None);
     }
 
     /// Progress on behalf of a caller polling a CQ: marks the process as
@@ -703,6 +740,15 @@ impl QpShared {
             // published before it went is ours.
             let peer_gone = check_socket && drain_doorbells(stream);
             loop {
+                if check_socket {
+                    let mut inner = self.lock();
+                    if inner.unwritten.len() >= ENGINE_BACKLOG && !self.flush_some(&mut inner) {
+                        // The peer does not drain its ring: read no more of
+                        // its requests (each owes it a response) until it
+                        // does. The engine retries after a nap.
+                        break;
+                    }
+                }
                 let outcome = match reader.read(&mut RingReader(ring)) {
                     Ok(ReadOutcome::TimedOut) if peer_gone => Ok(ReadOutcome::Closed),
                     outcome => outcome,
@@ -722,7 +768,7 @@ impl QpShared {
                         // its next poll, whichever comes first, so its
                         // completions reach it one ring write sooner.
                         if check_socket {
-                            self.flush(&mut inner);
+                            self.flush_some(&mut inner);
                         } else if !inner.unwritten.is_empty() {
                             self.responses_pending.store(true, AtomicOrdering::Relaxed);
                         }

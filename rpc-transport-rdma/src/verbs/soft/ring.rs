@@ -178,6 +178,30 @@ impl RingPair {
         wake: bool,
         direct: impl FnOnce() -> bool,
     ) -> io::Result<()> {
+        self.append(bytes, socket, wake, direct, true).map(|_| ())
+    }
+
+    /// Like [`RingPair::send`], but never waits: appends what fits and
+    /// returns how many bytes that was (the consumer is rung for a full
+    /// ring). For the engine threads, which must not wait on one peer.
+    pub(crate) fn send_some(
+        &self,
+        bytes: &[u8],
+        socket: &UnixStream,
+        wake: bool,
+        direct: impl FnOnce() -> bool,
+    ) -> io::Result<usize> {
+        self.append(bytes, socket, wake, direct, false)
+    }
+
+    fn append(
+        &self,
+        bytes: &[u8],
+        socket: &UnixStream,
+        wake: bool,
+        direct: impl FnOnce() -> bool,
+        wait: bool,
+    ) -> io::Result<usize> {
         let half = self.tx;
         let mut written = 0;
         let mut consumer_sleeps = false;
@@ -199,6 +223,9 @@ impl RingPair {
             if room == 0 {
                 // Wake the consumer if it sleeps, then wait for it to drain.
                 self.doorbell(socket);
+                if !wait {
+                    break;
+                }
                 if Instant::now() > deadline {
                     return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
@@ -236,7 +263,7 @@ impl RingPair {
         if consumer_sleeps && !direct() {
             self.ring_doorbell(socket);
         }
-        Ok(())
+        Ok(written)
     }
 
     /// Rings the doorbell if the consumer sleeps (a full ring: wake it to drain).
@@ -331,6 +358,13 @@ impl RingPair {
     pub(crate) fn polled_recently(&self) -> bool {
         let polled_at = self.polled_at.load(Ordering::SeqCst);
         monotonic_ns().saturating_sub(polled_at) < POLL_GRACE_NS
+    }
+
+    /// True when a caller of this process turned our doorbells off to poll
+    /// and then stopped without asking for them again (it never armed a
+    /// CQ): nobody would wake the engine for what arrives.
+    pub(crate) fn abandoned_by_poller(&self) -> bool {
+        self.sleeping(self.rx()).load(Ordering::SeqCst) == 0 && !self.polled_recently()
     }
 
     /// Declares that our consumer is about to sleep, then looks once more:

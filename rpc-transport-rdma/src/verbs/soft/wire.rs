@@ -443,24 +443,6 @@ impl Read for NonBlocking<'_> {
     }
 }
 
-/// Blocks until the socket has data or is closed (or the socket's read
-/// time-out passes), consuming nothing (`recv` with `MSG_PEEK`). A blocking
-/// receive, unlike `poll`, lets the kernel's synchronous wake-up place this
-/// thread next to the writer.
-pub(crate) fn wait_for_data(stream: &std::os::unix::net::UnixStream) {
-    use std::os::fd::AsRawFd;
-    let mut byte = 0u8;
-    // SAFETY: one writable byte; the fd is owned by the borrowed stream.
-    let _ = unsafe {
-        libc::recv(
-            stream.as_raw_fd(),
-            (&mut byte as *mut u8).cast(),
-            1,
-            libc::MSG_PEEK,
-        )
-    };
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
