@@ -9,8 +9,9 @@
 //!   against its own table (REM_ACCESS_ERR at the initiator), as an HCA would.
 //! - **The wire.** Two connected QPs share a pair of single-producer
 //!   single-consumer descriptor rings in shared memory (`ring`), with a Unix
-//!   stream socket beside them for doorbells and EOF. Each QP has an engine
-//!   thread that executes the peer's requests (the responder role) and
+//!   stream socket beside them for doorbells and EOF. A fixed set of engine
+//!   threads per process (`engine`: one per core, at most 4, each an epoll
+//!   loop) executes each QP's peer requests (the responder role) and
 //!   retires its own (the initiator role); a caller polling a CQ does that
 //!   work itself, with no thread hop and, when nothing arrived, no lock.
 //! - **Payload.** Bytes move directly between the two address spaces with
