@@ -536,6 +536,36 @@ mod tests {
     }
 
     #[test]
+    fn send_some_takes_what_fits_and_never_waits_for_a_consumer() {
+        let (producer, fd) = RingPair::create().unwrap();
+        let consumer = RingPair::open(&fd).unwrap();
+        let (socket, _other) = UnixStream::pair().unwrap();
+        let bytes = vec![7u8; RING_BYTES - 100];
+        assert_eq!(
+            producer.send_some(&bytes, &socket, true, || false).unwrap(),
+            bytes.len()
+        );
+        // 100 bytes of room left, nobody draining: no wait, a short count.
+        let started = Instant::now();
+        assert_eq!(
+            producer.send_some(&[1u8; 300], &socket, true, || false).unwrap(),
+            100
+        );
+        assert_eq!(
+            producer.send_some(&[1u8; 300], &socket, true, || false).unwrap(),
+            0
+        );
+        assert!(started.elapsed() < FULL_TIMEOUT / 4);
+        // Once the consumer drains, the rest goes through.
+        let mut buffer = vec![0u8; 4096];
+        assert_eq!(consumer.receive(&mut buffer).unwrap(), 4096);
+        assert_eq!(
+            producer.send_some(&[1u8; 200], &socket, true, || false).unwrap(),
+            200
+        );
+    }
+
+    #[test]
     fn a_sleeping_consumer_gets_a_doorbell() {
         let (producer, fd) = RingPair::create().unwrap();
         let consumer = RingPair::open(&fd).unwrap();
