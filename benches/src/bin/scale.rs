@@ -3,12 +3,14 @@
 //!
 //! ```text
 //! cargo run --release -p rdma-rpc-benches --bin scale -- --connections 10,100,1000 --processes 10
-//! cargo run --release -p rdma-rpc-benches --bin scale -- --transports rdma,tcp --connections 100 --processes 100
+//! cargo run --release -p rdma-rpc-benches --bin scale -- --transports rdma,tcp --connections 100 --processes 100 --in-flight 100
 //! ```
 //! For each transport and connection count: a fresh echo server in its own
 //! process; `--processes` client processes open the connections between
-//! them (one call each), wait, then call on every connection at once
-//! (`--calls` sequential 64 B calls per connection). Prints the server's
+//! them (one call each), wait, then call on every connection in turn with
+//! `--in-flight` calls in flight in all, the same for every connection
+//! count (so latency shows what more connections cost, not more load),
+//! until each connection had `--calls` 64 B calls. Prints the server's
 //! threads, resident memory and registered bytes with the connections idle
 //! and busy, calls/s, p50/p99 and errors, then the issue's goals. Raise
 //! `ulimit -n` first for thousands of connections.
@@ -89,11 +91,12 @@ fn request() -> EchoRequest {
     }
 }
 
-/// `--client ENDPOINT CONNECTIONS CALLS`: opens the connections (one call
-/// each), prints `CONNECTED <errors>`, waits for `go` on stdin, calls on all
-/// of them at once, prints `RESULT <errors> <calls> <seconds>` and
-/// `LATENCIES <µs> ...`.
-fn client(endpoint: &str, connections: usize, calls: usize) {
+/// `--client ENDPOINT CONNECTIONS CALLS CALLERS`: opens the connections
+/// (one call each), prints `CONNECTED <errors>`, waits for `go` on stdin,
+/// then `CALLERS` tasks call, each on its share of the connections in turn,
+/// until every connection had `CALLS` calls; prints
+/// `RESULT <errors> <calls> <seconds>` and `LATENCIES <µs> ...`.
+fn client(endpoint: &str, connections: usize, calls: usize, callers: usize) {
     runtime().block_on(async {
         rpc_transport_rdma::register().expect("rdma");
         let mut clients = Vec::with_capacity(connections);
@@ -121,15 +124,24 @@ fn client(endpoint: &str, connections: usize, calls: usize) {
         let _ = std::io::stdin().read_line(&mut line);
         let started = Instant::now();
         let mut tasks = tokio::task::JoinSet::new();
-        for mut client in clients {
+        let clients = std::sync::Arc::new(clients);
+        let callers = callers.clamp(1, clients.len().max(1));
+        for caller in 0..callers {
+            let clients = clients.clone();
             tasks.spawn(async move {
-                let mut latencies = Vec::with_capacity(calls);
+                // This caller's connections, in turn: every connection gets
+                // `calls` calls, with `callers` calls in flight in all.
+                let mine: Vec<EchoClient<Channel>> =
+                    clients.iter().skip(caller).step_by(callers).cloned().collect();
+                let mut latencies = Vec::with_capacity(calls * mine.len());
                 let mut errors = 0u64;
                 for _ in 0..calls {
-                    let call = Instant::now();
-                    match client.say(request()).await {
-                        Ok(_) => latencies.push(call.elapsed().as_micros() as u32),
-                        Err(_) => errors += 1,
+                    for client in &mine {
+                        let call = Instant::now();
+                        match client.clone().say(request()).await {
+                            Ok(_) => latencies.push(call.elapsed().as_micros() as u32),
+                            Err(_) => errors += 1,
+                        }
                     }
                 }
                 (latencies, errors)
@@ -211,7 +223,13 @@ impl Drop for Peer {
     }
 }
 
-fn measure(transport: &str, connections: usize, processes: usize, calls: usize) -> Row {
+fn measure(
+    transport: &str,
+    connections: usize,
+    processes: usize,
+    in_flight: usize,
+    calls: usize,
+) -> Row {
     eprintln!("{transport}:// {connections} connections from {processes} processes");
     let mut server = Peer::spawn(&["--serve", transport]);
     let endpoint = server.expect("LISTENING ");
@@ -221,11 +239,13 @@ fn measure(transport: &str, connections: usize, processes: usize, calls: usize) 
     let mut clients: Vec<Peer> = (0..processes)
         .map(|i| {
             let share = connections / processes + usize::from(i < connections % processes);
+            let callers = in_flight / processes + usize::from(i < in_flight % processes);
             Peer::spawn(&[
                 "--client",
                 &endpoint,
                 &share.to_string(),
                 &calls.to_string(),
+                &callers.max(1).to_string(),
             ])
         })
         .collect();
@@ -295,7 +315,8 @@ fn main() {
     let mut transports = vec!["rdma".to_owned()];
     let mut connections = vec![10, 100, 1000];
     let mut processes = 10;
-    let mut calls = 200;
+    let mut in_flight = 10;
+    let mut calls = 100;
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--serve" => return serve(&args.next().expect("--serve SCHEME")),
@@ -306,12 +327,14 @@ fn main() {
                     .and_then(|v| v.parse().ok())
                     .expect("CONNECTIONS");
                 let calls = args.next().and_then(|v| v.parse().ok()).expect("CALLS");
-                return client(&endpoint, n, calls);
+                let callers = args.next().and_then(|v| v.parse().ok()).expect("CALLERS");
+                return client(&endpoint, n, calls, callers);
             }
             "--transports" => transports = list(args.next(), "--transports"),
             "--connections" => connections = list(args.next(), "--connections"),
             "--processes" => processes = list(args.next(), "--processes")[0],
             "--calls" => calls = list(args.next(), "--calls")[0],
+            "--in-flight" => in_flight = list(args.next(), "--in-flight")[0],
             "--help" | "-h" => {
                 println!("{USAGE}");
                 return;
@@ -324,12 +347,12 @@ fn main() {
         .flat_map(|t| {
             connections
                 .iter()
-                .map(|&n| measure(t, n, processes, calls))
+                .map(|&n| measure(t, n, processes, in_flight, calls))
                 .collect::<Vec<_>>()
         })
         .collect();
     println!(
-        "\n{processes} client processes, {calls} sequential 64 B calls per connection, all connections at once.\n"
+        "\n{processes} client processes, {in_flight} calls in flight in all (whatever the connection count), {calls} 64 B calls per connection.\n"
     );
     println!(
         "| transport | connections | server threads (none / idle / busy) | RSS per idle connection (KiB) | registered per connection, idle / busy (KiB) | calls/s | p50 (µs) | p99 (µs) | errors |"
