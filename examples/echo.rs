@@ -57,7 +57,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         reply.get_ref().message
     );
 
-    let payload: bytes::Bytes = (0..(4 << 20)).map(|i: u32| (i % 251) as u8).collect();
+    let payload: rpc_core::bytes::Bytes = (0..(4 << 20)).map(|i: u32| (i % 251) as u8).collect();
     let started = Instant::now();
     let reply = client
         .say(EchoRequest {

@@ -58,11 +58,11 @@ pub struct KvStore {
     entries: Mutex<BTreeMap<String, kv::Entry>>,
 }
 
-fn now() -> prost_types::Timestamp {
+fn now() -> rpc_core::prost_types::Timestamp {
     let since_epoch = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default();
-    prost_types::Timestamp {
+    rpc_core::prost_types::Timestamp {
         seconds: since_epoch.as_secs() as i64,
         nanos: since_epoch.subsec_nanos() as i32,
     }

@@ -17,12 +17,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use rdma_rpc_examples::kv::{
     GetRequest, PutRequest, ScanRequest, key_value_client::KeyValueClient,
     key_value_server::KeyValueServer,
 };
 use rdma_rpc_examples::{KvStore, endpoint_arg, init_logging};
+use rpc_core::bytes::Bytes;
 use rpc_core::{BoxError, Channel, Code, Payload, Request, Response, Server, Status};
 use tower::{Layer, Service, ServiceBuilder};
 

@@ -27,6 +27,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 pub use generator::{ServiceGenerator, client_module, server_module};
+/// prost-build, for [`Builder::compile_with_config`] without a direct
+/// dependency on it (and at the version rpc-codegen uses).
+pub use prost_build;
 
 /// Compiles one `.proto` file, with its own folder as the include path, into `OUT_DIR`.
 pub fn compile_protos(proto: impl AsRef<Path>) -> io::Result<()> {
@@ -57,6 +60,22 @@ pub struct Builder {
     build_server: bool,
     emit_rerun_if_changed: bool,
     bytes_fields_as_vec: bool,
+}
+
+/// A prost-build configuration for rpc-core: generated messages refer to
+/// `::rpc_core::prost`, `::rpc_core::prost_types` (well-known types) and
+/// `::rpc_core::prost::bytes`, so a crate using them depends on rpc-core only;
+/// every `bytes` field is `bytes::Bytes`. Adjust it (type attributes, field
+/// attributes, `Vec<u8>` fields with `config.bytes(std::iter::empty::<&str>())`)
+/// and pass it to [`Builder::compile_with_config`]; the `prost_build` crate is
+/// re-exported as [`prost_build`](crate::prost_build) for that, so no direct
+/// dependency on it is needed either.
+pub fn config() -> prost_build::Config {
+    let mut config = prost_build::Config::new();
+    config.prost_path("::rpc_core::prost");
+    config.prost_types_path("::rpc_core::prost_types");
+    config.bytes(["."]);
+    config
 }
 
 impl Builder {
@@ -103,17 +122,20 @@ impl Builder {
         protos: &[impl AsRef<Path>],
         includes: &[impl AsRef<Path>],
     ) -> io::Result<()> {
-        let mut config = prost_build::Config::new();
-        if !self.bytes_fields_as_vec {
-            config.bytes(["."]);
+        let mut config = config();
+        if self.bytes_fields_as_vec {
+            config.bytes(std::iter::empty::<&str>());
         }
         self.compile_with_config(config, protos, includes)
     }
 
     /// Like [`Builder::compile`], with a prost-build configuration of your own
-    /// (type attributes, bytes fields, ...). Its choice of `bytes` field types
-    /// stands: prost-build's own default is `Vec<u8>`; call
-    /// `config.bytes(["."])` for `bytes::Bytes` everywhere.
+    /// (type attributes, bytes fields, ...): start from [`config()`], which
+    /// makes the generated code refer to prost, prost-types and bytes through
+    /// `rpc_core` (so your crate needs no dependency on them) and uses
+    /// `bytes::Bytes` for every `bytes` field. A `prost_build::Config::new()`
+    /// of your own works too, with prost's defaults (`::prost` paths, which
+    /// your crate must then depend on, and `Vec<u8>` fields).
     pub fn compile_with_config(
         self,
         mut config: prost_build::Config,
@@ -164,7 +186,8 @@ mod tests {
         let proto = dir.join("blob.proto");
         std::fs::write(
             &proto,
-            "syntax = \"proto3\";\npackage blob.v1;\nmessage Blob { bytes data = 1; }\n",
+            "syntax = \"proto3\";\npackage blob.v1;\nimport \"google/protobuf/timestamp.proto\";\n\
+             message Blob { bytes data = 1; google.protobuf.Timestamp at = 2; }\n",
         )
         .unwrap();
         builder
@@ -184,5 +207,37 @@ mod tests {
         let vec = generate(configure().bytes_fields_as_vec(true), "vec");
         assert!(vec.contains("::prost::alloc::vec::Vec<u8>"), "{vec}");
         assert!(!vec.contains("bytes::Bytes"), "{vec}");
+    }
+
+    /// A user's crate depends on rpc-core only: every path to prost,
+    /// prost-types and bytes in generated code goes through it.
+    #[test]
+    fn generated_code_reaches_prost_through_rpc_core() {
+        let generated = generate(configure(), "paths");
+        assert!(
+            generated.contains("::rpc_core::prost::bytes::Bytes"),
+            "{generated}"
+        );
+        assert!(
+            generated.contains("::rpc_core::prost_types::Timestamp"),
+            "{generated}"
+        );
+        assert!(
+            generated.contains("derive(Clone, PartialEq, ::rpc_core::prost::Message)")
+                || generated.contains("::rpc_core::prost::Message"),
+            "{generated}"
+        );
+        for line in generated.lines() {
+            for root in ["::prost::", "::prost_types::", "::bytes::"] {
+                let at = line.find(root);
+                let through_rpc_core = at.is_some_and(|at| {
+                    line[..at].ends_with("rpc_core") || line[..at].ends_with("rpc_core::prost")
+                });
+                assert!(
+                    at.is_none() || through_rpc_core,
+                    "{root} outside rpc_core: {line}"
+                );
+            }
+        }
     }
 }

@@ -48,6 +48,16 @@
 //! # Ok(()) }
 //! ```
 
+// What generated code (rpc-codegen) refers to, so that a user's crate needs
+// no direct dependency on them, and always the versions rpc-core was built
+// with.
+#[doc(no_inline)]
+pub use bytes;
+#[doc(no_inline)]
+pub use prost;
+#[doc(no_inline)]
+pub use prost_types;
+
 pub mod client;
 pub mod codec;
 mod conn_io;

@@ -131,8 +131,12 @@ fn client(endpoint: &str, connections: usize, calls: usize, callers: usize) {
             tasks.spawn(async move {
                 // This caller's connections, in turn: every connection gets
                 // `calls` calls, with `callers` calls in flight in all.
-                let mine: Vec<EchoClient<Channel>> =
-                    clients.iter().skip(caller).step_by(callers).cloned().collect();
+                let mine: Vec<EchoClient<Channel>> = clients
+                    .iter()
+                    .skip(caller)
+                    .step_by(callers)
+                    .cloned()
+                    .collect();
                 let mut latencies = Vec::with_capacity(calls * mine.len());
                 let mut errors = 0u64;
                 for _ in 0..calls {

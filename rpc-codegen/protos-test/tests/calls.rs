@@ -22,12 +22,12 @@ use rpc_core::{Channel, Code, Request, Response, Server, Status};
 #[derive(Default)]
 struct Store {
     items: Mutex<BTreeMap<String, Item>>,
-    last_change: Mutex<Option<prost_types::Timestamp>>,
+    last_change: Mutex<Option<rpc_core::prost_types::Timestamp>>,
 }
 
 impl Store {
     fn touch(&self) {
-        *self.last_change.lock().unwrap() = Some(prost_types::Timestamp {
+        *self.last_change.lock().unwrap() = Some(rpc_core::prost_types::Timestamp {
             seconds: 1_700_000_000,
             nanos: 5,
         });
@@ -76,7 +76,7 @@ impl Inventory for Store {
     async fn last_change(
         &self,
         _request: Request<()>,
-    ) -> Result<Response<prost_types::Timestamp>, Status> {
+    ) -> Result<Response<rpc_core::prost_types::Timestamp>, Status> {
         self.last_change
             .lock()
             .unwrap()
@@ -129,7 +129,7 @@ fn sample_item(sku: &str) -> Item {
             .into_iter()
             .collect(),
         tags: vec!["new".into(), "sale".into()],
-        created_at: Some(prost_types::Timestamp {
+        created_at: Some(rpc_core::prost_types::Timestamp {
             seconds: 1,
             nanos: 2,
         }),

@@ -548,11 +548,15 @@ mod tests {
         // 100 bytes of room left, nobody draining: no wait, a short count.
         let started = Instant::now();
         assert_eq!(
-            producer.send_some(&[1u8; 300], &socket, true, || false).unwrap(),
+            producer
+                .send_some(&[1u8; 300], &socket, true, || false)
+                .unwrap(),
             100
         );
         assert_eq!(
-            producer.send_some(&[1u8; 300], &socket, true, || false).unwrap(),
+            producer
+                .send_some(&[1u8; 300], &socket, true, || false)
+                .unwrap(),
             0
         );
         assert!(started.elapsed() < FULL_TIMEOUT / 4);
@@ -560,7 +564,9 @@ mod tests {
         let mut buffer = vec![0u8; 4096];
         assert_eq!(consumer.receive(&mut buffer).unwrap(), 4096);
         assert_eq!(
-            producer.send_some(&[1u8; 200], &socket, true, || false).unwrap(),
+            producer
+                .send_some(&[1u8; 200], &socket, true, || false)
+                .unwrap(),
             200
         );
     }
