@@ -136,7 +136,8 @@ pub fn client_module(service: &Service) -> TokenStream {
     quote! {
         #[doc = #module_doc]
         pub mod #module {
-            #![allow(unused_imports, clippy::let_unit_value)]
+            // Like any generated API, not every item is used by every crate.
+            #![allow(unused_imports, dead_code, clippy::let_unit_value)]
             use rpc_core::codegen::*;
 
             #service_doc
@@ -237,7 +238,7 @@ pub fn server_module(service: &Service) -> TokenStream {
     quote! {
         #[doc = #module_doc]
         pub mod #module {
-            #![allow(unused_imports, unused_variables, clippy::let_unit_value)]
+            #![allow(unused_imports, unused_variables, dead_code, clippy::let_unit_value)]
             use rpc_core::codegen::*;
 
             #service_doc
