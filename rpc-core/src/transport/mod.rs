@@ -181,18 +181,108 @@ pub fn lookup(scheme: &str) -> Result<Arc<dyn Transport>, TransportError> {
         })
 }
 
-/// Connects to `endpoint` with the transport its scheme names.
+/// Connects to `endpoint` with the transport its scheme names. An I/O error
+/// names the endpoint (and, where it helps, what to check).
 pub async fn connect(
     endpoint: &Endpoint,
     config: &TransportConfig,
 ) -> Result<Connection, TransportError> {
-    lookup(endpoint.scheme())?.connect(endpoint, config).await
+    lookup(endpoint.scheme())?
+        .connect(endpoint, config)
+        .await
+        .map_err(|error| in_context(error, "cannot connect to", endpoint))
 }
 
-/// Binds a listener on `endpoint` with the transport its scheme names.
+/// Binds a listener on `endpoint` with the transport its scheme names. An
+/// I/O error names the endpoint (and, where it helps, what to check).
 pub async fn bind(
     endpoint: &Endpoint,
     config: &TransportConfig,
 ) -> Result<Box<dyn Listener>, TransportError> {
-    lookup(endpoint.scheme())?.bind(endpoint, config).await
+    lookup(endpoint.scheme())?
+        .bind(endpoint, config)
+        .await
+        .map_err(|error| in_context(error, "cannot listen on", endpoint))
+}
+
+/// An I/O error of a connect or bind, with the endpoint and a hint; its kind
+/// stays (callers match on it).
+fn in_context(error: TransportError, doing: &str, endpoint: &Endpoint) -> TransportError {
+    let TransportError::Io(io) = error else {
+        return error;
+    };
+    let over_tcp = match endpoint.scheme() {
+        "rdma" => " (rdma:// runs its set-up exchange on this TCP port)",
+        _ => "",
+    };
+    let hint = match io.kind() {
+        io::ErrorKind::ConnectionRefused => {
+            format!("; is a server listening there{over_tcp}?")
+        }
+        io::ErrorKind::AddrInUse => format!(
+            "; another process (or an earlier run) holds this port{over_tcp}: pick another, or port 0 for any free one"
+        ),
+        io::ErrorKind::AddrNotAvailable => {
+            "; that address is not one of this host's (listen on 0.0.0.0 for all)".to_owned()
+        }
+        io::ErrorKind::PermissionDenied => {
+            "; ports below 1024 need privileges".to_owned()
+        }
+        _ => String::new(),
+    };
+    TransportError::Io(io::Error::new(
+        io.kind(),
+        format!("{doing} {endpoint}: {io}{hint}"),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port where nothing listens (bound, then released).
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .map(|addr| addr.port())
+            .expect("a free port")
+    }
+
+    #[tokio::test]
+    async fn a_refused_connect_names_the_endpoint_and_what_to_check() {
+        let endpoint: Endpoint = format!("tcp://127.0.0.1:{}", free_port()).parse().unwrap();
+        let error = connect(&endpoint, &TransportConfig::default())
+            .await
+            .err()
+            .expect("nothing listens");
+        let TransportError::Io(io) = &error else {
+            panic!("{error}")
+        };
+        assert_eq!(io.kind(), io::ErrorKind::ConnectionRefused);
+        let message = error.to_string();
+        assert!(
+            message.contains(&format!("cannot connect to {endpoint}"))
+                && message.contains("is a server listening there?"),
+            "{message}"
+        );
+    }
+
+    #[tokio::test]
+    async fn binding_a_port_in_use_names_the_endpoint_and_what_to_do() {
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint: Endpoint = format!("tcp://{}", held.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let error = bind(&endpoint, &TransportConfig::default())
+            .await
+            .err()
+            .expect("the port is held");
+        let message = error.to_string();
+        assert!(
+            message.contains(&format!("cannot listen on {endpoint}"))
+                && message.contains("holds this port")
+                && message.contains("port 0"),
+            "{message}"
+        );
+    }
 }

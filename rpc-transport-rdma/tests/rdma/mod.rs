@@ -214,3 +214,34 @@ async fn event_mode_loses_no_wake_up_over_many_rounds() {
         }
     }
 }
+
+/// Nothing listening, or the port taken: the error names the rdma://
+/// endpoint and says that rdma:// uses that TCP port for its set-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_and_bind_errors_name_the_endpoint_and_the_tcp_port() {
+    ensure_registered();
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let endpoint = format!("rdma://127.0.0.1:{port}").parse().unwrap();
+    let error = rpc_core::transport::bind(&endpoint, &Default::default())
+        .await
+        .err()
+        .expect("the port is held")
+        .to_string();
+    assert!(
+        error.contains(&format!("cannot listen on rdma://127.0.0.1:{port}"))
+            && error.contains("rdma:// runs its set-up exchange on this TCP port"),
+        "{error}"
+    );
+    drop(held);
+    let error = Channel::connect(format!("rdma://127.0.0.1:{port}").as_str())
+        .await
+        .err()
+        .expect("nothing listens")
+        .to_string();
+    assert!(
+        error.contains(&format!("cannot connect to rdma://127.0.0.1:{port}"))
+            && error.contains("is a server listening there"),
+        "{error}"
+    );
+}
