@@ -33,6 +33,11 @@ use crate::status::Code;
 pub const PROTOCOL_VERSION: u8 = 1;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 40;
+
+/// How the hello of rdma://'s set-up exchange begins (after its length
+/// prefix, which tcp:// framing reads as a frame length): a frame that starts
+/// so is a mix-up of schemes, named as such ([`FrameError::RdmaPeer`]).
+pub const RDMA_HELLO_MAGIC: &[u8; 4] = b"RRPC";
 /// Default limit on a whole frame (header + path + metadata + payload): 64 MiB.
 pub const DEFAULT_MAX_FRAME_LEN: usize = 64 << 20;
 /// Longest method path.
@@ -118,6 +123,12 @@ pub enum FrameError {
     /// The version byte is not [`PROTOCOL_VERSION`].
     #[error("unsupported protocol version {0} (this build speaks version {PROTOCOL_VERSION})")]
     BadVersion(u8),
+    /// The bytes are the hello of rdma://'s set-up exchange: an rdma://
+    /// peer was reached at a tcp:// endpoint.
+    #[error(
+        "the peer speaks rdma://'s set-up exchange, not tcp:// frames: it is an rdma:// endpoint, use rdma:// for it"
+    )]
+    RdmaPeer,
     /// The kind byte names no [`FrameKind`].
     #[error("unknown frame kind {0}")]
     UnknownKind(u8),
@@ -371,6 +382,9 @@ impl Frame {
                 expected: HEADER_LEN,
                 actual,
             });
+        }
+        if message.starts_with(RDMA_HELLO_MAGIC) {
+            return Err(FrameError::RdmaPeer);
         }
         let version = message.get_u8();
         if version != PROTOCOL_VERSION {

@@ -26,7 +26,7 @@ use crate::verbs::{ConnectOptions, QpAddress, QpState, QueuePair, VerbsError};
 
 /// Version of the set-up exchange.
 pub const SETUP_VERSION: u16 = 1;
-const MAGIC: &[u8; 4] = b"RRPC";
+const MAGIC: &[u8; 4] = rpc_core::frame::RDMA_HELLO_MAGIC;
 /// Largest hello accepted (addresses are tens of bytes; payloads are small).
 pub const MAX_HELLO_LEN: usize = 64 << 10;
 /// Longest provider name (`soft`, `ibverbs`).
@@ -117,6 +117,14 @@ impl Hello {
         // What is left of the body; each part is split off its front.
         let mut rest = body;
         if take(&mut rest, 4)? != MAGIC {
+            // A tcp:// server answers our hello with a frame of its own
+            // (closing the connection it cannot parse): name the mix-up.
+            let frame = bytes::Bytes::copy_from_slice(body);
+            if rpc_core::frame::Frame::decode(frame, MAX_HELLO_LEN).is_ok() {
+                return Err(bad(
+                    "the peer speaks tcp:// frames, not rdma://'s set-up exchange: it is a tcp:// endpoint, use tcp:// for it",
+                ));
+            }
             return Err(bad("not an rdma-rpc peer (bad magic)"));
         }
         let version = u16::from_le_bytes(take(&mut rest, 2)?.try_into().expect("2"));

@@ -147,7 +147,10 @@ mod tests {
             ("tcp://::1:50051", "IPv6 address goes in brackets"),
         ] {
             let error = bad.parse::<Endpoint>().unwrap_err().to_string();
-            assert!(error.contains(bad) && error.contains(says), "{bad}: {error}");
+            assert!(
+                error.contains(bad) && error.contains(says),
+                "{bad}: {error}"
+            );
         }
     }
 }

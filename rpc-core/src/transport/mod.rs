@@ -225,9 +225,7 @@ fn in_context(error: TransportError, doing: &str, endpoint: &Endpoint) -> Transp
         io::ErrorKind::AddrNotAvailable => {
             "; that address is not one of this host's (listen on 0.0.0.0 for all)".to_owned()
         }
-        io::ErrorKind::PermissionDenied => {
-            "; ports below 1024 need privileges".to_owned()
-        }
+        io::ErrorKind::PermissionDenied => "; ports below 1024 need privileges".to_owned(),
         _ => String::new(),
     };
     TransportError::Io(io::Error::new(

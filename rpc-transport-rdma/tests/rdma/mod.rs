@@ -245,3 +245,47 @@ async fn connect_and_bind_errors_name_the_endpoint_and_the_tcp_port() {
         "{error}"
     );
 }
+
+/// Listens where it is told.
+struct At(String);
+
+impl crate::suite::Bed for At {
+    fn listen_endpoint(&self) -> String {
+        self.0.clone()
+    }
+}
+
+/// A tcp:// client at an rdma:// server and an rdma:// client at a tcp://
+/// server: each side's error names the mix-up and the scheme to use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_rdma_mix_up_is_named_on_both_sides() {
+    ensure_registered();
+    let host = crate::common::test_addr();
+    let rdma_server = start_with(&At(format!("rdma://{host}:0")), |s| s).await;
+    let tcp_at_rdma = rdma_server
+        .endpoint
+        .to_string()
+        .replace("rdma://", "tcp://");
+    let error = match Channel::connect(tcp_at_rdma.as_str()).await {
+        Ok(channel) => channel
+            .unary(probe("Echo", Bytes::from_static(b"x")))
+            .await
+            .expect_err("an rdma:// server answers no tcp:// call")
+            .to_string(),
+        Err(error) => error.to_string(),
+    };
+    println!("tcp:// client at an rdma:// server: {error}");
+    assert!(error.contains("use rdma://"), "{error}");
+    drop(rdma_server);
+
+    let tcp_server = start_with(&At(format!("tcp://{host}:0")), |s| s).await;
+    let rdma_at_tcp = tcp_server.endpoint.to_string().replace("tcp://", "rdma://");
+    let error = Channel::connect(rdma_at_tcp.as_str())
+        .await
+        .err()
+        .expect("a tcp:// server takes no rdma:// client")
+        .to_string();
+    println!("rdma:// client at a tcp:// server: {error}");
+    assert!(error.contains("use tcp://"), "{error}");
+    drop(tcp_server);
+}
