@@ -65,6 +65,33 @@ pub fn select(config: &RdmaConfig) -> Result<(Arc<dyn verbs::Provider>, String),
     Ok((provider, device))
 }
 
+/// Checks, without opening anything, that the provider and device `config`
+/// (or `RDMA_PROVIDER`/`RDMA_DEVICE`) name exist in this build and on this
+/// host: what `register()` runs, so a bad setting fails there and not at
+/// the first connection.
+pub fn check(config: &RdmaConfig) -> Result<(), VerbsError> {
+    let (provider, device) = select(config)?;
+    let devices = provider.devices()?;
+    if devices.iter().any(|d| d.name == device) {
+        return Ok(());
+    }
+    Err(VerbsError::ProviderUnavailable {
+        provider: provider.name(),
+        reason: format!(
+            "no RDMA device {device:?} (this host has: {})",
+            if devices.is_empty() {
+                "none".to_owned()
+            } else {
+                devices
+                    .iter()
+                    .map(|d| d.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        ),
+    })
+}
+
 /// Opens (once per process) the device `config` selects.
 pub fn open(config: &RdmaConfig) -> Result<Arc<Device>, VerbsError> {
     let (provider, name) = select(config)?;
@@ -85,4 +112,46 @@ pub fn open(config: &RdmaConfig) -> Result<Arc<Device>, VerbsError> {
     });
     devices.insert(key, device.clone());
     Ok(device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(provider: Option<&str>, device: Option<&str>) -> RdmaConfig {
+        RdmaConfig {
+            provider: provider.map(str::to_owned),
+            device: device.map(str::to_owned),
+            ..RdmaConfig::default()
+        }
+    }
+
+    #[test]
+    fn register_checks_the_provider_and_device_it_is_given() {
+        for name in ["soft", "SOFT", "Soft"] {
+            check(&with(Some(name), None)).expect(name);
+        }
+        check(&with(Some("soft"), Some("soft0"))).expect("soft0");
+        let bogus = crate::register_with(with(Some("bogus"), None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            bogus.contains("no provider named \"bogus\" (known: soft, ibverbs)"),
+            "{bogus}"
+        );
+        let missing = crate::register_with(with(Some("soft"), Some("mlx5_0")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            missing.contains("no RDMA device \"mlx5_0\" (this host has: soft0)"),
+            "{missing}"
+        );
+        if cfg!(not(feature = "ibverbs")) {
+            let ibverbs = check(&with(Some("IBVERBS"), None)).unwrap_err().to_string();
+            assert!(
+                ibverbs.contains("enable the feature rpc-transport-rdma/ibverbs"),
+                "{ibverbs}"
+            );
+        }
+    }
 }

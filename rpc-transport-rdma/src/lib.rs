@@ -48,6 +48,7 @@ pub fn register() -> Result<(), ConfigError> {
 
 /// Registers the RDMA transport for `rdma://` endpoints with `config`.
 pub fn register_with(config: RdmaConfig) -> Result<(), ConfigError> {
+    device::check(&config).map_err(|error| ConfigError(error.to_string()))?;
     let transport = RdmaTransport::new(config)?;
     rpc_core::transport::register("rdma", Arc::new(transport));
     Ok(())

@@ -1426,17 +1426,16 @@ pub fn providers() -> Vec<Arc<dyn Provider>> {
 
 /// The provider named `name` (`soft`, `ibverbs`).
 pub fn provider(name: &str) -> Result<Arc<dyn Provider>, VerbsError> {
+    let ibverbs = name.eq_ignore_ascii_case("ibverbs");
     providers()
         .into_iter()
-        .find(|p| p.name() == name)
+        .find(|p| p.name().eq_ignore_ascii_case(name))
         .ok_or_else(|| VerbsError::ProviderUnavailable {
-            provider: if name == "ibverbs" {
-                "ibverbs"
-            } else {
-                "unknown"
-            },
-            reason: if name == "ibverbs" {
-                "this build has no ibverbs support: build with --features ibverbs".to_owned()
+            provider: if ibverbs { "ibverbs" } else { "unknown" },
+            reason: if ibverbs {
+                "this build has no ibverbs support: enable the feature rpc-transport-rdma/ibverbs \
+                 (features = [\"ibverbs\"] on the rpc-transport-rdma dependency)"
+                    .to_owned()
             } else {
                 format!("no provider named {name:?} (known: soft, ibverbs)")
             },
