@@ -39,11 +39,11 @@ const TURNS_IN_A_ROW: u32 = 16;
 const EVENTS_PER_WAIT: usize = 256;
 /// The epoll key of the engine's own wake-up eventfd.
 const WAKE_KEY: u64 = 0;
-/// How often an engine with QPs looks for one whose doorbells a polling
-/// caller turned off and then left without saying so (it stopped polling
-/// without arming a CQ, so nobody rings for it): such a QP is taken up
-/// again within this bound. One look at all QPs per engine, not a wake-up
-/// per QP.
+/// How often an engine with QPs looks for one that a polling caller left
+/// without saying so (it stopped polling without arming a CQ): doorbells
+/// turned off, or acknowledgements left for a next poll that never came.
+/// Such a QP is taken up again within this bound. One look at all QPs per
+/// engine (atomic loads), not a wake-up per QP.
 const ABANDONED_POLL_CHECK: Duration = Duration::from_millis(100);
 
 /// What a turn decided about the QP's next wait.
@@ -239,7 +239,7 @@ impl Engine {
                 due.extend(
                     entries
                         .iter()
-                        .filter(|(_, e)| e.timer.is_none() && e.ring.abandoned_by_poller())
+                        .filter(|(_, e)| e.timer.is_none() && e.qp.left_by_poller(&e.ring))
                         .map(|(key, _)| *key),
                 );
             }

@@ -632,8 +632,16 @@ impl QpShared {
         }
         ring.set_sleeping(false);
         let peer_gone = drain_doorbells(waiter);
-        if (peer_gone || !ring.polled_recently()) && !self.progress() {
-            return Ok(Next::Done);
+        // A caller reading the ring right now (it holds the reader) may
+        // leave acknowledgements for its next poll: look again after a nap.
+        let mut caller_active = false;
+        if peer_gone || !ring.polled_recently() {
+            match self.try_progress(true) {
+                Some(true) => {}
+                Some(false) => return Ok(Next::Done),
+                None if self.lock().state == QpState::Error => return Ok(Next::Done),
+                None => caller_active = true,
+            }
         }
         let (rnr_due, backlogged) = {
             let mut inner = self.lock();
@@ -645,7 +653,13 @@ impl QpShared {
                 self.enter_error(&mut inner, Some(WcStatus::RetryExcErr));
                 return Ok(Next::Done);
             }
-            (inner.rnr_resend_at, inner.backlog_since.is_some())
+            if !inner.unwritten.is_empty() && !ring.polled_recently() {
+                // Acknowledgements a polling caller left for its next poll
+                // before it stopped (or what a full ring did not take): the
+                // engine writes them, as far as the peer's ring has room.
+                self.flush_some(&mut inner);
+            }
+            (inner.rnr_resend_at, !inner.unwritten.is_empty())
         };
         // The second look catches a caller that stopped (and set the flag
         // for us) between the first look and the clearing.
@@ -653,9 +667,10 @@ impl QpShared {
             ring.set_sleeping(false);
             ring.polled_recently()
         };
-        if polled || backlogged {
-            // A backlog (the peer's ring was full) is retried after a nap
-            // too; meanwhile the peer's requests wait in its ring.
+        if polled || backlogged || caller_active {
+            // Messages not written yet (the polling caller's to write, or
+            // the peer's ring was full) are looked at again after a nap;
+            // meanwhile the peer's requests wait in its ring.
             let nap = Instant::now() + super::ring::POLLED_ENGINE_NAP;
             return Ok(Next::Wait(Some(rnr_due.map_or(nap, |at| at.min(nap)))));
         }
@@ -666,6 +681,14 @@ impl QpShared {
         } else {
             Err(())
         }
+    }
+
+    /// True when a caller that polled this QP stopped without arming a CQ
+    /// and left work that nobody would otherwise do: doorbells turned off,
+    /// or acknowledgements kept for its next poll.
+    pub(crate) fn left_by_poller(&self, ring: &RingPair) -> bool {
+        !ring.polled_recently()
+            && (ring.abandoned_by_poller() || self.responses_pending.load(AtomicOrdering::Relaxed))
     }
 
     /// The engine could not take this QP: it fails.
@@ -720,17 +743,20 @@ impl QpShared {
     }
 
     /// Executes every request and response waiting on the wire (doorbells
-    /// and EOF on the socket included), without blocking, and fires a due
-    /// RNR resend. Returns false once the QP is in ERROR. The engine
-    /// thread's; callers polling a CQ use the ring-only variants above.
-    pub(crate) fn progress(&self) -> bool {
-        self.progress_from(true)
+    /// and EOF on the socket too with `check_socket`, the engine's part),
+    /// without blocking, and fires a due RNR resend. Returns false once the
+    /// QP is in ERROR.
+    fn progress_from(&self, check_socket: bool) -> bool {
+        self.try_progress(check_socket)
+            .unwrap_or_else(|| self.lock().state != QpState::Error)
     }
 
-    fn progress_from(&self, check_socket: bool) -> bool {
+    /// [`QpShared::progress_from`], or `None` when another thread holds the
+    /// reader (a caller polling reads the ring right now).
+    fn try_progress(&self, check_socket: bool) -> Option<bool> {
         let mut guard = match self.reader.try_lock() {
             Ok(guard) => guard,
-            Err(std::sync::TryLockError::WouldBlock) => return self.lock().state != QpState::Error,
+            Err(std::sync::TryLockError::WouldBlock) => return None,
             Err(std::sync::TryLockError::Poisoned(poison)) => poison.into_inner(),
         };
         if let Some((stream, reader, ring)) = guard.as_mut() {
@@ -780,11 +806,11 @@ impl QpShared {
                         let first =
                             (!inner.outstanding.is_empty()).then_some(WcStatus::RetryExcErr);
                         self.enter_error(&mut inner, first);
-                        return false;
+                        return Some(false);
                     }
                 }
                 if inner.state == QpState::Error {
-                    return false;
+                    return Some(false);
                 }
             }
         }
@@ -795,7 +821,7 @@ impl QpShared {
             self.rnr_pending.store(false, AtomicOrdering::Relaxed);
             self.send_unsent(&mut inner);
         }
-        inner.state != QpState::Error
+        Some(inner.state != QpState::Error)
     }
 
     // ------------------------------------------------------------ responder
@@ -1128,7 +1154,17 @@ impl QpShared {
                         return Ok(());
                     }
                     Self::pull(inner.process.as_ref(), &[(remote_addr, len as u32)], &local)
-                        .map_err(|_| WcStatus::RemOpErr)
+                        .map_err(|error| {
+                            if error.kind() == std::io::ErrorKind::ConnectionAborted
+                                || error.raw_os_error() == Some(libc::ESRCH)
+                            {
+                                // The responder died under the READ: as on a
+                                // device, its response never comes.
+                                WcStatus::RetryExcErr
+                            } else {
+                                WcStatus::RemOpErr
+                            }
+                        })
                 }
                 _ => Ok(()),
             }
