@@ -61,6 +61,8 @@ const MAX_REASON_LEN: usize = 4096;
 /// connection anyway: a peer whose queue pair never connected, or that
 /// stopped reading, cannot hold a closed connection's resources.
 const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(5);
+/// Why a connection ended whose peer left without a word.
+const PEER_WENT_AWAY: &str = "peer went away (its set-up connection closed)";
 /// How long a side whose QP was flushed waits for the peer to say why.
 const PEER_REASON_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -143,6 +145,9 @@ pub(crate) struct Driver {
     socket_eof: bool,
     /// The peer closed cleanly and then dropped the set-up socket.
     peer_left: bool,
+    /// The set-up socket closed with no reason and no clean close before:
+    /// the peer went away (see [`TransportError::PeerGone`]).
+    peer_vanished: bool,
     /// When the application dropped both halves (with work still in flight).
     gone_since: Option<Instant>,
     /// The server-wide receive budget (accepted connections of a `Server`):
@@ -222,6 +227,7 @@ impl Driver {
             peer_reason: Vec::new(),
             socket_eof: false,
             peer_left: false,
+            peer_vanished: false,
             gone_since: None,
             budget,
             budget_wait: None,
@@ -247,6 +253,7 @@ impl Driver {
             }
             End::Failed(mut reason) => {
                 let _ = self.qp.to_error();
+                let mut gone = self.peer_vanished;
                 if self.flushed {
                     // Our QP broke, maybe because the peer's did: the peer is
                     // about to say why on the set-up socket (or is gone, and
@@ -255,14 +262,26 @@ impl Driver {
                         Some(peer_reason) => {
                             reason = format!("peer closed the connection: {peer_reason}");
                         }
+                        None if self.socket_eof => {
+                            // No reason, and its set-up socket closed: the
+                            // peer went away (a process that exits does
+                            // this), which ends the connection; no failure.
+                            gone = true;
+                            reason = PEER_WENT_AWAY.to_owned();
+                        }
                         None => self.tell_peer(&reason),
                     }
-                } else {
+                } else if !gone {
                     self.tell_peer(&reason);
                 }
-                tracing::debug!(qp = self.qp.qp_num(), %reason, "rdma connection failed");
+                tracing::debug!(qp = self.qp.qp_num(), %reason, gone, "rdma connection ended");
                 if let Some(inbound) = self.inbound.take() {
-                    let _ = inbound.send(Err(TransportError::Other(reason.into())));
+                    let error = if gone {
+                        TransportError::PeerGone(reason)
+                    } else {
+                        TransportError::Other(reason.into())
+                    };
+                    let _ = inbound.send(Err(error));
                 }
             }
         }
@@ -867,7 +886,8 @@ impl Driver {
             self.peer_left = true;
             return Ok(());
         }
-        Err("peer went away (its set-up connection closed)".into())
+        self.peer_vanished = true;
+        Err(PEER_WENT_AWAY.into())
     }
 
     /// The peer's close reason, if it arrives on the set-up socket soon.

@@ -185,6 +185,10 @@ pub(crate) async fn serve_connection(
             next = stream.next(), if blocked.is_none() => {
                 let bytes = match next {
                     None => break Ending::PeerClosed,
+                    Some(Err(TransportError::PeerGone(reason))) => {
+                        tracing::debug!(%peer, "{reason}");
+                        break Ending::PeerClosed;
+                    }
                     Some(Err(rpc_error @ TransportError::Frame(_))) => {
                         break Ending::ProtocolError(format!("bad frame: {rpc_error}"));
                     }
@@ -263,13 +267,18 @@ pub(crate) async fn serve_connection(
             let _ = outbound.send_unbounded(goaway.encode_parts());
             linger = true;
         }
-        Ending::Failed(reason) => tracing::warn!(%peer, "connection failed: {reason}"),
+        Ending::Failed(reason) => {
+            tracing::warn!(%peer, "connection failed: {reason}");
+            stats.failed.fetch_add(1, Ordering::Relaxed);
+        }
         Ending::Stalled(reason) => {
             tracing::warn!(%peer, "closing connection: {reason}");
             stats.stalled_closed.fetch_add(1, Ordering::Relaxed);
+            stats.failed.fetch_add(1, Ordering::Relaxed);
         }
         Ending::ProtocolError(reason) => {
             tracing::warn!(%peer, "closing connection: {reason}");
+            stats.failed.fetch_add(1, Ordering::Relaxed);
             let mut goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
             goaway.status = Code::Internal;
             goaway.payload = Payload::from(reason.clone());

@@ -23,6 +23,7 @@ pub(crate) struct StatsInner {
     pub(crate) accept_errors: AtomicU64,
     pub(crate) idle_closed: AtomicU64,
     pub(crate) stalled_closed: AtomicU64,
+    pub(crate) failed: AtomicU64,
     pub(crate) paused: AtomicUsize,
     pub(crate) frames_received: AtomicU64,
     pub(crate) queues: Arc<QueueGauges>,
@@ -101,6 +102,13 @@ impl ServerStats {
     /// for [`super::Server::idle_timeout`].
     pub fn stalled_closed_connections(&self) -> u64 {
         self.inner.stalled_closed.load(Ordering::Relaxed)
+    }
+
+    /// Connections that ended in a failure (a transport error, a protocol
+    /// error from the client, a stalled client); a client that closed or
+    /// went away ended its connection normally and is not counted.
+    pub fn failed_connections(&self) -> u64 {
+        self.inner.failed.load(Ordering::Relaxed)
     }
 
     /// Connections that read nothing now because their outbound queue is full.

@@ -143,6 +143,11 @@ pub enum TransportError {
     /// The connection is closed.
     #[error("connection closed")]
     Closed,
+    /// The peer went away without closing the connection (its process
+    /// exited, or its end was dropped): the end of the connection, not a
+    /// failure of ours. Calls still in flight on it fail `Unavailable`.
+    #[error("{0}")]
+    PeerGone(String),
     /// A transport-specific error (e.g. from the RDMA provider).
     #[error("{0}")]
     Other(BoxError),

@@ -289,3 +289,40 @@ async fn a_tcp_rdma_mix_up_is_named_on_both_sides() {
     assert!(error.contains("use tcp://"), "{error}");
     drop(tcp_server);
 }
+
+const CLIENT_ENV: &str = "RDMA_TEST_CHILD_CLIENT";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper process for a_client_process_that_exits_ends_its_connection_normally"]
+async fn child_client_process() {
+    let Some(endpoint) = std::env::var_os(CLIENT_ENV) else {
+        return;
+    };
+    ensure_registered();
+    let channel = Channel::connect(endpoint.to_str().unwrap()).await.unwrap();
+    assert_echoes(&channel, "hi").await;
+    println!("LISTENING called");
+    // What a program that is done does: exit, with the connection open.
+    std::process::exit(0);
+}
+
+/// A client process that makes its calls and exits ends its connection as
+/// a close does: the server counts no failure (and logs it at DEBUG).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_process_that_exits_ends_its_connection_normally() {
+    crate::require_device!();
+    ensure_registered();
+    let server = start_with(&RdmaBed, |s| s).await;
+    let endpoint = server.endpoint.to_string();
+    for _ in 0..3 {
+        let child = ChildServer::spawn_with("rdma::child_client_process", CLIENT_ENV, &endpoint);
+        assert_eq!(child.endpoint, "called");
+        drop(child);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.stats.connections() > 0 {
+        assert!(Instant::now() < deadline, "the connections never ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(server.stats.failed_connections(), 0);
+}
