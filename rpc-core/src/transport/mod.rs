@@ -256,8 +256,7 @@ mod tests {
         let endpoint: Endpoint = format!("tcp://127.0.0.1:{}", free_port()).parse().unwrap();
         let error = connect(&endpoint, &TransportConfig::default())
             .await
-            .err()
-            .expect("nothing listens");
+            .expect_err("nothing listens");
         let TransportError::Io(io) = &error else {
             panic!("{error}")
         };

@@ -236,8 +236,7 @@ async fn connect_and_bind_errors_name_the_endpoint_and_the_tcp_port() {
     drop(held);
     let error = Channel::connect(format!("rdma://127.0.0.1:{port}").as_str())
         .await
-        .err()
-        .expect("nothing listens")
+        .expect_err("nothing listens")
         .to_string();
     assert!(
         error.contains(&format!("cannot connect to rdma://127.0.0.1:{port}"))
@@ -282,8 +281,7 @@ async fn a_tcp_rdma_mix_up_is_named_on_both_sides() {
     let rdma_at_tcp = tcp_server.endpoint.to_string().replace("tcp://", "rdma://");
     let error = Channel::connect(rdma_at_tcp.as_str())
         .await
-        .err()
-        .expect("a tcp:// server takes no rdma:// client")
+        .expect_err("a tcp:// server takes no rdma:// client")
         .to_string();
     println!("rdma:// client at a tcp:// server: {error}");
     assert!(error.contains("use tcp://"), "{error}");
