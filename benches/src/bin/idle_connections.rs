@@ -14,10 +14,8 @@
 use std::time::{Duration, Instant};
 
 use rdma_rpc_benches::contenders::spawn_server;
-use rdma_rpc_examples::EchoService;
-use rdma_rpc_examples::echo::echo_server::EchoServer;
 use rdma_rpc_examples::echo::{EchoRequest, echo_client::EchoClient};
-use rpc_core::{Channel, Server};
+use rpc_core::Channel;
 
 /// The server's gauges from /proc.
 #[derive(Debug, Clone, Copy)]
@@ -39,18 +37,7 @@ fn gauges(pid: u32) -> Gauges {
 
 fn serve(scheme: &str) {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
-    runtime.block_on(async {
-        rpc_transport_rdma::register().expect("rdma");
-        let listening = Server::builder()
-            .max_connections(20_000)
-            .idle_timeout(Duration::from_secs(600))
-            .add_service(EchoServer::new(EchoService))
-            .listen(format!("{scheme}://127.0.0.1:0").as_str())
-            .await
-            .expect("listen");
-        println!("LISTENING {}", listening.local_endpoint());
-        listening.serve().await.expect("serve");
-    });
+    runtime.block_on(rdma_rpc_benches::contenders::serve_many_connections(scheme));
 }
 
 fn main() {

@@ -20,10 +20,8 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdma_rpc_benches::stats::proc_status_field;
-use rdma_rpc_examples::EchoService;
-use rdma_rpc_examples::echo::echo_server::EchoServer;
 use rdma_rpc_examples::echo::{EchoRequest, echo_client::EchoClient};
-use rpc_core::{Channel, Server};
+use rpc_core::Channel;
 
 const USAGE: &str =
     "usage: scale [--transports rdma,tcp] [--connections 10,100,1000] [--processes N] [--calls N]";
@@ -70,18 +68,7 @@ fn serve(scheme: &str) {
         // The parent went away.
         std::process::exit(0);
     });
-    runtime().block_on(async {
-        rpc_transport_rdma::register().expect("rdma");
-        let listening = Server::builder()
-            .max_connections(20_000)
-            .idle_timeout(Duration::from_secs(600))
-            .add_service(EchoServer::new(EchoService))
-            .listen(format!("{scheme}://127.0.0.1:0").as_str())
-            .await
-            .expect("listen");
-        println!("LISTENING {}", listening.local_endpoint());
-        listening.serve().await.expect("serve");
-    });
+    runtime().block_on(rdma_rpc_benches::contenders::serve_many_connections(scheme));
 }
 
 fn request() -> EchoRequest {
