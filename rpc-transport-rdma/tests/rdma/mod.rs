@@ -219,6 +219,7 @@ async fn event_mode_loses_no_wake_up_over_many_rounds() {
 /// endpoint and says that rdma:// uses that TCP port for its set-up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_and_bind_errors_name_the_endpoint_and_the_tcp_port() {
+    crate::require_device!();
     ensure_registered();
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = held.local_addr().unwrap().port();
@@ -258,6 +259,7 @@ impl crate::suite::Bed for At {
 /// server: each side's error names the mix-up and the scheme to use.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tcp_rdma_mix_up_is_named_on_both_sides() {
+    crate::require_device!();
     ensure_registered();
     let host = crate::common::test_addr();
     let rdma_server = start_with(&At(format!("rdma://{host}:0")), |s| s).await;
