@@ -70,8 +70,16 @@ pub struct RdmaConfig {
     pub provider: Option<String>,
     /// Device name; `None`: `RDMA_DEVICE`, else the provider's first device.
     pub device: Option<String>,
-    /// Receive slots per connection, all posted before the peer may send.
+    /// The most receive slots of the device's shared pool one connection's
+    /// peer may hold as credits (its window grows to this under load).
     pub recv_slots: u32,
+    /// Receive slots committed to a new connection's peer before it may send
+    /// (its initial credits; what an idle connection costs).
+    pub initial_credits: u32,
+    /// Cap of the device's shared receive (and send) pool, in slots; bounded
+    /// by the device's deepest SRQ. The first connection of a slot length
+    /// sets it for all.
+    pub max_shared_slots: usize,
     /// Frames up to this many bytes are sent eagerly (copied into a slot);
     /// larger ones by rendezvous (pulled with RDMA READ). Slots are this plus
     /// the message header.
@@ -98,6 +106,8 @@ impl Default for RdmaConfig {
             provider: None,
             device: None,
             recv_slots: 128,
+            initial_credits: 4,
+            max_shared_slots: 1 << 16,
             eager_threshold: 8 << 10,
             limits: Limits::default(),
             inbound_backlog: 1024,
@@ -153,6 +163,12 @@ impl RdmaConfig {
             return fail(
                 "recv_slots must be 3..=65536 (one credit stays in reserve; peers refuse more)",
             );
+        }
+        if !(MIN_RECV_SLOTS..=self.recv_slots).contains(&self.initial_credits) {
+            return fail("initial_credits must be 3..=recv_slots (one credit stays in reserve)");
+        }
+        if self.max_shared_slots < self.initial_credits as usize {
+            return fail("max_shared_slots must hold at least one connection's initial_credits");
         }
         if self.eager_threshold < 64 || self.eager_threshold > MAX_EAGER_THRESHOLD {
             return fail("eager_threshold must be between 64 bytes and 1 MiB");

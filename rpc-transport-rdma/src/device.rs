@@ -5,7 +5,18 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::config::RdmaConfig;
 use crate::pool::{LargePool, LargePoolConfig};
+use crate::verbs::shared::{SharedReceivePool, SharedSendPool};
 use crate::verbs::{self, Context, ProtectionDomain, VerbsError};
+
+/// The receive and send slots of a device's connections that use one slot
+/// length (`verbs::shared`).
+#[derive(Debug)]
+pub struct SharedPools {
+    /// The SRQ and its slots.
+    pub receive: SharedReceivePool,
+    /// Send slots.
+    pub send: SharedSendPool,
+}
 
 /// One opened device: its context, one protection domain, and the rendezvous pool.
 pub struct Device {
@@ -19,6 +30,40 @@ pub struct Device {
     pub pd: Arc<dyn ProtectionDomain>,
     /// Rendezvous buffers.
     pub large: Arc<LargePool>,
+    /// Shared receive and send slots, by slot length.
+    shared: Mutex<HashMap<usize, Arc<SharedPools>>>,
+}
+
+impl Device {
+    /// The shared pools for slots of `slot_len` bytes, created by the first
+    /// connection that asks (its `max_slots` is the cap for all of them,
+    /// bounded by the device's deepest SRQ).
+    pub fn shared_pools(
+        &self,
+        slot_len: usize,
+        max_slots: usize,
+    ) -> Result<Arc<SharedPools>, VerbsError> {
+        let mut shared = self
+            .shared
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if let Some(pools) = shared.get(&slot_len) {
+            return Ok(pools.clone());
+        }
+        let caps = self.context.caps();
+        if !caps.srq {
+            return Err(VerbsError::Unsupported(
+                "shared receive queues (rdma:// needs a device with SRQ support)",
+            ));
+        }
+        let max_slots = max_slots.min(caps.max_srq_wr as usize);
+        let pools = Arc::new(SharedPools {
+            receive: SharedReceivePool::new(&self.pd, slot_len, max_slots)?,
+            send: SharedSendPool::new(&self.pd, slot_len, max_slots),
+        });
+        shared.insert(slot_len, pools.clone());
+        Ok(pools)
+    }
 }
 
 impl std::fmt::Debug for Device {
@@ -109,6 +154,7 @@ pub fn open(config: &RdmaConfig) -> Result<Arc<Device>, VerbsError> {
         context,
         pd,
         large,
+        shared: Mutex::default(),
     });
     devices.insert(key, device.clone());
     Ok(device)

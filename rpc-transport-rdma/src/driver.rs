@@ -11,8 +11,11 @@
 //!    announcement; a head too long for that is copied with the payload into
 //!    a pooled buffer instead);
 //! 2. poll the CQ in batches: receives are copied out and their slots
-//!    re-posted at once, send slots freed, READ chunks accounted;
-//! 3. carry out the protocol's events, READs and transmits (posted in batches);
+//!    re-posted to the device's shared receive queue at once, send slots
+//!    given back to the device's shared send pool, READ chunks accounted;
+//! 3. carry out the protocol's events, READs and transmits (posted in
+//!    batches); commit more slots of the shared receive pool when the peer
+//!    keeps running out of credits, release those it gives back;
 //! 4. hand frames up in order, holding credits back while the application lags;
 //! 5. when there was nothing to do: keep polling while the [`PollMode`] says
 //!    (adaptive: while this connection's recent waits say spinning pays and
@@ -24,6 +27,12 @@
 //! The set-up socket stays open as the liveness signal: EOF means the peer is
 //! gone. Before closing on an error, a side writes the reason there (a `u32 LE`
 //! length and UTF-8 text), so the peer's calls fail with that reason.
+//!
+//! A connection idle for [`CREDIT_RETURN_IDLE`] gives back the credits it
+//! holds beyond the peer's initial ones (a RETURN message), so the peer's
+//! shared pool gets those slots back. When the connection ends, its QP goes
+//! to ERROR and its CQ is drained before the QP is destroyed, so every shared
+//! slot the device consumed for it comes back to the pools.
 
 use std::collections::HashMap;
 use std::future::poll_fn;
@@ -39,8 +48,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc};
 
 use crate::config::{Fault, PollMode, RdmaConfig};
-use crate::device::Device;
-use crate::pool::{LargePool, PooledBuffer, SlotPool};
+use crate::device::{Device, SharedPools};
+use crate::pool::{LargePool, PooledBuffer};
 use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, ProtocolError, Route};
 use crate::spin::SpinPolicy;
 use crate::verbs::{
@@ -54,6 +63,12 @@ const TAG_SEND: u64 = 1;
 const TAG_READ: u64 = 2;
 /// Completions taken from the CQ per poll.
 const CQ_BATCH: usize = 32;
+/// A connection with no traffic for this long gives back the credits it
+/// holds beyond the peer's initial ones.
+pub(crate) const CREDIT_RETURN_IDLE: Duration = Duration::from_millis(100);
+/// How long an ending connection waits for the flushed completions of its
+/// sends (each one returns a shared send slot).
+const DRAIN_WAIT: Duration = Duration::from_millis(100);
 /// Longest close reason accepted from the peer.
 const MAX_REASON_LEN: usize = 4096;
 /// How long a driver whose application closed the connection waits for the
@@ -107,13 +122,36 @@ pub(crate) struct InboundShared {
     pub(crate) drained: Notify,
 }
 
+/// Slots of the shared receive pool committed to one connection: its peer's
+/// credit window. Released when dropped (after the QP, see [`Driver`]).
+pub(crate) struct Commitment {
+    pub(crate) pools: Arc<SharedPools>,
+    pub(crate) slots: usize,
+}
+
+impl Commitment {
+    /// Commits `initial` slots (all or nothing).
+    pub(crate) fn new(
+        pools: Arc<SharedPools>,
+        initial: usize,
+    ) -> Result<Commitment, crate::verbs::shared::CommitError> {
+        let slots = pools.receive.commit(initial, initial)?;
+        Ok(Commitment { pools, slots })
+    }
+}
+
+impl Drop for Commitment {
+    fn drop(&mut self) {
+        self.pools.receive.release(self.slots);
+    }
+}
+
 /// A connection's verbs objects, built before set-up.
 pub(crate) struct Endpoint {
     pub(crate) qp: Arc<dyn QueuePair>,
     pub(crate) cq: Arc<dyn CompletionQueue>,
     pub(crate) channel: AsyncCompletionChannel,
-    pub(crate) recv: SlotPool,
-    pub(crate) send: SlotPool,
+    pub(crate) commitment: Commitment,
 }
 
 /// The running connection.
@@ -125,9 +163,18 @@ pub(crate) struct Driver {
     _cm: Option<CmConnection>,
     cq: Arc<dyn CompletionQueue>,
     channel: AsyncCompletionChannel,
-    recv: SlotPool,
-    send: SlotPool,
-    free_send_slots: Vec<u32>,
+    /// Shared receive slots committed to the peer (released after the QP
+    /// is gone), and the pools.
+    commitment: Commitment,
+    pools: Arc<SharedPools>,
+    /// A send slot taken and not used yet (given back before sleeping).
+    spare_send: Option<usize>,
+    /// SENDs posted and not completed.
+    sends_in_flight: usize,
+    /// The shared send pool had no slot: wait for a completion of our own.
+    send_pool_starved: bool,
+    /// When an idle connection gives back its extra credits.
+    return_at: Option<Instant>,
     exposed: HashMap<u64, Exposed>,
     destinations: HashMap<u64, PooledBuffer>,
     reads: HashMap<u64, (u64, u64)>,
@@ -198,19 +245,21 @@ impl Driver {
             qp,
             cq,
             channel,
-            recv,
-            send,
+            commitment,
         } = endpoint;
         let max_inline = qp.caps().max_inline_data as usize;
         let solicited_events = device.context.caps().solicited_events;
         Driver {
-            free_send_slots: (0..send.count() as u32).rev().collect(),
+            pools: commitment.pools.clone(),
+            commitment,
+            spare_send: None,
+            sends_in_flight: 0,
+            send_pool_starved: false,
+            return_at: None,
             qp,
             _cm: cm,
             cq,
             channel,
-            recv,
-            send,
             exposed: HashMap::new(),
             destinations: HashMap::new(),
             reads: HashMap::new(),
@@ -247,12 +296,12 @@ impl Driver {
     /// Runs the connection to its end.
     pub(crate) async fn run(mut self) {
         let end = self.run_until_end().await;
+        self.drain().await;
         match end {
             End::Clean => {
                 tracing::debug!(qp = self.qp.qp_num(), "rdma connection closed");
             }
             End::Failed(mut reason) => {
-                let _ = self.qp.to_error();
                 let mut gone = self.peer_vanished;
                 if self.flushed {
                     // Our QP broke, maybe because the peer's did: the peer is
@@ -308,6 +357,7 @@ impl Driver {
                 return end;
             }
             if progressed {
+                self.return_at = None;
                 if let Some(since) = idle_since.take() {
                     spin.waited(since.elapsed());
                 }
@@ -338,6 +388,7 @@ impl Driver {
             let solicited_only = self.solicited_events
                 && self.reads.is_empty()
                 && !self.protocol.send_slots_exhausted()
+                && !self.send_pool_starved
                 && !closing_with_sends_in_flight;
             if let Err(error) = self.cq.req_notify(solicited_only) {
                 return End::Failed(format!("arming the completion queue: {error}"));
@@ -354,6 +405,14 @@ impl Driver {
             }
             if let Some(end) = self.ended() {
                 return end;
+            }
+            // Asleep, this connection holds no send slot, and an idle one
+            // gives back its extra credits after a while.
+            if let Some(slot) = self.spare_send.take() {
+                self.pools.send.put_back(slot);
+            }
+            if self.return_at.is_none() && self.protocol.excess_credits() > 0 {
+                self.return_at = Some(Instant::now() + CREDIT_RETURN_IDLE);
             }
             if let Err(reason) = self.sleep().await {
                 return End::Failed(reason);
@@ -376,10 +435,15 @@ impl Driver {
             .is_none_or(mpsc::UnboundedSender::is_closed);
         let recheck = (inbound_closed && self.gone_since.is_none())
             .then(|| Instant::now() + std::time::Duration::from_millis(100));
-        let timer = [self.protocol.poll_timeout(), linger, recheck]
-            .into_iter()
-            .flatten()
-            .min();
+        let timer = [
+            self.protocol.poll_timeout(),
+            linger,
+            recheck,
+            self.return_at,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         // Wakes when the application drops its stream half.
         let inbound = self.inbound.clone();
         let mut application_left = std::pin::pin!(async move {
@@ -485,6 +549,13 @@ impl Driver {
         progressed |= self.poll_completions()?;
         progressed |= self.carry_out()?;
         progressed |= self.deliver();
+        if self.return_at.is_some_and(|at| at <= Instant::now()) {
+            self.return_at = None;
+            if self.protocol.return_credits() {
+                progressed |= self.carry_out()?;
+            }
+        }
+        self.adjust_window();
         if let Some(at) = self.protocol.poll_timeout() {
             if at <= Instant::now() {
                 self.protocol.handle_timeout(Instant::now());
@@ -495,6 +566,105 @@ impl Driver {
             progressed |= self.read_socket()?;
         }
         Ok(progressed)
+    }
+
+    /// Commits more shared receive slots while the peer keeps running out of
+    /// credits (as many as the pool spares), and releases those it gave back.
+    fn adjust_window(&mut self) {
+        let wanted = self.protocol.credits_wanted();
+        if wanted > 0 {
+            let committed = match self.pools.receive.commit(0, wanted as usize) {
+                Ok(committed) => committed,
+                Err(error) => {
+                    tracing::debug!(%error, "the credit window stays as it is");
+                    0
+                }
+            };
+            self.commitment.slots += committed;
+            self.protocol.grow_window(committed as u32);
+        }
+        let returned = self.protocol.take_returned() as usize;
+        if returned > 0 {
+            self.commitment.slots -= returned;
+            self.pools.receive.release(returned);
+        }
+    }
+
+    /// The QP goes to ERROR and every completion still due comes back: each
+    /// returns a shared slot (a receive the device consumed for this QP, a
+    /// SEND's slot), which would otherwise be lost with the CQ.
+    async fn drain(&mut self) {
+        let _ = self.qp.to_error();
+        let deadline = Instant::now() + DRAIN_WAIT;
+        loop {
+            let count = match self.cq.poll(&mut self.completions) {
+                Ok(count) => count,
+                Err(_) => break,
+            };
+            for index in 0..count {
+                let completion = self.completions[index];
+                let _ = self.return_slot(&completion);
+            }
+            if !self.reposts.is_empty() {
+                let reposts = std::mem::take(&mut self.reposts);
+                if let Err(error) = self.pools.receive.repost(&reposts) {
+                    tracing::warn!(%error, "re-posting shared receives");
+                }
+            }
+            if count == 0 {
+                if self.sends_in_flight == 0 || Instant::now() >= deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        if let Some(slot) = self.spare_send.take() {
+            self.pools.send.put_back(slot);
+        }
+        if self.sends_in_flight > 0 {
+            tracing::warn!(
+                sends = self.sends_in_flight,
+                "send slots never completed; they stay out of the shared pool"
+            );
+        }
+    }
+
+    /// Gives the shared slot a completion names back to its pool, whatever
+    /// its status (the message a successful receive carried comes back).
+    fn return_slot(&mut self, completion: &WorkCompletion) -> Result<Option<Bytes>, String> {
+        let tag = completion.wr_id >> TAG_SHIFT;
+        let index = (completion.wr_id & ((1 << TAG_SHIFT) - 1)) as usize;
+        match tag {
+            TAG_RECV => {
+                let message = if completion.status == WcStatus::Success {
+                    let len = completion.byte_len as usize;
+                    Some(
+                        self.pools
+                            .receive
+                            .take(index, len)
+                            .map_err(|e| e.to_string())?,
+                    )
+                } else {
+                    self.pools
+                        .receive
+                        .take_failed(index)
+                        .map_err(|e| e.to_string())?;
+                    None
+                };
+                self.reposts.push(index);
+                Ok(message)
+            }
+            TAG_SEND => {
+                self.pools
+                    .send
+                    .completed(index)
+                    .map_err(|e| e.to_string())?;
+                self.sends_in_flight -= 1;
+                self.send_pool_starved = false;
+                Ok(None)
+            }
+            _ => Ok(None),
+        }
     }
 
     fn take_outgoing(&mut self) -> Result<bool, String> {
@@ -607,17 +777,31 @@ impl Driver {
                 .cq
                 .poll(&mut self.completions)
                 .map_err(|error| format!("polling the completion queue: {error}"))?;
+            // Every completion of the batch gives its shared slot back, even
+            // after one failed: the rest would be lost with the CQ.
+            let mut failure = None;
             for index in 0..count {
                 let completion = self.completions[index];
-                self.on_completion(completion)?;
+                let outcome = if failure.is_none() {
+                    self.on_completion(completion)
+                } else {
+                    self.return_slot(&completion).map(drop)
+                };
+                if let Err(reason) = outcome {
+                    failure.get_or_insert(reason);
+                }
             }
             if !self.reposts.is_empty() {
                 let reposts = std::mem::take(&mut self.reposts);
-                self.recv
-                    .post_receives(&*self.qp, &reposts, |slot| wr_id(TAG_RECV, slot as u64))
-                    .map_err(|error| format!("re-posting receives: {error}"))?;
+                self.pools
+                    .receive
+                    .repost(&reposts)
+                    .map_err(|error| format!("re-posting shared receives: {error}"))?;
                 self.reposts = reposts;
                 self.reposts.clear();
+            }
+            if let Some(reason) = failure {
+                return Err(reason);
             }
             progressed |= count > 0;
             if count < CQ_BATCH {
@@ -629,6 +813,7 @@ impl Driver {
     fn on_completion(&mut self, completion: WorkCompletion) -> Result<(), String> {
         let tag = completion.wr_id >> TAG_SHIFT;
         let index = completion.wr_id & ((1 << TAG_SHIFT) - 1);
+        let received = self.return_slot(&completion)?;
         if completion.status != WcStatus::Success {
             if completion.status == WcStatus::WrFlushErr && self.protocol.peer_closed() {
                 // The peer closed cleanly and destroyed its QP, which took
@@ -641,11 +826,7 @@ impl Driver {
         }
         match tag {
             TAG_RECV => {
-                let slot = index as usize;
-                let len = completion.byte_len as usize;
-                self.recv.completed(slot);
-                let message = Bytes::copy_from_slice(self.recv.slot(slot, len));
-                self.reposts.push(slot);
+                let message = received.ok_or("a receive completion without its message")?;
                 match self.protocol.handle_received(message) {
                     Ok(()) => {}
                     Err(ProtocolError::TooLarge { len, max }) => {
@@ -664,8 +845,7 @@ impl Driver {
                 }
             }
             TAG_SEND => {
-                self.send.completed(index as usize);
-                self.free_send_slots.push(index as u32);
+                // The slot went back to the pool in `return_slot`.
                 self.protocol.handle_send_complete();
             }
             TAG_READ => {
@@ -766,20 +946,38 @@ impl Driver {
                 .map_err(|error| format!("READ into its destination: {error}"))?;
             self.reads.insert(id, (read.token, read.len));
         }
-        while let Some(message) = self.protocol.poll_transmit() {
+        loop {
+            // A slot first (a connection with no SEND in flight may take one
+            // past the pool's cap: it has no completion of its own to wait
+            // for), then the message.
+            let slot = match self.spare_send.take() {
+                Some(slot) => slot,
+                None => match self
+                    .pools
+                    .send
+                    .take(self.sends_in_flight == 0)
+                    .map_err(|error| format!("shared send slot: {error}"))?
+                {
+                    Some(slot) => slot,
+                    None => {
+                        self.send_pool_starved = true;
+                        break;
+                    }
+                },
+            };
+            let Some(message) = self.protocol.poll_transmit() else {
+                self.spare_send = Some(slot);
+                break;
+            };
             progressed = true;
-            let slot = self
-                .free_send_slots
-                .pop()
-                .ok_or("protocol sent without a free send slot")?;
-            let len = write_message(self.send.slot_mut(slot as usize), &message);
-            self.sends.send_slot(
-                &mut self.send,
-                slot as usize,
-                len,
-                wr_id(TAG_SEND, u64::from(slot)),
-                len <= self.max_inline,
-            );
+            let sge = self
+                .pools
+                .send
+                .fill(slot, |buffer| write_message(buffer, &message));
+            let inline = sge.length as usize <= self.max_inline;
+            self.sends
+                .send_shared(sge, wr_id(TAG_SEND, slot as u64), inline);
+            self.sends_in_flight += 1;
         }
         if !self.sends.is_empty() {
             self.sends

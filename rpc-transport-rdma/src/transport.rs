@@ -27,13 +27,12 @@ use tokio_util::sync::PollSender;
 
 use crate::config::RdmaConfig;
 use crate::device::{self, Device};
-use crate::driver::{Driver, Endpoint as QpEndpoint, InboundShared};
-use crate::pool::SlotPool;
+use crate::driver::{Commitment, Driver, Endpoint as QpEndpoint, InboundShared};
 use crate::protocol::{GEOMETRY_LEN, Geometry, MAX_FRAME_LEN, PROTOCOL_VERSION, Protocol};
 use crate::setup::{self, Hello, SetupError};
 use crate::verbs::{
-    AccessFlags, AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions,
-    MAX_BINDS_IN_FLIGHT, QpCaps, QpInit, QueuePair, VerbsError,
+    AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions, MAX_BINDS_IN_FLIGHT, QpCaps,
+    QpInit, QueuePair, VerbsError,
 };
 
 /// How long the set-up exchange may take before the attempt is abandoned.
@@ -525,8 +524,12 @@ async fn connect_queue_pair(
     Ok(Some(connection))
 }
 
-/// Builds a QP with its CQ, channel and pools; receives are posted at once.
-fn prepare(device: &Device, config: &RdmaConfig) -> Result<QpEndpoint, VerbsError> {
+/// Builds a QP with its CQ and channel, attached to the device's shared
+/// receive queue, with the peer's initial credits committed in its pool.
+fn prepare(
+    device: &Device,
+    config: &RdmaConfig,
+) -> Result<QpEndpoint, crate::verbs::shared::CommitError> {
     let limits = &config.limits;
     let channel = device.context.create_comp_channel()?;
     // The send queue holds the protocol's SENDs and READs, plus the binds of
@@ -537,13 +540,15 @@ fn prepare(device: &Device, config: &RdmaConfig) -> Result<QpEndpoint, VerbsErro
     let sq_depth = limits.send_slots + limits.max_outstanding_reads + MAX_BINDS_IN_FLIGHT;
     let cq_depth = config.recv_slots + sq_depth + 8;
     let cq = device.context.create_cq(cq_depth, Some(&channel))?;
+    let pools = device.shared_pools(config.slot_len(), config.max_shared_slots)?;
+    let commitment = Commitment::new(pools.clone(), config.initial_credits as usize)?;
     let qp = device.pd.create_qp(QpInit {
         send_cq: cq.clone(),
         recv_cq: cq.clone(),
-        srq: None,
+        srq: Some(pools.receive.srq().clone()),
         caps: QpCaps {
             max_send_wr: sq_depth,
-            max_recv_wr: config.recv_slots,
+            max_recv_wr: 0,
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: 64,
@@ -551,29 +556,12 @@ fn prepare(device: &Device, config: &RdmaConfig) -> Result<QpEndpoint, VerbsErro
         sq_sig_all: false,
     })?;
     qp.to_init()?;
-    let slot_len = config.slot_len();
-    let mut recv = SlotPool::new(
-        &device.pd,
-        config.recv_slots as usize,
-        slot_len,
-        AccessFlags::LOCAL_WRITE,
-    )?;
-    // The driver's receive wr_ids are the slot numbers (tag 0).
-    let slots: Vec<usize> = (0..recv.count()).collect();
-    recv.post_receives(&*qp, &slots, |slot| slot as u64)?;
-    let send = SlotPool::new(
-        &device.pd,
-        limits.send_slots as usize,
-        slot_len,
-        AccessFlags::LOCAL_WRITE,
-    )?;
-    let channel = AsyncCompletionChannel::new(channel)?;
+    let channel = AsyncCompletionChannel::new(channel).map_err(VerbsError::from)?;
     Ok(QpEndpoint {
         qp,
         cq,
         channel,
-        recv,
-        send,
+        commitment,
     })
 }
 
@@ -593,6 +581,7 @@ async fn establish(
     let endpoint = prepare(device, config).map_err(other)?;
     let local = Geometry {
         recv_slots: config.recv_slots,
+        initial_credits: config.initial_credits,
         slot_len: config.slot_len() as u32,
         eager_threshold: config.eager_threshold,
         // Nothing larger fits the wire format: announce at most that.
@@ -693,6 +682,7 @@ mod tests {
     fn hello_payload_round_trips_and_checks_version_and_host() {
         let geometry = Geometry {
             recv_slots: 64,
+            initial_credits: 16,
             slot_len: 8208,
             eager_threshold: 8192,
             max_frame_len: 1 << 26,
@@ -750,6 +740,7 @@ mod tests {
     fn offered(config: &RdmaConfig) -> Geometry {
         Geometry {
             recv_slots: config.recv_slots,
+            initial_credits: config.initial_credits,
             slot_len: config.slot_len() as u32,
             eager_threshold: config.eager_threshold,
             max_frame_len: rpc_core::frame::DEFAULT_MAX_FRAME_LEN as u64,
@@ -766,6 +757,7 @@ mod tests {
         let smallest_slots = RdmaConfig {
             eager_threshold: 64,
             recv_slots: crate::protocol::MIN_RECV_SLOTS,
+            initial_credits: crate::protocol::MIN_RECV_SLOTS,
             ..RdmaConfig::default()
         };
         for config in [default, largest_slots, smallest_slots] {

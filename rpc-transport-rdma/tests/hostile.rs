@@ -240,6 +240,7 @@ async fn begin_setup(
     let config = strict_config();
     let geometry = Geometry {
         recv_slots: config.recv_slots,
+        initial_credits: config.initial_credits,
         slot_len: config.slot_len() as u32,
         eager_threshold: config.eager_threshold,
         max_frame_len: 4 << 20,

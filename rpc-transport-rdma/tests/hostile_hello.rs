@@ -136,6 +136,7 @@ async fn an_absurd_hello_is_refused_with_the_reason_and_other_clients_keep_worki
     // other field (version, host, rdma_cm) is one the server accepts.
     let absurd = Geometry {
         recv_slots: u32::MAX,
+        initial_credits: u32::MAX,
         slot_len: u32::MAX,
         eager_threshold: u32::MAX - 16,
         max_frame_len: u64::MAX,

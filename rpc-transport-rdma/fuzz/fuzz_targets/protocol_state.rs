@@ -430,8 +430,10 @@ impl Pair {
 
 fn geometry(u: &mut Unstructured<'_>) -> arbitrary::Result<Geometry> {
     let slot_len = u.int_in_range(MIN_SLOT_LEN..=MIN_SLOT_LEN + 300)?;
+    let recv_slots = u.int_in_range(3..=8)?;
     Ok(Geometry {
-        recv_slots: u.int_in_range(3..=8)?,
+        recv_slots,
+        initial_credits: u.int_in_range(3..=recv_slots)?,
         slot_len,
         eager_threshold: u.int_in_range(0..=slot_len - HEADER_LEN as u32)?,
         max_frame_len: u.int_in_range(1..=200_000)?,

@@ -25,12 +25,24 @@
 //! | [`Protocol::poll_inbound`] | hands a frame (or the end) to the application |
 //!
 //! **Credits.** A SEND needs a posted receive at the peer. Each side starts
-//! with as many credits as the peer has receive slots, spends one per
-//! message, and gets them back in the `credits` field of the peer's messages
-//! once the peer has re-posted the slots. The last credit is kept for an
-//! explicit CREDIT message, which is sent when a quarter of our slots wait to
-//! be granted or when the peer may be down to its reserve. So no message ever
-//! meets an empty receive queue: no RNR, whatever the load.
+//! with the peer's `initial_credits`, spends one per message, and gets them
+//! back in the `credits` field of the peer's messages once the peer has
+//! re-posted the slots. The last credit is kept for an explicit CREDIT
+//! message, which is sent when a quarter of the window waits to be granted or
+//! when the peer may be down to its reserve. So no message ever meets an
+//! empty receive queue: no RNR, whatever the load.
+//!
+//! **A window that follows the load.** Receive slots come from a pool shared
+//! by every connection of the device (an SRQ), so what a connection's peer
+//! may send — its *window* — is slots committed to it in that pool. It starts
+//! at `initial_credits` (a few slots: an idle connection costs little) and
+//! grows up to `recv_slots` while the peer keeps running out: when the peer
+//! is down to a quarter of its window, [`Protocol::credits_wanted`] asks the
+//! driver for as much again, and what the driver commits
+//! ([`Protocol::grow_window`]) goes out as extra credits. A side that has been
+//! idle gives back what it holds beyond the peer's `initial_credits` with a
+//! RETURN message ([`Protocol::return_credits`]); the peer's window shrinks by
+//! as much and its driver releases the slots ([`Protocol::take_returned`]).
 //!
 //! **Eager and rendezvous.** A frame up to the eager threshold travels inside
 //! the message. A larger one stays in the sender's memory behind a window
@@ -66,8 +78,11 @@ pub use message::{Announce, Body, HEADER_LEN, Message, MessageError, PROTOCOL_VE
 /// What one side of a connection offers, exchanged in the set-up hello.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Geometry {
-    /// Receive slots posted before the peer may send (its initial credits).
+    /// The most credits this side grants the peer at once (its window's cap).
     pub recv_slots: u32,
+    /// Credits the peer holds at the start, committed before it may send
+    /// ([`MIN_RECV_SLOTS`]..=`recv_slots`).
+    pub initial_credits: u32,
     /// Bytes per receive slot, header included.
     pub slot_len: u32,
     /// Frames up to this many bytes travel eagerly (≤ `slot_len - HEADER_LEN`).
@@ -77,7 +92,7 @@ pub struct Geometry {
 }
 
 /// Bytes of an encoded [`Geometry`].
-pub const GEOMETRY_LEN: usize = 20;
+pub const GEOMETRY_LEN: usize = 24;
 /// Fewest receive slots a side may offer. One credit stays in reserve for
 /// CREDIT messages; with only two slots, two idle sides would answer each
 /// other's CREDIT messages forever (each sees the other at its reserve).
@@ -187,6 +202,7 @@ impl Geometry {
         out[4..8].copy_from_slice(&self.slot_len.to_le_bytes());
         out[8..12].copy_from_slice(&self.eager_threshold.to_le_bytes());
         out[12..20].copy_from_slice(&self.max_frame_len.to_le_bytes());
+        out[20..24].copy_from_slice(&self.initial_credits.to_le_bytes());
         out
     }
 
@@ -200,6 +216,7 @@ impl Geometry {
             slot_len: u32::from_le_bytes(bytes[4..8].try_into().expect("4")),
             eager_threshold: u32::from_le_bytes(bytes[8..12].try_into().expect("4")),
             max_frame_len: u64::from_le_bytes(bytes[12..20].try_into().expect("8")),
+            initial_credits: u32::from_le_bytes(bytes[20..24].try_into().expect("4")),
         };
         geometry.validate()?;
         Ok(geometry)
@@ -216,6 +233,13 @@ impl Geometry {
             MIN_RECV_SLOTS.into(),
             MAX_RECV_SLOTS.into(),
             "one credit in reserve; at most MAX_RECV_SLOTS",
+        )?;
+        within(
+            "initial_credits",
+            self.initial_credits.into(),
+            MIN_RECV_SLOTS.into(),
+            self.recv_slots.into(),
+            "one credit in reserve; at most recv_slots",
         )?;
         within(
             "slot_len",
@@ -311,6 +335,19 @@ pub enum ProtocolError {
         received: u64,
         /// Credits granted so far (initial slots included).
         granted: u64,
+    },
+    /// The peer gave back credits it does not hold, or more than it was
+    /// granted beyond its initial ones.
+    #[error(
+        "peer returned {returned} credits; it holds {held}, {beyond_initial} beyond its initial ones"
+    )]
+    BadReturn {
+        /// Credits the RETURN gave back.
+        returned: u32,
+        /// Credits the peer held as far as this side knows.
+        held: u64,
+        /// Of the window, credits beyond the initial ones.
+        beyond_initial: u32,
     },
     /// The peer granted more credits than it has receive slots.
     #[error("peer granted {credits} credits, more than its {slots} receive slots")]
@@ -431,19 +468,28 @@ pub struct Protocol {
     limits: Limits,
     // Credits.
     send_credits: u32,
-    owed: u32,
-    /// Of `owed`, the slots that held something other than a CREDIT message.
+    /// Receives consumed (and re-posted) since our last grant that held
+    /// something other than a CREDIT or RETURN message.
     owed_for_data: u32,
     granted_total: u64,
     received_total: u64,
+    /// Credits the peer gave back with RETURN messages.
+    returned_total: u64,
+    /// Credits the peer may hold at once (slots committed to it).
+    window: u32,
+    /// Returned credits the driver has not released yet.
+    returned_unclaimed: u32,
+    /// The peer ran down to a quarter of its window since the last growth.
+    starved: bool,
     hold_credits: bool,
-    credit_threshold: u32,
     free_send_slots: u32,
     // Outgoing.
     control: VecDeque<Body>,
     queue: VecDeque<Body>,
     close_queued: bool,
     close_sent: bool,
+    /// A RETURN is queued (its count is fixed when it goes out).
+    return_queued: bool,
     next_token: u64,
     exposed: HashMap<u64, Instant>,
     // Incoming.
@@ -469,18 +515,21 @@ impl Protocol {
             local,
             peer,
             limits,
-            send_credits: peer.recv_slots,
-            owed: 0,
+            send_credits: peer.initial_credits,
             owed_for_data: 0,
-            granted_total: u64::from(local.recv_slots),
+            granted_total: u64::from(local.initial_credits),
             received_total: 0,
+            returned_total: 0,
+            window: local.initial_credits,
+            returned_unclaimed: 0,
+            starved: false,
             hold_credits: false,
-            credit_threshold: (local.recv_slots / 4).max(1),
             free_send_slots: limits.send_slots.max(1),
             control: VecDeque::new(),
             queue: VecDeque::new(),
             close_queued: false,
             close_sent: false,
+            return_queued: false,
             next_token: 1,
             exposed: HashMap::new(),
             pulls: HashMap::new(),
@@ -588,7 +637,6 @@ impl Protocol {
                 granted: self.granted_total,
             });
         }
-        self.owed += 1;
         let message = Message::decode(bytes)?;
         let credits = u64::from(self.send_credits) + u64::from(message.credits);
         if credits > u64::from(self.peer.recv_slots) {
@@ -598,7 +646,7 @@ impl Protocol {
             });
         }
         self.send_credits = credits as u32;
-        if message.body != Body::Credit {
+        if !matches!(message.body, Body::Credit | Body::Return { .. }) {
             self.owed_for_data += 1;
         }
         match message.body {
@@ -661,6 +709,25 @@ impl Protocol {
                 // Else: revoked by the timeout already; nothing to free.
             }
             Body::Credit => {}
+            Body::Return { credits } => {
+                let held = self.peer_credits();
+                let beyond_initial = self.window - self.local.initial_credits;
+                if credits == 0 || u64::from(credits) > held || credits > beyond_initial {
+                    return Err(ProtocolError::BadReturn {
+                        returned: credits,
+                        held,
+                        beyond_initial,
+                    });
+                }
+                self.returned_total += u64::from(credits);
+                // The peer wants to hold its initial credits and no more;
+                // grants of ours still in flight to it stay covered.
+                let window = (held - u64::from(credits)).max(self.local.initial_credits.into());
+                let window = window as u32;
+                self.returned_unclaimed += self.window - window;
+                self.window = window;
+                self.starved = false;
+            }
             Body::Close => {
                 if self.close_received {
                     return Err(ProtocolError::AfterClose);
@@ -669,7 +736,75 @@ impl Protocol {
                 self.pending.push_back(Pending::Closed);
             }
         }
+        let peer_credits = self.peer_credits();
+        if peer_credits * 4 <= u64::from(self.window) || peer_credits <= 1 {
+            self.starved = true;
+        }
         Ok(())
+    }
+
+    /// Credits the peer holds as far as this side knows (an upper bound:
+    /// messages in flight make it lower).
+    fn peer_credits(&self) -> u64 {
+        self.granted_total - self.received_total - self.returned_total
+    }
+
+    /// Credits to grant with the next message: what brings the peer back to
+    /// its window.
+    fn owed(&self) -> u32 {
+        u64::from(self.window).saturating_sub(self.peer_credits()) as u32
+    }
+
+    /// How many more receive slots this side would like to commit to the
+    /// peer: as many again as its window while the peer keeps running down
+    /// to a quarter of it, up to `recv_slots`; else 0. The driver commits
+    /// what the shared pool can spare and calls [`Protocol::grow_window`].
+    pub fn credits_wanted(&self) -> u32 {
+        if !self.starved || self.holding() || self.close_received {
+            return 0;
+        }
+        self.window.min(self.local.recv_slots - self.window)
+    }
+
+    /// `credits` more receive slots are committed to the peer: its window
+    /// grows by that much (granted with the next message). Clears the
+    /// request of [`Protocol::credits_wanted`] even when `credits` is 0.
+    pub fn grow_window(&mut self, credits: u32) {
+        self.window = (self.window + credits).min(self.local.recv_slots);
+        self.starved = false;
+    }
+
+    /// The peer's current window: receive slots committed to it.
+    pub fn window(&self) -> u32 {
+        self.window
+    }
+
+    /// Credits the peer gave back since the last call: the driver releases
+    /// that many slots of the shared pool.
+    pub fn take_returned(&mut self) -> u32 {
+        std::mem::take(&mut self.returned_unclaimed)
+    }
+
+    /// Credits we hold beyond the peer's initial ones.
+    pub fn excess_credits(&self) -> u32 {
+        self.send_credits.saturating_sub(self.peer.initial_credits)
+    }
+
+    /// We have been idle: queues a RETURN of the credits held beyond the
+    /// peer's initial ones, so its pool gets those slots back. False when
+    /// there is nothing to give back or we are busy (frames queued).
+    pub fn return_credits(&mut self) -> bool {
+        if self.excess_credits() == 0
+            || !self.queue.is_empty()
+            || !self.control.is_empty()
+            || self.close_queued
+            || self.return_queued
+        {
+            return false;
+        }
+        self.return_queued = true;
+        self.control.push_back(Body::Return { credits: 0 });
+        true
     }
 
     /// A SEND completed: its slot is free.
@@ -727,23 +862,36 @@ impl Protocol {
         } else {
             None
         };
-        let body = match body {
+        let mut body = match body {
             Some(body) => body,
             None if self.needs_credit_message() => Body::Credit,
             None => return None,
         };
-        match body {
+        self.send_credits -= 1;
+        match &mut body {
             Body::Close => self.close_sent = true,
             Body::Done { .. } => self.unanswered -= 1,
+            Body::Return { credits } => {
+                self.return_queued = false;
+                // What we hold beyond the initial credits once this message
+                // is sent, plus its own credit, which the peer re-grants.
+                let excess = (self.send_credits + 1).saturating_sub(self.peer.initial_credits);
+                if excess == 0 {
+                    // Grants came in meanwhile and were spent: nothing to
+                    // give back; the credit goes unused.
+                    self.send_credits += 1;
+                    return self.poll_transmit();
+                }
+                *credits = excess;
+                self.send_credits -= excess;
+            }
             _ => {}
         }
-        let credits = if self.holding() { 0 } else { self.owed };
-        self.owed -= credits;
+        let credits = if self.holding() { 0 } else { self.owed() };
         if credits > 0 {
             self.owed_for_data = 0;
         }
         self.granted_total += u64::from(credits);
-        self.send_credits -= 1;
         self.free_send_slots -= 1;
         Some(Message { credits, body })
     }
@@ -758,15 +906,15 @@ impl Protocol {
     }
 
     fn needs_credit_message(&self) -> bool {
-        if self.holding() || self.owed == 0 {
+        if self.holding() || self.owed() == 0 {
             return false;
         }
         // What the peer can still send as far as it knows (an upper bound:
         // messages in flight make it lower). At its reserve it is blocked.
         // CREDIT messages alone never trigger a batch grant, or two idle sides
         // would answer each other forever.
-        let peer_credits = self.granted_total - self.received_total;
-        self.owed_for_data >= self.credit_threshold || peer_credits <= 1
+        let threshold = (self.window / 4).max(2);
+        self.owed_for_data >= threshold || self.peer_credits() <= 1
     }
 
     /// The next memory action.

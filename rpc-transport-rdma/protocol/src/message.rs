@@ -6,10 +6,10 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 1 | protocol version ([`PROTOCOL_VERSION`]) |
-//! | 1 | 1 | kind: 1 DATA, 2 ANNOUNCE, 3 DONE, 4 CREDIT, 5 CLOSE |
+//! | 1 | 1 | kind: 1 DATA, 2 ANNOUNCE, 3 DONE, 4 CREDIT, 5 CLOSE, 6 RETURN |
 //! | 2 | 2 | reserved, zero |
 //! | 4 | 4 | credits granted to the receiver of this message (u32 LE) |
-//! | 8 | 8 | token (ANNOUNCE, DONE), else zero (u64 LE) |
+//! | 8 | 8 | token (ANNOUNCE, DONE), credits given back (RETURN: 1..=u32::MAX), else zero (u64 LE) |
 //!
 //! Then, by kind: DATA carries one whole rpc-core frame; ANNOUNCE carries
 //! `addr: u64 | len: u64 | rkey: u32 | head_len: u32 | tail_len: u32 |
@@ -18,12 +18,12 @@
 //! sender's memory at `addr` for an RDMA READ, then the last `tail_len` (a
 //! frame's small head, and the small end of a message after its large field,
 //! ride in the message, so the large part can be read where it already
-//! lies); DONE, CREDIT and CLOSE carry nothing.
+//! lies); DONE, CREDIT, CLOSE and RETURN carry nothing.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// Version byte of every message.
-pub const PROTOCOL_VERSION: u8 = 3;
+pub const PROTOCOL_VERSION: u8 = 4;
 /// Bytes of the common header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes of an ANNOUNCE body before its inline head.
@@ -77,6 +77,12 @@ pub enum Body {
     },
     /// Only credits.
     Credit,
+    /// The sender gives back `credits` of the credits it holds (it was idle):
+    /// the receiver's window shrinks by as much.
+    Return {
+        /// Credits given back (above 0).
+        credits: u32,
+    },
     /// The sender sends nothing more.
     Close,
 }
@@ -115,6 +121,7 @@ const KIND_ANNOUNCE: u8 = 2;
 const KIND_DONE: u8 = 3;
 const KIND_CREDIT: u8 = 4;
 const KIND_CLOSE: u8 = 5;
+const KIND_RETURN: u8 = 6;
 
 impl Message {
     /// The header, and the fixed body bytes that follow it (the
@@ -127,6 +134,7 @@ impl Message {
             Body::Done { token } => (KIND_DONE, *token),
             Body::Credit => (KIND_CREDIT, 0),
             Body::Close => (KIND_CLOSE, 0),
+            Body::Return { credits } => (KIND_RETURN, u64::from(*credits)),
         };
         let mut header = [0u8; HEADER_LEN];
         header[0] = PROTOCOL_VERSION;
@@ -204,7 +212,7 @@ impl Message {
         let fixed = |body: Body| {
             if rest != 0 {
                 Err(MessageError::Malformed("bytes after a fixed-size message"))
-            } else if token != 0 && !matches!(body, Body::Done { .. }) {
+            } else if token != 0 && !matches!(body, Body::Done { .. } | Body::Return { .. }) {
                 Err(MessageError::Malformed(
                     "token set on a message without one",
                 ))
@@ -256,6 +264,15 @@ impl Message {
             KIND_DONE => fixed(Body::Done { token })?,
             KIND_CREDIT => fixed(Body::Credit)?,
             KIND_CLOSE => fixed(Body::Close)?,
+            KIND_RETURN => {
+                let credits = u32::try_from(token)
+                    .ok()
+                    .filter(|credits| *credits > 0)
+                    .ok_or(MessageError::Malformed(
+                        "RETURN of no credits, or of more than 2^32 - 1",
+                    ))?;
+                fixed(Body::Return { credits })?
+            }
             other => return Err(MessageError::Kind(other)),
         };
         Ok(Message { credits, body })
@@ -309,6 +326,10 @@ mod tests {
             Message {
                 credits: 0,
                 body: Body::Close,
+            },
+            Message {
+                credits: 2,
+                body: Body::Return { credits: 60 },
             },
         ]
     }

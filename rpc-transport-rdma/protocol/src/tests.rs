@@ -9,9 +9,16 @@ use bytes::Bytes;
 
 use super::*;
 
+/// A fixed window of `slots` credits.
 fn geometry(slots: u32, slot_len: u32) -> Geometry {
+    windowed(slots, slots, slot_len)
+}
+
+/// A window that starts at `initial` credits and may grow to `max`.
+fn windowed(initial: u32, max: u32, slot_len: u32) -> Geometry {
     Geometry {
-        recv_slots: slots,
+        recv_slots: max,
+        initial_credits: initial,
         slot_len,
         eager_threshold: slot_len - HEADER_LEN as u32,
         max_frame_len: 64 << 20,
@@ -21,7 +28,12 @@ fn geometry(slots: u32, slot_len: u32) -> Geometry {
 struct Side {
     protocol: Protocol,
     geometry: Geometry,
+    /// Receives committed to the peer (its window in slots).
     posted_receives: u32,
+    /// Slots the simulated shared pool can still commit to this side's peer.
+    pool_spare: u32,
+    /// The largest window this side gave its peer.
+    max_window: u32,
     /// Our exposed frames: token → (addr, rkey, remote bytes, inline head length).
     exposed: HashMap<u64, (u64, u32, Bytes, usize)>,
     next_addr: u64,
@@ -41,7 +53,9 @@ impl Side {
         Side {
             protocol: Protocol::new(local, peer, limits),
             geometry: local,
-            posted_receives: local.recv_slots,
+            posted_receives: local.initial_credits,
+            pool_spare: u32::MAX,
+            max_window: local.initial_credits,
             exposed: HashMap::new(),
             next_addr: 0x1000_0000,
             destinations: HashMap::new(),
@@ -165,9 +179,26 @@ impl Pair {
         Ok(progress)
     }
 
-    /// Events, READs (completed one step later) and deliveries of `side`.
+    /// Events, READs (completed one step later) and deliveries of `side`,
+    /// and what its driver does with the shared pool: commits the slots the
+    /// window asks for (as far as the pool has them), releases returned ones.
     fn memory(side: &mut Side, peer: &Side) -> bool {
         let mut progress = false;
+        let wanted = side.protocol.credits_wanted();
+        if wanted > 0 {
+            let committed = wanted.min(side.pool_spare);
+            side.pool_spare -= committed;
+            side.posted_receives += committed;
+            side.protocol.grow_window(committed);
+            side.max_window = side.max_window.max(side.protocol.window());
+            progress |= committed > 0;
+        }
+        let returned = side.protocol.take_returned();
+        if returned > 0 {
+            side.posted_receives -= returned;
+            side.pool_spare += returned;
+            progress = true;
+        }
         while let Some(read) = side.reads_in_flight.pop_front() {
             let (addr, rkey, remote, head_len) =
                 peer.exposed.get(&read.token).expect("still exposed");
@@ -557,12 +588,14 @@ fn every_geometry_field_out_of_bounds_is_refused_by_name_value_and_bound() {
     for ok in [
         Geometry {
             recv_slots: MIN_RECV_SLOTS,
+            initial_credits: MIN_RECV_SLOTS,
             slot_len: MIN_SLOT_LEN,
             eager_threshold: 0,
             max_frame_len: 0,
         },
         Geometry {
             recv_slots: MAX_RECV_SLOTS,
+            initial_credits: MAX_RECV_SLOTS,
             slot_len: MAX_SLOT_LEN,
             eager_threshold: MAX_EAGER_THRESHOLD,
             max_frame_len: MAX_FRAME_LEN,
@@ -571,6 +604,22 @@ fn every_geometry_field_out_of_bounds_is_refused_by_name_value_and_bound() {
         assert_eq!(Geometry::decode(&ok.encode()), Ok(ok));
     }
     let cases = [
+        (
+            Geometry {
+                initial_credits: 2,
+                ..g
+            },
+            "initial_credits = 2 ",
+            "3..=128",
+        ),
+        (
+            Geometry {
+                initial_credits: 129,
+                ..g
+            },
+            "initial_credits = 129 ",
+            "3..=128",
+        ),
         (
             Geometry { recv_slots: 2, ..g },
             "recv_slots = 2 ",
@@ -652,6 +701,7 @@ fn every_geometry_field_out_of_bounds_is_refused_by_name_value_and_bound() {
     // The attack hello's geometry: everything at its type's maximum.
     let absurd = Geometry {
         recv_slots: u32::MAX,
+        initial_credits: u32::MAX,
         slot_len: u32::MAX,
         eager_threshold: u32::MAX - HEADER_LEN as u32,
         max_frame_len: u64::MAX,
@@ -723,6 +773,7 @@ fn an_announcement_whose_range_wraps_is_refused() {
 fn a_deferred_allocation_issues_no_read_and_is_asked_for_again() {
     let g = Geometry {
         recv_slots: 16,
+        initial_credits: 16,
         slot_len: 4096,
         eager_threshold: 4096 - HEADER_LEN as u32,
         max_frame_len: 1 << 20,
@@ -908,4 +959,135 @@ fn announcements_awaiting_done_are_bounded() {
         }
     );
     assert_eq!(p.unanswered(), MAX_UNANSWERED as usize);
+}
+
+/// The receiver's window grows while a pipelining peer keeps running out of
+/// credits, never past `recv_slots`, and shrinks back to the initial credits
+/// once the peer, idle, returns what it holds beyond them; no message ever
+/// meets a receive that was not committed (the harness asserts it).
+#[test]
+fn a_window_grows_under_a_pipeline_and_is_returned_when_idle() {
+    let g = windowed(4, 128, 1024);
+    let mut pair = Pair::new(g, g, Limits::default());
+    let frames: Vec<Bytes> = (0..2_000).map(|i| frame(100, i as u8)).collect();
+    for f in &frames {
+        pair.a.send(f.clone(), pair.now);
+    }
+    pair.run().unwrap();
+    assert_eq!(pair.b.delivered, frames);
+    assert!(
+        pair.b.max_window > 4,
+        "the window never grew: {}",
+        pair.b.max_window
+    );
+    assert!(pair.b.max_window <= 128);
+    let committed = pair.b.posted_receives;
+    assert_eq!(committed, pair.b.protocol.window());
+    assert!(pair.a.protocol.excess_credits() > 0);
+    // Idle: a gives back what it holds beyond b's initial credits.
+    assert!(pair.a.protocol.return_credits());
+    assert!(!pair.a.protocol.return_credits(), "one RETURN at a time");
+    pair.run().unwrap();
+    assert_eq!(pair.b.protocol.window(), 4);
+    assert_eq!(pair.b.posted_receives, 4);
+    assert_eq!(pair.b.pool_spare, u32::MAX - (4 - 4));
+    assert!(pair.a.protocol.send_credits() >= 3);
+    assert_eq!(pair.a.protocol.excess_credits(), 0);
+    assert!(
+        !pair.a.protocol.return_credits(),
+        "nothing left to give back"
+    );
+    // And it grows again when the load comes back.
+    for f in &frames {
+        pair.a.send(f.clone(), pair.now);
+    }
+    pair.run().unwrap();
+    assert_eq!(pair.b.delivered.len(), 2 * frames.len());
+    assert!(pair.b.protocol.window() > 4);
+}
+
+/// One call at a time never needs more than the initial credits: the window
+/// of an idle or ping-pong connection stays at its few slots.
+#[test]
+fn ping_pong_never_grows_the_window() {
+    let g = windowed(4, 128, 1024);
+    let mut pair = Pair::new(g, g, Limits::default());
+    for i in 0..500 {
+        pair.a.send(frame(200, i as u8), pair.now);
+        pair.run().unwrap();
+        pair.b.send(frame(300, i as u8), pair.now);
+        pair.run().unwrap();
+    }
+    assert_eq!(pair.b.delivered.len(), 500);
+    assert_eq!(pair.a.delivered.len(), 500);
+    assert_eq!(pair.a.max_window, 4);
+    assert_eq!(pair.b.max_window, 4);
+}
+
+/// A pool with nothing to spare keeps the window at its initial credits and
+/// everything still arrives, in both directions at once.
+#[test]
+fn an_exhausted_pool_keeps_the_window_small_and_loses_nothing() {
+    let g = windowed(3, 1024, 512);
+    let mut pair = Pair::new(g, g, Limits::default());
+    pair.a.pool_spare = 0;
+    pair.b.pool_spare = 2;
+    let frames: Vec<Bytes> = (0..1_000).map(|i| frame(50 + i % 400, i as u8)).collect();
+    for f in &frames {
+        pair.a.send(f.clone(), pair.now);
+        pair.b.send(f.clone(), pair.now);
+    }
+    pair.run().unwrap();
+    assert_eq!(pair.a.delivered, frames);
+    assert_eq!(pair.b.delivered, frames);
+    assert_eq!(pair.a.max_window, 3);
+    assert_eq!(pair.b.max_window, 5);
+}
+
+/// A RETURN must give back credits the peer holds, beyond the initial ones.
+#[test]
+fn forged_returns_are_errors() {
+    let g = windowed(4, 128, 1024);
+    // The window is at its initial credits: nothing may be returned.
+    let mut p = Protocol::new(g, g, Limits::default());
+    let error = received(&mut p, 0, Body::Return { credits: 1 }).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            ProtocolError::BadReturn {
+                returned: 1,
+                beyond_initial: 0,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    // Grown by 10, the peer holds 14 − 1 (this message): returning 11 is
+    // more than the growth.
+    let mut p = Protocol::new(g, g, Limits::default());
+    p.grow_window(10);
+    p.send_eager(frame(10, 1));
+    assert_eq!(p.poll_transmit().unwrap().credits, 10);
+    let error = received(&mut p, 0, Body::Return { credits: 11 }).unwrap_err();
+    assert!(
+        matches!(error, ProtocolError::BadReturn { .. }),
+        "{error:?}"
+    );
+    let mut p = Protocol::new(g, g, Limits::default());
+    p.grow_window(10);
+    p.send_eager(frame(10, 1));
+    assert_eq!(p.poll_transmit().unwrap().credits, 10);
+    received(&mut p, 0, Body::Return { credits: 10 }).unwrap();
+    assert_eq!(p.window(), 4);
+    assert_eq!(p.take_returned(), 10);
+    assert_eq!(p.take_returned(), 0);
+    // A RETURN of nothing does not even decode.
+    let mut zero = Message {
+        credits: 0,
+        body: Body::Return { credits: 1 },
+    }
+    .encode()
+    .to_vec();
+    zero[8] = 0;
+    assert!(Message::decode(zero.into()).is_err());
 }

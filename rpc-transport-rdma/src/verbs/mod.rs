@@ -28,6 +28,7 @@ pub mod ibverbs;
 pub mod owned;
 pub mod pool;
 pub mod reactor;
+pub mod shared;
 pub mod soft;
 pub mod windows;
 
@@ -578,6 +579,8 @@ pub struct DeviceCaps {
     pub max_cqe: u32,
     /// Deepest queue.
     pub max_qp_wr: u32,
+    /// Deepest shared receive queue.
+    pub max_srq_wr: u32,
     /// Type-2 memory windows can be bound over registered memory
     /// ([`ProtectionDomain::bind_window`]): a READ window per large frame
     /// costs a posted work request instead of a registration.

@@ -1,8 +1,8 @@
 //! Registered memory for the RDMA transport, registered once and reused.
 //!
-//! - [`SlotPool`]: one registered buffer cut into equal slots: a connection's
-//!   receive slots (all posted before the peer may send) and, separately, its
-//!   send slots (brpc#3431: one shared pool can deadlock).
+//! (Receive and send slots, shared by a device's connections, are
+//! [`crate::verbs::shared`].)
+//!
 //! - [`LargePool`]: registered buffers for rendezvous frames, shared by the
 //!   connections of one device. Buffers come in size classes (powers of two
 //!   from 64 KiB to 1 MiB, then whole MiB); a set is registered when the
@@ -17,7 +17,7 @@
 //! traits: memory named by a posted request must not be touched through a
 //! Rust reference until its completion. The pools are the safe side of that
 //! rule for the transport: a slot or buffer is marked *in flight* when a
-//! request is built over it (`SlotPool::post_receives`, `SendBatch`), no
+//! request is built over it (`SendBatch`), no
 //! reference to it is handed out while it is (asserted), and it is released
 //! only by the completion the driver polled for it (`completed`,
 //! `read_completed`: crate-internal, called with wr_ids from the CQ). A
@@ -30,127 +30,8 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 
 use crate::verbs::{
-    AccessFlags, ProtectionDomain, QueuePair, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge,
-    VerbsError,
+    AccessFlags, ProtectionDomain, QueuePair, RegisteredBuffer, SendOp, SendWr, Sge, VerbsError,
 };
-
-/// A registered buffer cut into `count` slots of `slot_len` bytes.
-#[derive(Debug)]
-pub struct SlotPool {
-    buffer: RegisteredBuffer,
-    slot_len: usize,
-    count: usize,
-    /// Slots a posted request names (the device's until their completion).
-    in_flight: Vec<bool>,
-}
-
-impl SlotPool {
-    /// Registers `count × slot_len` bytes with `access`.
-    pub fn new(
-        pd: &Arc<dyn ProtectionDomain>,
-        count: usize,
-        slot_len: usize,
-        access: AccessFlags,
-    ) -> Result<SlotPool, VerbsError> {
-        Ok(SlotPool {
-            buffer: RegisteredBuffer::new(pd, count * slot_len, access)?,
-            slot_len,
-            count,
-            in_flight: vec![false; count],
-        })
-    }
-
-    /// Slots.
-    pub fn count(&self) -> usize {
-        self.count
-    }
-
-    /// Bytes per slot.
-    pub fn slot_len(&self) -> usize {
-        self.slot_len
-    }
-
-    /// An SGE over the first `len` bytes of slot `index`.
-    fn sge(&self, index: usize, len: usize) -> Sge {
-        assert!(index < self.count && len <= self.slot_len, "slot range");
-        self.buffer.sge(index * self.slot_len, len)
-    }
-
-    /// True while a posted request names slot `index`.
-    pub fn is_in_flight(&self, index: usize) -> bool {
-        self.in_flight[index]
-    }
-
-    fn assert_owned(&self, index: usize) {
-        assert!(
-            !self.in_flight[index],
-            "slot {index} is the device's until its completion"
-        );
-    }
-
-    /// The first `len` bytes of slot `index`.
-    ///
-    /// # Panics
-    /// While a posted request names the slot.
-    pub fn slot(&self, index: usize, len: usize) -> &[u8] {
-        self.assert_owned(index);
-        let start = index * self.slot_len;
-        &self.buffer.as_slice()[start..start + len.min(self.slot_len)]
-    }
-
-    /// Slot `index`, writable.
-    ///
-    /// # Panics
-    /// While a posted request names the slot.
-    pub fn slot_mut(&mut self, index: usize) -> &mut [u8] {
-        self.assert_owned(index);
-        let start = index * self.slot_len;
-        &mut self.buffer.as_mut_slice()[start..start + self.slot_len]
-    }
-
-    /// Marks slot `index` in flight and returns an SGE over its first `len` bytes.
-    fn claim(&mut self, index: usize, len: usize) -> Sge {
-        self.assert_owned(index);
-        let sge = self.sge(index, len);
-        self.in_flight[index] = true;
-        sge
-    }
-
-    /// Posts a receive into each of `slots` (whole slots) on `qp`, with
-    /// `wr_id(slot)`. On failure the slots not posted are released again.
-    pub(crate) fn post_receives(
-        &mut self,
-        qp: &dyn QueuePair,
-        slots: &[usize],
-        wr_id: impl Fn(usize) -> u64,
-    ) -> Result<(), VerbsError> {
-        let wrs: Vec<RecvWr> = slots
-            .iter()
-            .map(|&slot| RecvWr {
-                wr_id: wr_id(slot),
-                sg_list: vec![self.claim(slot, self.slot_len)],
-            })
-            .collect();
-        // SAFETY: every SGE covers one slot of this pool's registered buffer,
-        // which stays allocated until it is deregistered (RegisteredBuffer),
-        // and each slot was just marked in flight: `slot`/`slot_mut` hand out
-        // no reference to it until the driver reports the receive's
-        // completion (`completed`), polled from the CQ.
-        let posted = unsafe { qp.post_recv(wrs) };
-        posted.map_err(|failed| {
-            for wr in failed.rejected {
-                let slot = (wr.sg_list[0].addr - self.buffer.addr()) as usize / self.slot_len;
-                self.in_flight[slot] = false;
-            }
-            failed.error
-        })
-    }
-
-    /// The device is done with slot `index`: its completion was polled.
-    pub(crate) fn completed(&mut self, index: usize) {
-        self.in_flight[index] = false;
-    }
-}
 
 /// Send requests built over pooled memory, posted in one call.
 #[derive(Debug, Default)]
@@ -159,16 +40,12 @@ pub(crate) struct SendBatch {
 }
 
 impl SendBatch {
-    /// Sends the first `len` bytes of send slot `slot` (marked in flight).
-    pub(crate) fn send_slot(
-        &mut self,
-        pool: &mut SlotPool,
-        slot: usize,
-        len: usize,
-        wr_id: u64,
-        inline: bool,
-    ) {
-        let mut wr = SendWr::new(wr_id, SendOp::Send, vec![pool.claim(slot, len)]);
+    /// Sends a shared send slot that [`SharedSendPool::fill`] wrote and marked
+    /// in flight (`sge` is what it returned).
+    ///
+    /// [`SharedSendPool::fill`]: crate::verbs::shared::SharedSendPool
+    pub(crate) fn send_shared(&mut self, sge: Sge, wr_id: u64, inline: bool) {
+        let mut wr = SendWr::new(wr_id, SendOp::Send, vec![sge]);
         wr.inline = inline;
         // Every protocol message asks for the receiver's attention: a peer
         // sleeping on a solicited-only arm wakes for it, and not for the
@@ -211,12 +88,14 @@ impl SendBatch {
     /// Posts everything batched, in order.
     pub(crate) fn post(&mut self, qp: &dyn QueuePair) -> Result<(), VerbsError> {
         let wrs = std::mem::take(&mut self.wrs);
-        // SAFETY: every SGE was built by `send_slot` or `read_into` over
-        // registered pooled memory that stays allocated until deregistered,
-        // and marked in flight there: no reference to a slot or to a pooled
-        // buffer with READs in flight is handed out until the driver reports
-        // the completion it polled (`SlotPool::completed`,
-        // `PooledBuffer::read_completed`), and a pooled buffer dropped with a
+        // SAFETY: every SGE was built by `send_shared` (from
+        // `SharedSendPool::fill`) or `read_into` over registered pooled
+        // memory that stays allocated until deregistered, and marked in
+        // flight there: no reference to a slot or to a pooled buffer with
+        // READs in flight is handed out until the driver reports the
+        // completion it polled (`SharedSendPool::completed`, `PooledBuffer::read_completed`; the
+        // shared pools outlive the connection's QP, whose `Arc`s the
+        // driver drops first), and a pooled buffer dropped with a
         // READ in flight is deregistered instead of reused. A request that
         // fails to post leaves its memory marked: the connection fails.
         unsafe { qp.post_send(wrs) }.map_err(|failed| failed.error)

@@ -318,6 +318,7 @@ impl Context for IbvContext {
             solicited_events: !self.iwarp,
             max_cqe: attr.max_cqe.max(0) as u32,
             max_qp_wr: attr.max_qp_wr.max(0) as u32,
+            max_srq_wr: attr.max_srq_wr.max(0) as u32,
             memory_windows: memory_windows(attr),
         }
     }

@@ -487,6 +487,7 @@ impl Context for SoftContext {
             solicited_events: true,
             max_cqe: 1 << 20,
             max_qp_wr: 1 << 14,
+            max_srq_wr: 1 << 20,
             memory_windows: super::windows::memory_windows_wanted(),
         }
     }

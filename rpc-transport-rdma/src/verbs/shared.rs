@@ -1,0 +1,394 @@
+//! Receive and send slots shared by every connection of a device, so a
+//! connection costs registered memory only while it has messages in flight.
+//!
+//! - [`SharedReceivePool`]: one shared receive queue (SRQ) and the slots
+//!   posted to it. Every connection's QP takes its receives from the SRQ; a
+//!   connection's peer may send only as many messages as slots are
+//!   *committed* to the connection (its credit window, see the protocol's
+//!   docs), and the pool never commits more slots than it has posted, so no
+//!   SEND meets an empty SRQ (no RNR). A connection starts with a few
+//!   committed slots and commits more while its peer keeps running out.
+//! - [`SharedSendPool`]: send slots a connection takes for one message and
+//!   gets back with that SEND's completion.
+//!
+//! Both grow in chunks of [`CHUNK_SLOTS`] slots, one registration each, up to
+//! a cap, and never shrink: after warm-up nothing is registered on the hot
+//! path, and what is registered is what the busiest moment needed.
+//!
+//! **Ownership while the device works**, as in [`crate::pool`]: a slot named
+//! by a posted request is marked so until the driver hands in the completion
+//! it polled for it; no reference to it is handed out meanwhile (asserted).
+//! A receive slot's wr_id is its index in the pool (below the driver's tag
+//! bits), a send slot's index is the driver's to encode.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+
+use crate::verbs::{
+    AccessFlags, ProtectionDomain, RecvWr, RegisteredBuffer, Sge, SharedReceiveQueue, VerbsError,
+};
+
+/// Slots per registration of either pool.
+pub const CHUNK_SLOTS: usize = 256;
+
+/// Registered chunks of equal slots.
+#[derive(Debug)]
+struct Chunks {
+    slot_len: usize,
+    chunks: Vec<RegisteredBuffer>,
+}
+
+impl Chunks {
+    fn slots(&self) -> usize {
+        self.chunks.len() * CHUNK_SLOTS
+    }
+
+    /// Registers one more chunk; returns the indices of its slots.
+    fn grow(
+        &mut self,
+        pd: &Arc<dyn ProtectionDomain>,
+    ) -> Result<std::ops::Range<usize>, VerbsError> {
+        let first = self.slots();
+        self.chunks.push(RegisteredBuffer::new(
+            pd,
+            CHUNK_SLOTS * self.slot_len,
+            AccessFlags::LOCAL_WRITE,
+        )?);
+        Ok(first..first + CHUNK_SLOTS)
+    }
+
+    fn sge(&self, slot: usize, len: usize) -> Sge {
+        assert!(len <= self.slot_len, "slot range");
+        self.chunks[slot / CHUNK_SLOTS].sge((slot % CHUNK_SLOTS) * self.slot_len, len)
+    }
+
+    fn bytes(&self, slot: usize, len: usize) -> &[u8] {
+        let start = (slot % CHUNK_SLOTS) * self.slot_len;
+        &self.chunks[slot / CHUNK_SLOTS].as_slice()[start..start + len.min(self.slot_len)]
+    }
+
+    fn bytes_mut(&mut self, slot: usize) -> &mut [u8] {
+        let start = (slot % CHUNK_SLOTS) * self.slot_len;
+        &mut self.chunks[slot / CHUNK_SLOTS].as_mut_slice()[start..start + self.slot_len]
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+/// No slot can be committed: the pool is at its cap.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the shared receive pool is full: {committed} of at most {max} slots are committed to connections \
+     (raise RdmaConfig::max_shared_slots, or lower initial_credits)"
+)]
+pub struct PoolFull {
+    /// Slots committed.
+    pub committed: usize,
+    /// The pool's cap.
+    pub max: usize,
+}
+
+/// Why slots could not be committed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    /// At the cap.
+    #[error(transparent)]
+    Full(#[from] PoolFull),
+    /// Registering or posting a new chunk failed.
+    #[error("growing the shared receive pool: {0}")]
+    Verbs(#[from] VerbsError),
+}
+
+#[derive(Debug)]
+struct ReceiveState {
+    chunks: Chunks,
+    /// Slots posted to the SRQ (the device's until their completion).
+    posted: Vec<bool>,
+    committed: usize,
+}
+
+/// An SRQ and the receive slots posted to it (see the module docs).
+pub struct SharedReceivePool {
+    srq: Arc<dyn SharedReceiveQueue>,
+    pd: Arc<dyn ProtectionDomain>,
+    max_slots: usize,
+    state: Mutex<ReceiveState>,
+}
+
+impl std::fmt::Debug for SharedReceivePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = lock(&self.state);
+        f.debug_struct("SharedReceivePool")
+            .field("slot_len", &state.chunks.slot_len)
+            .field("slots", &state.chunks.slots())
+            .field("committed", &state.committed)
+            .field("max_slots", &self.max_slots)
+            .finish()
+    }
+}
+
+impl SharedReceivePool {
+    /// An SRQ for up to `max_slots` receives of `slot_len` bytes (rounded up
+    /// to whole chunks); no slot is registered until one is committed.
+    pub fn new(
+        pd: &Arc<dyn ProtectionDomain>,
+        slot_len: usize,
+        max_slots: usize,
+    ) -> Result<SharedReceivePool, VerbsError> {
+        let max_slots = (max_slots / CHUNK_SLOTS).max(1) * CHUNK_SLOTS;
+        let max_wr = u32::try_from(max_slots)
+            .map_err(|_| VerbsError::InvalidArgument("shared receive pool over 2^32 slots"))?;
+        Ok(SharedReceivePool {
+            srq: pd.create_srq(max_wr, 1)?,
+            pd: pd.clone(),
+            max_slots,
+            state: Mutex::new(ReceiveState {
+                chunks: Chunks {
+                    slot_len,
+                    chunks: Vec::new(),
+                },
+                posted: Vec::new(),
+                committed: 0,
+            }),
+        })
+    }
+
+    /// The SRQ every connection's QP is created with.
+    pub fn srq(&self) -> &Arc<dyn SharedReceiveQueue> {
+        &self.srq
+    }
+
+    /// Bytes per slot.
+    pub fn slot_len(&self) -> usize {
+        lock(&self.state).chunks.slot_len
+    }
+
+    /// Slots committed to connections.
+    pub fn committed(&self) -> usize {
+        lock(&self.state).committed
+    }
+
+    /// Slots registered and posted (or being handled by a driver).
+    pub fn capacity(&self) -> usize {
+        lock(&self.state).chunks.slots()
+    }
+
+    /// Commits at least `at_least` and at most `want` slots to a connection,
+    /// registering and posting chunks as needed up to the cap; returns how
+    /// many. Fails only when `at_least` cannot be had.
+    pub fn commit(&self, at_least: usize, want: usize) -> Result<usize, CommitError> {
+        let mut state = lock(&self.state);
+        let want = want.max(at_least);
+        while state.chunks.slots() - state.committed < want
+            && state.chunks.slots() + CHUNK_SLOTS <= self.max_slots
+        {
+            let slots = state.chunks.grow(&self.pd)?;
+            state.posted.resize(slots.end, false);
+            Self::post(&self.srq, &mut state, slots)?;
+        }
+        let free = state.chunks.slots() - state.committed;
+        if free < at_least {
+            return Err(PoolFull {
+                committed: state.committed,
+                max: self.max_slots,
+            }
+            .into());
+        }
+        let committed = free.min(want);
+        state.committed += committed;
+        Ok(committed)
+    }
+
+    /// A connection no longer needs `slots` of its commitment (its peer gave
+    /// them back, or it ended).
+    pub fn release(&self, slots: usize) {
+        let mut state = lock(&self.state);
+        state.committed = state.committed.saturating_sub(slots);
+    }
+
+    fn post(
+        srq: &Arc<dyn SharedReceiveQueue>,
+        state: &mut ReceiveState,
+        slots: impl IntoIterator<Item = usize>,
+    ) -> Result<(), VerbsError> {
+        let slot_len = state.chunks.slot_len;
+        let mut wrs = Vec::new();
+        for slot in slots {
+            assert!(!state.posted[slot], "slot {slot} is posted already");
+            state.posted[slot] = true;
+            wrs.push(RecvWr {
+                wr_id: slot as u64,
+                sg_list: vec![state.chunks.sge(slot, slot_len)],
+            });
+        }
+        // SAFETY: every SGE covers one slot of a chunk this pool registered,
+        // which stays allocated and registered while the pool (which owns the
+        // SRQ and outlives every QP attached to it through the `Arc`s the
+        // connections hold) lives; each slot was just marked posted, and
+        // `take`/`bytes` hand out no reference to a posted slot.
+        let posted = unsafe { srq.post_recv(wrs) };
+        posted.map_err(|failed| {
+            for wr in failed.rejected {
+                state.posted[wr.wr_id as usize] = false;
+            }
+            failed.error
+        })
+    }
+
+    /// The receive in `slot` completed with `len` bytes: copies them out.
+    /// The slot is the caller's until [`SharedReceivePool::repost`].
+    pub(crate) fn take(&self, slot: usize, len: usize) -> Result<Bytes, VerbsError> {
+        let mut state = lock(&self.state);
+        Self::claim(&mut state, slot)?;
+        if len > state.chunks.slot_len {
+            return Err(VerbsError::InvalidArgument(
+                "a receive completion longer than its slot",
+            ));
+        }
+        Ok(Bytes::copy_from_slice(state.chunks.bytes(slot, len)))
+    }
+
+    /// The receive in `slot` completed with an error (e.g. flushed): the slot
+    /// is the caller's, to repost.
+    pub(crate) fn take_failed(&self, slot: usize) -> Result<(), VerbsError> {
+        Self::claim(&mut lock(&self.state), slot)
+    }
+
+    fn claim(state: &mut ReceiveState, slot: usize) -> Result<(), VerbsError> {
+        match state.posted.get_mut(slot) {
+            Some(posted) if *posted => {
+                *posted = false;
+                Ok(())
+            }
+            _ => Err(VerbsError::InvalidArgument(
+                "a receive completion for a slot that is not posted",
+            )),
+        }
+    }
+
+    /// Posts `slots` (taken before) to the SRQ again.
+    pub(crate) fn repost(&self, slots: &[usize]) -> Result<(), VerbsError> {
+        Self::post(&self.srq, &mut lock(&self.state), slots.iter().copied())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SendSlot {
+    Free,
+    /// Taken by a connection, not posted.
+    Held,
+    /// Named by a posted SEND until its completion.
+    InFlight,
+}
+
+#[derive(Debug)]
+struct SendState {
+    chunks: Chunks,
+    slots: Vec<SendSlot>,
+    free: Vec<usize>,
+}
+
+/// Send slots shared by the connections of a device (see the module docs).
+pub struct SharedSendPool {
+    pd: Arc<dyn ProtectionDomain>,
+    max_slots: usize,
+    state: Mutex<SendState>,
+}
+
+impl std::fmt::Debug for SharedSendPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = lock(&self.state);
+        f.debug_struct("SharedSendPool")
+            .field("slot_len", &state.chunks.slot_len)
+            .field("slots", &state.chunks.slots())
+            .field("free", &state.free.len())
+            .finish()
+    }
+}
+
+impl SharedSendPool {
+    /// A pool of slots of `slot_len` bytes, registered a chunk at a time up
+    /// to about `max_slots`.
+    pub fn new(
+        pd: &Arc<dyn ProtectionDomain>,
+        slot_len: usize,
+        max_slots: usize,
+    ) -> SharedSendPool {
+        SharedSendPool {
+            pd: pd.clone(),
+            max_slots: max_slots.max(CHUNK_SLOTS),
+            state: Mutex::new(SendState {
+                chunks: Chunks {
+                    slot_len,
+                    chunks: Vec::new(),
+                },
+                slots: Vec::new(),
+                free: Vec::new(),
+            }),
+        }
+    }
+
+    /// Slots registered.
+    pub fn capacity(&self) -> usize {
+        lock(&self.state).chunks.slots()
+    }
+
+    /// A free slot for one message, registering a chunk when none is free
+    /// and the cap allows (or `past_cap`: a connection with no SEND in
+    /// flight, which could not wait for a completion of its own). `None`:
+    /// wait for a completion.
+    pub(crate) fn take(&self, past_cap: bool) -> Result<Option<usize>, VerbsError> {
+        let mut state = lock(&self.state);
+        if state.free.is_empty() && (past_cap || state.chunks.slots() < self.max_slots) {
+            let slots = state.chunks.grow(&self.pd)?;
+            state.slots.resize(slots.end, SendSlot::Free);
+            state.free.extend(slots.rev());
+        }
+        let Some(slot) = state.free.pop() else {
+            return Ok(None);
+        };
+        state.slots[slot] = SendSlot::Held;
+        Ok(Some(slot))
+    }
+
+    /// Gives back a slot taken and not sent.
+    pub(crate) fn put_back(&self, slot: usize) {
+        let mut state = lock(&self.state);
+        assert_eq!(
+            state.slots[slot],
+            SendSlot::Held,
+            "slot {slot} put back twice"
+        );
+        state.slots[slot] = SendSlot::Free;
+        state.free.push(slot);
+    }
+
+    /// Writes a message into held `slot` with `write` (which returns its
+    /// length) and marks the slot in flight: the SGE is for a SEND posted
+    /// next ([`crate::pool::SendBatch::send_shared`]).
+    pub(crate) fn fill(&self, slot: usize, write: impl FnOnce(&mut [u8]) -> usize) -> Sge {
+        let mut state = lock(&self.state);
+        assert_eq!(state.slots[slot], SendSlot::Held, "slot {slot} is not held");
+        let len = write(state.chunks.bytes_mut(slot));
+        state.slots[slot] = SendSlot::InFlight;
+        state.chunks.sge(slot, len)
+    }
+
+    /// The SEND from `slot` completed (or was flushed): the slot is free.
+    pub(crate) fn completed(&self, slot: usize) -> Result<(), VerbsError> {
+        let mut state = lock(&self.state);
+        match state.slots.get(slot) {
+            Some(SendSlot::InFlight) => {
+                state.slots[slot] = SendSlot::Free;
+                state.free.push(slot);
+                Ok(())
+            }
+            _ => Err(VerbsError::InvalidArgument(
+                "a send completion for a slot not in flight",
+            )),
+        }
+    }
+}
