@@ -2,7 +2,8 @@
 //! tests: receive slots, send slots and READs simulated) and driven by the
 //! fuzz input: frames of any size, closes, held credits, partial deliveries,
 //! READs completing in any order relative to everything else, time passing,
-//! and forged messages (structured or raw bytes) injected as if the peer had
+//! credit windows growing (as far as a simulated shared pool spares slots)
+//! and returned by idle sides, and forged messages (structured or raw bytes) injected as if the peer had
 //! sent them.
 //!
 //! Checked throughout: nothing panics; every queue stays within its bound
@@ -52,6 +53,11 @@ enum Op {
     Forge { side: bool, message: Forged },
     /// Raw bytes reach `side` in a receive slot.
     Raw { side: bool, bytes: Vec<u8> },
+    /// The driver of `side` commits up to `spare` more slots to its peer's
+    /// window, as far as the protocol wants them.
+    Grow { side: bool, spare: u8 },
+    /// `side` has been idle: it gives back its extra credits.
+    Idle { side: bool },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -84,6 +90,10 @@ enum Forged {
     Close {
         credits: u32,
     },
+    Return {
+        credits: u32,
+        returned: u32,
+    },
 }
 
 struct Side {
@@ -108,7 +118,7 @@ impl Side {
             protocol: Protocol::new(local, peer, limits),
             geometry: local,
             limits,
-            posted_receives: local.recv_slots,
+            posted_receives: local.initial_credits,
             exposed: HashMap::new(),
             next_addr: 0x1000_0000,
             destinations: HashMap::new(),
@@ -258,6 +268,10 @@ impl Pair {
                         credits,
                         body: Body::Close,
                     },
+                    Forged::Return { credits, returned } => Message {
+                        credits,
+                        body: Body::Return { credits: returned },
+                    },
                 };
                 self.forged = true;
                 self.wires[to].push_back((message.encode(), true));
@@ -265,6 +279,17 @@ impl Pair {
             Op::Raw { side, bytes } => {
                 self.forged = true;
                 self.wires[usize::from(side)].push_back((bytes.into(), true));
+            }
+            Op::Grow { side, spare } => {
+                let s = &mut self.sides[usize::from(side)];
+                let wanted = s.protocol.credits_wanted();
+                assert!(s.protocol.window() + wanted <= s.geometry.recv_slots);
+                let committed = wanted.min(u32::from(spare));
+                s.posted_receives += committed;
+                s.protocol.grow_window(committed);
+            }
+            Op::Idle { side } => {
+                let _ = self.sides[usize::from(side)].protocol.return_credits();
             }
         }
         self.check();
@@ -353,6 +378,14 @@ impl Pair {
         let peer_sent = self.sides[1 - side].sent.clone();
         let forged = self.forged;
         let s = &mut self.sides[side];
+        let returned = s.protocol.take_returned();
+        assert!(
+            forged || returned <= s.posted_receives,
+            "the peer returned more credits than slots are committed to it"
+        );
+        s.posted_receives = s.posted_receives.saturating_sub(returned);
+        assert!(s.protocol.window() >= s.geometry.initial_credits);
+        assert!(s.protocol.window() <= s.geometry.recv_slots);
         while let Some(event) = s.protocol.poll_event() {
             self.moves += 1;
             match event {
