@@ -66,7 +66,7 @@ pub enum FrameKind {
 }
 
 impl FrameKind {
-    fn from_u8(value: u8) -> Option<FrameKind> {
+    pub(crate) fn from_u8(value: u8) -> Option<FrameKind> {
         Some(match value {
             1 => FrameKind::Request,
             2 => FrameKind::Response,
@@ -362,6 +362,18 @@ impl Frame {
         dst.put_u32_le(0);
         dst.put_slice(self.path.as_bytes());
         self.metadata.encode(dst);
+    }
+
+    /// The kind and call id in the first bytes of a frame (its header), for
+    /// a frame that is not decoded whole (one over the limit, skipped by the
+    /// transport); `None` unless the version and kind are valid.
+    pub fn peek_header(head: &[u8]) -> Option<(FrameKind, u64)> {
+        if head.len() < 16 || head[0] != PROTOCOL_VERSION {
+            return None;
+        }
+        let kind = FrameKind::from_u8(head[1])?;
+        let call_id = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
+        Some((kind, call_id))
     }
 
     /// Decodes one whole message. The payload is a slice of `message` (no copy).

@@ -52,8 +52,12 @@ mod tcp_only {
         let addr = server.endpoint.authority().to_owned();
         let healthy = Channel::connect(server.endpoint.clone()).await.unwrap();
 
-        // A 4 GiB length prefix: refused before anything is buffered.
-        expect_closed(&addr, &u32::MAX.to_le_bytes(), false).await;
+        // A 4 GiB length prefix and no frame header: refused before anything
+        // more is buffered (a real frame over the limit is skipped and its
+        // call refused: the suite's frames_over_the_limit_fail_their_call_only).
+        let mut huge = u32::MAX.to_le_bytes().to_vec();
+        huge.extend_from_slice(&[0xee; 40]);
+        expect_closed(&addr, &huge, false).await;
         // A frame cut short by EOF.
         let mut cut = 100u32.to_le_bytes().to_vec();
         cut.extend_from_slice(&[1u8; 10]);

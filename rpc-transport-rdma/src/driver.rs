@@ -42,7 +42,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use rpc_core::frame::{EncodedFrame, FrameError};
+use rpc_core::frame::EncodedFrame;
 use rpc_core::transport::{ConnectionBudget, Reservation, TransportError};
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc};
@@ -50,7 +50,7 @@ use tokio::sync::{Notify, mpsc};
 use crate::config::{Fault, PollMode, RdmaConfig};
 use crate::device::{Device, SharedPools};
 use crate::pool::{LargePool, PooledBuffer};
-use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, ProtocolError, Route};
+use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, Route};
 use crate::spin::SpinPolicy;
 use crate::verbs::{
     AccessFlags, AsyncCompletionChannel, CmConnection, CompletionQueue, ExposedBuffer,
@@ -206,7 +206,8 @@ pub(crate) struct Driver {
     budget_ready: Option<(u64, Reservation)>,
     /// Reservations of pulls in progress, attached to their frames when handed up.
     reservations: HashMap<u64, Reservation>,
-    /// The failure was a flush: our QP went to ERROR because the peer's did.
+    /// The failure was a flush or unanswered retries: our QP broke, maybe
+    /// because the peer (or its process) is gone.
     flushed: bool,
     poll_mode: PollMode,
     /// The device raises events for solicited SENDs on solicited-only arms.
@@ -821,28 +822,22 @@ impl Driver {
                 self.peer_left = true;
                 return Ok(());
             }
-            self.flushed = completion.status == WcStatus::WrFlushErr;
+            // A flush, or retries that went unanswered: the peer may simply
+            // be gone (a process that exits takes its QP with it; a SEND it
+            // had not acknowledged yet runs out of retries), which its
+            // set-up socket's EOF will tell.
+            self.flushed = matches!(
+                completion.status,
+                WcStatus::WrFlushErr | WcStatus::RetryExcErr
+            );
             return Err(describe_failure(&completion, tag));
         }
         match tag {
             TAG_RECV => {
                 let message = received.ok_or("a receive completion without its message")?;
-                match self.protocol.handle_received(message) {
-                    Ok(()) => {}
-                    Err(ProtocolError::TooLarge { len, max }) => {
-                        // As over TCP: the frame is refused, the application
-                        // (rpc-core) answers GOAWAY and closes; the peer's
-                        // window is revoked by its timeout or when it closes.
-                        if let Some(inbound) = &self.inbound {
-                            let _ = inbound.send(Err(FrameError::TooLarge {
-                                len: len as usize,
-                                max: max as usize,
-                            }
-                            .into()));
-                        }
-                    }
-                    Err(error) => return Err(format!("peer broke the RDMA protocol: {error}")),
-                }
+                self.protocol
+                    .handle_received(message)
+                    .map_err(|error| format!("peer broke the RDMA protocol: {error}"))?;
             }
             TAG_SEND => {
                 // The slot went back to the pool in `return_slot`.
@@ -1028,6 +1023,18 @@ impl Driver {
                         None => frame,
                     }
                 }
+                Inbound::Refused { head, len, max } => {
+                    // As over tcp://: skipped whole (never pulled); rpc-core
+                    // answers the call it belongs to, the connection goes on.
+                    if let Some(inbound) = &self.inbound {
+                        let _ = inbound.send(Err(TransportError::Refused {
+                            head,
+                            len: usize::try_from(len).unwrap_or(usize::MAX),
+                            max: usize::try_from(max).unwrap_or(usize::MAX),
+                        }));
+                    }
+                    continue;
+                }
                 Inbound::Closed => {
                     // The stream ends after everything the peer sent.
                     self.inbound = None;
@@ -1147,6 +1154,18 @@ fn write_message(slot: &mut [u8], message: &Message) -> usize {
 /// READs (the payload's largest), and the inline tail; `None` when the bytes
 /// around that part do not fit `max_inline` (the frame is copied instead).
 fn split_for_announce(frame: &EncodedFrame, max_inline: usize) -> Option<(Bytes, Bytes, Bytes)> {
+    let header_len = rpc_core::frame::HEADER_LEN;
+    if frame.payload.is_empty() && frame.head.len() > max_inline && header_len <= max_inline {
+        // One contiguous frame: its header rides inline (so the peer can
+        // name the call even if it refuses the frame), the rest is read
+        // where it lies.
+        let head = &frame.head;
+        return Some((
+            head.slice(..header_len),
+            head.slice(header_len..),
+            Bytes::new(),
+        ));
+    }
     let parts: Vec<&Bytes> = frame.payload.parts().collect();
     let (index, remote) = parts
         .iter()

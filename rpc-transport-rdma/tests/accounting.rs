@@ -352,13 +352,124 @@ async fn large_calls_register_nothing_after_warm_up_where_windows_bind(channel: 
     }
 }
 
+/// Slots of the device's shared receive pool committed to connections.
+fn committed_receive_slots() -> usize {
+    let config = crate::common::strict_config();
+    let device = rpc_transport_rdma::device::open(&config).unwrap();
+    device
+        .shared_pools(config.slot_len(), config.max_shared_slots)
+        .unwrap()
+        .receive
+        .committed()
+}
+
+/// Waits (up to 5 s) until `committed_receive_slots` is `expected`.
+async fn committed_settles_at(expected: usize) -> usize {
+    let mut now = committed_receive_slots();
+    for _ in 0..250 {
+        if now == expected {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        now = committed_receive_slots();
+    }
+    now
+}
+
+/// A pipeline makes both sides' credit windows grow past the initial
+/// credits (drawn from the shared receive pool); once the connection has
+/// been idle a while, each side gives back what it holds beyond them and
+/// the pool's commitments are what they were.
+async fn credit_windows_grow_under_load_and_are_returned_when_idle(channel: &Channel) {
+    let config = crate::common::strict_config();
+    let initial = config.initial_credits as usize;
+    // Client and server side of the one connection, each at its initial
+    // credits once the connection has been idle.
+    let idle = committed_settles_at(2 * initial).await;
+    assert_eq!(
+        idle,
+        2 * initial,
+        "an idle connection commits its initial credits per side"
+    );
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let sampler = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(
+                    committed_receive_slots(),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        })
+    };
+    echo_load(channel, 3_000, 128).await;
+    sampler.abort();
+    let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+    println!("credit windows: {idle} slots committed idle, {peak} at the peak of 128 in flight");
+    assert!(
+        peak > 4 * initial,
+        "the windows grew under load: {peak} slots at the peak"
+    );
+    assert!(
+        peak <= 2 * config.recv_slots as usize,
+        "never past recv_slots per side: {peak}"
+    );
+    let after = committed_settles_at(2 * initial).await;
+    assert_eq!(
+        after,
+        2 * initial,
+        "idle sides gave back their extra credits"
+    );
+}
+
+/// Idle connections cost a few slots of the shared pool each: 100 more
+/// connections (both their sides in this process) register at most 64 KiB
+/// per side, chunk rounding included, and closing them releases their
+/// commitments.
+async fn idle_connections_register_at_most_64_kib_each(server: &crate::suite::RunningServer) {
+    // The one connection so far, back at its initial credits once idle.
+    let initial = crate::common::strict_config().initial_credits as usize;
+    let before_slots = committed_settles_at(2 * initial).await;
+    assert_eq!(
+        before_slots,
+        2 * initial,
+        "the busy connection gave its extra credits back"
+    );
+    let before = settled_registered_bytes().await;
+    let mut channels = Vec::new();
+    for i in 0..100 {
+        let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+        assert!(echo(&channel, pattern(64, i)).await == pattern(64, i));
+        channels.push(channel);
+    }
+    let per_side = (settled_registered_bytes().await - before) as f64 / 200.0;
+    println!(
+        "idle connections: {:.1} KiB registered per connection side",
+        per_side / 1024.0
+    );
+    assert!(
+        per_side <= 64.0 * 1024.0,
+        "{per_side} bytes per connection side"
+    );
+    drop(channels);
+    assert_eq!(
+        committed_settles_at(before_slots).await,
+        before_slots,
+        "closed connections released their slots"
+    );
+}
+
 /// One test, so the phases never overlap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_memory_stays_flat_under_load() {
     crate::require_device!();
     let server = start(&RdmaBed).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    credit_windows_grow_under_load_and_are_returned_when_idle(&channel).await;
     ten_thousand_calls_256_in_flight_without_rnr_or_registration_growth(&channel).await;
+    idle_connections_register_at_most_64_kib_each(&server).await;
     rendezvous_buffers_are_reused_and_windows_revoked(&channel).await;
     send_buffers_go_out_without_a_copy(&channel).await;
     send_buffer_fields_go_out_without_a_copy(&channel).await;

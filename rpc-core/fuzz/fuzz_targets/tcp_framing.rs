@@ -1,25 +1,35 @@
-//! Any byte stream given to the TCP length-prefix decoder, split at an
-//! arbitrary point: frames come out whole or it errors, never panics.
+//! Any byte stream given to the TCP framing, split at an arbitrary point:
+//! the length-prefix decoder and the reader a server and a client read with
+//! (`FrameReader`, which skips frames over the limit) yield frames whole, a
+//! skipped frame's header, or an error; never a panic, never a frame over
+//! the limit, never more bytes than came in.
 
 #![no_main]
 
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+
 use bytes::BytesMut;
+use futures_core::Stream;
 use libfuzzer_sys::fuzz_target;
-use rpc_core::frame::Frame;
-use rpc_core::transport::tcp::LengthPrefixCodec;
+use rpc_core::frame::{Frame, HEADER_LEN};
+use rpc_core::transport::TransportError;
+use rpc_core::transport::tcp::{FrameReader, LENGTH_PREFIX_LEN, LengthPrefixCodec};
 use tokio_util::codec::Decoder;
+
+const MAX: usize = 4096;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&split, rest)) = data.split_first() else { return };
     let split = (split as usize).min(rest.len());
-    let mut codec = LengthPrefixCodec::new(4096);
+    let mut codec = LengthPrefixCodec::new(MAX);
     let mut buf = BytesMut::from(&rest[..split]);
     let feed = |buf: &mut BytesMut, codec: &mut LengthPrefixCodec| -> bool {
         loop {
             match codec.decode(buf) {
                 Ok(Some(frame)) => {
-                    assert!(frame.len() <= 4096);
-                    let _ = Frame::decode(frame, 4096);
+                    assert!(frame.len() <= MAX);
+                    let _ = Frame::decode(frame, MAX);
                 }
                 Ok(None) => return true,
                 Err(_) => return false,
@@ -31,5 +41,28 @@ fuzz_target!(|data: &[u8]| {
         if feed(&mut buf, &mut codec) {
             let _ = codec.decode_eof(&mut buf);
         }
+    }
+
+    // The reader connections use: a slice never blocks, so every poll is ready.
+    let mut reader = FrameReader::new(rest, MAX, None);
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut consumed = 0;
+    loop {
+        match Pin::new(&mut reader).poll_next(&mut cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                assert!(frame.len() <= MAX);
+                consumed += LENGTH_PREFIX_LEN + frame.len();
+                let _ = Frame::decode(frame, MAX);
+            }
+            Poll::Ready(Some(Err(TransportError::Refused { head, len, max }))) => {
+                assert!(len > max && max == MAX);
+                assert!(head.len() <= HEADER_LEN.min(len));
+                consumed += LENGTH_PREFIX_LEN + len;
+                let _ = Frame::peek_header(&head);
+            }
+            Poll::Ready(Some(Err(_)) | None) => break,
+            Poll::Pending => panic!("a slice reader never waits"),
+        }
+        assert!(consumed <= rest.len(), "{consumed} bytes out of {}", rest.len());
     }
 });

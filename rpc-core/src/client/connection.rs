@@ -28,11 +28,11 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn_io::{OutboundQueue, write_frames};
-use crate::frame::{Frame, FrameFlags, FrameKind};
+use crate::frame::{Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::payload::Payload;
 use crate::status::{Code, Status};
-use crate::transport::{Connection, FrameStream};
+use crate::transport::{Connection, FrameStream, TransportError};
 use crate::wake_gate::WakeGated;
 
 /// Why a call failed, and whether it may be sent again on another connection
@@ -373,16 +373,42 @@ async fn read_frames(
         if keepalive.is_some() {
             last_heard = tokio::time::Instant::now();
         }
-        let bytes = match next {
+        let decoded = match next {
             None => break "connection closed by peer".to_owned(),
+            Some(Err(TransportError::Refused { head, len, max })) => Err((head, len, max)),
             Some(Err(error)) => break format!("connection lost: {error}"),
-            Some(Ok(bytes)) => bytes,
+            Some(Ok(bytes)) => match Frame::decode(bytes.clone(), max_frame_len) {
+                Ok(frame) => Ok(frame),
+                Err(FrameError::TooLarge { max, .. }) if bytes.len() > max => {
+                    let len = bytes.len();
+                    Err((bytes, len, max))
+                }
+                Err(error) => {
+                    tracing::warn!(peer = %shared.peer, %error, "closing connection: bad frame from server");
+                    break format!("protocol error from server: {error}");
+                }
+            },
         };
-        let frame = match Frame::decode(bytes, max_frame_len) {
+        let frame = match decoded {
             Ok(frame) => frame,
-            Err(error) => {
-                tracing::warn!(peer = %shared.peer, %error, "closing connection: bad frame from server");
-                break format!("protocol error from server: {error}");
+            Err((head, len, max)) => {
+                // A response over our limit fails its call alone.
+                match Frame::peek_header(&head) {
+                    Some((FrameKind::Response, call_id)) => {
+                        let waiter = shared.table().pending.remove(&call_id);
+                        if let Some(waiter) = waiter {
+                            let _ = waiter.send(Err(CallFailure::processed(Status::resource_exhausted(
+                                format!("response of {len} bytes exceeds this channel's limit of {max} bytes (Channel::builder().max_frame_len)"),
+                            ))));
+                        }
+                        continue;
+                    }
+                    _ => {
+                        break format!(
+                            "protocol error from server: frame of {len} bytes exceeds the limit of {max} bytes"
+                        );
+                    }
+                }
             }
         };
         match frame.kind {

@@ -27,7 +27,7 @@ use tracing::Instrument;
 use super::stats::{ConnectionSlot, PausedGuard, StatsInner};
 use super::{CLOSE_LINGER, ServerConfig};
 use crate::conn_io::{OutboundQueue, QueueClosed, Space, write_frames};
-use crate::frame::{EncodedFrame, Frame, FrameFlags, FrameKind};
+use crate::frame::{EncodedFrame, Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::payload::Payload;
 use crate::request::{PeerInfo, Request, Response};
@@ -183,22 +183,53 @@ pub(crate) async fn serve_connection(
                 break Ending::Idle;
             }
             next = stream.next(), if blocked.is_none() => {
-                let bytes = match next {
+                let over_limit = match next {
                     None => break Ending::PeerClosed,
                     Some(Err(TransportError::PeerGone(reason))) => {
                         tracing::debug!(%peer, "{reason}");
                         break Ending::PeerClosed;
                     }
+                    // Skipped by the transport.
+                    Some(Err(TransportError::Refused { head, len, max })) => Err((head, len, max)),
                     Some(Err(rpc_error @ TransportError::Frame(_))) => {
                         break Ending::ProtocolError(format!("bad frame: {rpc_error}"));
                     }
                     Some(Err(error)) => break Ending::Failed(error.to_string()),
-                    Some(Ok(bytes)) => bytes,
+                    Some(Ok(bytes)) => {
+                        stats.frames_received.fetch_add(1, Ordering::Relaxed);
+                        match Frame::decode(bytes.clone(), config.max_frame_len) {
+                            Ok(frame) => Ok(frame),
+                            // Carried whole, but over our limit all the same
+                            // (not a header that merely claims more).
+                            Err(FrameError::TooLarge { max, .. }) if bytes.len() > max => {
+                                let len = bytes.len();
+                                Err((bytes, len, max))
+                            }
+                            Err(error) => break Ending::ProtocolError(format!("bad frame: {error}")),
+                        }
+                    }
                 };
-                stats.frames_received.fetch_add(1, Ordering::Relaxed);
-                let frame = match Frame::decode(bytes, config.max_frame_len) {
+                let frame = match over_limit {
                     Ok(frame) => frame,
-                    Err(error) => break Ending::ProtocolError(format!("bad frame: {error}")),
+                    Err((head, len, max)) => {
+                        // A request over the limit fails alone; the
+                        // connection and its other calls go on.
+                        match Frame::peek_header(&head) {
+                            Some((FrameKind::Request, call_id)) if !in_flight.contains_key(&call_id) => {
+                                last_activity = Instant::now();
+                                last_call_id = last_call_id.max(call_id);
+                                let status = Status::resource_exhausted(format!(
+                                    "request of {len} bytes exceeds the server's limit of {max} bytes"
+                                ));
+                                let refusal = status_frame(call_id, status).encode_parts();
+                                queue_or_block(&outbound, &stats, &mut blocked, refusal);
+                                continue;
+                            }
+                            _ => break Ending::ProtocolError(format!(
+                                "bad frame: frame of {len} bytes exceeds the limit of {max} bytes"
+                            )),
+                        }
+                    }
                 };
                 if frame.kind != FrameKind::Request {
                     last_activity = Instant::now();

@@ -25,7 +25,7 @@ use super::{
     Connection, ConnectionBudget, Endpoint, Listener, ReceiveBudget, Transport, TransportConfig,
     TransportError,
 };
-use crate::frame::{EncodedFrame, FrameError};
+use crate::frame::{EncodedFrame, HEADER_LEN};
 
 /// Frames a direction of a connection buffers before the sender waits.
 pub const QUEUE_FRAMES: usize = 256;
@@ -68,8 +68,10 @@ impl Stream for FrameReceiver {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Ready(Some(frame)) if frame.len() > this.max_frame_len => {
+                    // Skipped, as tcp:// skips it: only its header is kept.
                     let (len, max) = (frame.len(), this.max_frame_len);
-                    return Poll::Ready(Some(Err(FrameError::TooLarge { len, max }.into())));
+                    let head = frame.head.slice(..frame.head.len().min(HEADER_LEN));
+                    return Poll::Ready(Some(Err(TransportError::Refused { head, len, max })));
                 }
                 // The receiver decodes one buffer: a frame sent in two parts
                 // is joined here (the one copy tcp:// saves with writev).

@@ -140,6 +140,20 @@ pub enum TransportError {
     /// The peer sent something that is not a valid frame.
     #[error("protocol error: {0}")]
     Frame(#[from] FrameError),
+    /// A frame over this side's limit was skipped whole: nothing of it was
+    /// kept but its first bytes, and the connection goes on. rpc-core answers
+    /// (server) or fails (client) the call it belongs to with
+    /// `ResourceExhausted`; a transport yields it and keeps yielding frames.
+    #[error("frame of {len} bytes exceeds the limit of {max} bytes (skipped)")]
+    Refused {
+        /// The frame's first bytes (its header, [`crate::frame::HEADER_LEN`],
+        /// when the transport has them), which name the call.
+        head: bytes::Bytes,
+        /// The frame's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The connection is closed.
     #[error("connection closed")]
     Closed,

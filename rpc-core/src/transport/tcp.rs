@@ -25,7 +25,7 @@ use super::{
     Connection, ConnectionBudget, Endpoint, Listener, ReceiveBudget, Reservation, Transport,
     TransportConfig, TransportError,
 };
-use crate::frame::{EncodedFrame, FrameError};
+use crate::frame::{EncodedFrame, FrameError, HEADER_LEN};
 use crate::payload::Payload;
 
 /// Size of the length prefix in front of every frame.
@@ -149,6 +149,14 @@ enum ReadState {
         len: usize,
         reservation: Option<Reservation>,
     },
+    /// A frame over the limit: its header is kept, the rest read and
+    /// dropped as it comes (never more than [`READ_AHEAD`] held).
+    Skip {
+        head: BytesMut,
+        len: usize,
+        /// Bytes of the frame not read yet (header included).
+        left: usize,
+    },
 }
 
 impl<R> std::fmt::Debug for FrameReader<R> {
@@ -165,6 +173,29 @@ fn closed_inside_a_frame(received: usize) -> TransportError {
         std::io::ErrorKind::UnexpectedEof,
         format!("connection closed inside a frame ({received} bytes of it received)"),
     ))
+}
+
+/// Why the first bytes of a frame over the limit (`head`, of a header of
+/// `header_len` bytes) cannot begin a frame: an rdma:// hello, or anything
+/// else (`TooLarge`, its lengths filled in by the caller); `None` while they
+/// still can.
+fn not_a_frame(head: &[u8], header_len: usize) -> Option<FrameError> {
+    use crate::frame::{FrameKind, PROTOCOL_VERSION, RDMA_HELLO_MAGIC};
+    let magic_len = head.len().min(RDMA_HELLO_MAGIC.len());
+    if !head.is_empty() && head[..magic_len] == RDMA_HELLO_MAGIC[..magic_len] {
+        return (magic_len == RDMA_HELLO_MAGIC.len()).then_some(FrameError::RdmaPeer);
+    }
+    if head
+        .first()
+        .is_some_and(|version| *version != PROTOCOL_VERSION)
+        || head
+            .get(1)
+            .is_some_and(|kind| FrameKind::from_u8(*kind).is_none())
+        || (head.len() == header_len && crate::frame::Frame::peek_header(head).is_none())
+    {
+        return Some(FrameError::TooLarge { len: 0, max: 0 });
+    }
+    None
 }
 
 fn with_reservation(frame: Bytes, reservation: Option<Reservation>) -> Bytes {
@@ -207,10 +238,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     if self.staging.len() >= LENGTH_PREFIX_LEN {
                         let len = self.staging.get_u32_le() as usize;
                         if len > self.max_frame_len {
-                            let max = self.max_frame_len;
-                            return Poll::Ready(Some(
-                                Err(FrameError::TooLarge { len, max }.into()),
-                            ));
+                            self.state = ReadState::Skip {
+                                head: BytesMut::new(),
+                                len,
+                                left: len,
+                            };
+                            continue;
                         }
                         self.state = ReadState::Reserve { len };
                     } else if self.eof {
@@ -276,6 +309,41 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                         return Poll::Ready(Some(Err(closed_inside_a_frame(buf.len()))));
                     }
                 }
+                ReadState::Skip { head, len, left } => {
+                    let header_len = HEADER_LEN.min(*len);
+                    let had_header = head.len() == header_len;
+                    let take = self.staging.len().min(*left);
+                    let keep = take.min(header_len - head.len());
+                    head.extend_from_slice(&self.staging[..keep]);
+                    self.staging.advance(take);
+                    *left -= take;
+                    if !had_header {
+                        // Only what starts as a frame is skipped; anything
+                        // else over the limit ends the connection as soon
+                        // as its first bytes say so.
+                        if let Some(error) = not_a_frame(head, header_len) {
+                            let error = match error {
+                                FrameError::TooLarge { .. } => FrameError::TooLarge {
+                                    len: *len,
+                                    max: self.max_frame_len,
+                                },
+                                other => other,
+                            };
+                            return Poll::Ready(Some(Err(error.into())));
+                        }
+                    }
+                    if *left == 0 {
+                        let (head, len) = (std::mem::take(head).freeze(), *len);
+                        self.state = ReadState::Prefix;
+                        let max = self.max_frame_len;
+                        return Poll::Ready(Some(Err(TransportError::Refused { head, len, max })));
+                    }
+                    if self.eof {
+                        let received = *len - *left;
+                        return Poll::Ready(Some(Err(closed_inside_a_frame(received))));
+                    }
+                    ready!(self.poll_fill(cx))?;
+                }
             }
         }
     }
@@ -290,8 +358,9 @@ impl<R: AsyncRead + Unpin> Stream for FrameReader<R> {
             return Poll::Ready(None);
         }
         let next = ready!(this.poll_frame(cx));
-        // After an error or the end, the stream is over.
-        if !matches!(next, Some(Ok(_))) {
+        // After an error or the end, the stream is over; a skipped frame
+        // is not an error of the stream.
+        if !matches!(next, Some(Ok(_) | Err(TransportError::Refused { .. }))) {
             this.done = true;
             this.staging = BytesMut::new();
             this.state = ReadState::Prefix;
@@ -614,13 +683,42 @@ mod tests {
         assert_eq!(frame.len(), 50_000);
         assert_eq!(budget.in_use(), 50_000);
 
-        // Oversized announcements fail before anything is reserved.
-        client.write_all(&(2u32 << 20).to_le_bytes()).await.unwrap();
-        assert!(matches!(
-            reader.next().await.unwrap(),
-            Err(TransportError::Frame(FrameError::TooLarge { .. }))
-        ));
+        // A frame over the limit is skipped without a reservation: its
+        // header comes up, its bytes are dropped as they arrive, and the
+        // next frame reads as usual.
         drop(frame);
-        assert_eq!(budget.in_use(), 0);
+        let big = crate::frame::Frame::request(
+            7,
+            "/a.B/C",
+            None,
+            crate::metadata::Metadata::new(),
+            Bytes::from(vec![5u8; 2 << 20]),
+        )
+        .encode();
+        let big_len = big.len();
+        let writer = tokio::spawn(async move {
+            client
+                .write_all(&(big.len() as u32).to_le_bytes())
+                .await
+                .unwrap();
+            client.write_all(&big).await.unwrap();
+            client.write_all(&3u32.to_le_bytes()).await.unwrap();
+            client.write_all(b"abc").await.unwrap();
+            client
+        });
+        match reader.next().await.unwrap() {
+            Err(TransportError::Refused { head, len, max }) => {
+                assert_eq!((len, max), (big_len, 1 << 20));
+                assert_eq!(head.len(), crate::frame::HEADER_LEN);
+                assert_eq!(
+                    crate::frame::Frame::peek_header(&head),
+                    Some((crate::frame::FrameKind::Request, 7))
+                );
+            }
+            other => panic!("expected a skipped frame, got {other:?}"),
+        }
+        assert_eq!(budget.in_use(), 0, "nothing reserved for a skipped frame");
+        assert_eq!(&reader.next().await.unwrap().unwrap()[..], b"abc");
+        drop(writer.await.unwrap());
     }
 }

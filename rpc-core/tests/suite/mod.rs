@@ -61,7 +61,7 @@ pub enum Event {
     HangDropped,
 }
 
-/// The service under test: `/test.Probe/{Echo,Hang,Sleep,Fail,Panic,Timeout}`.
+/// The service under test: `/test.Probe/{Echo,Big,Hang,Sleep,Fail,Panic,Timeout}`.
 #[derive(Clone)]
 pub struct Probe {
     events: mpsc::UnboundedSender<Event>,
@@ -109,6 +109,10 @@ impl tower::Service<Request<Bytes>> for Probe {
                     let _ = events.send(Event::HangStarted);
                     std::future::pending::<()>().await;
                     unreachable!()
+                }
+                "Big" => {
+                    let len = u64::from_le_bytes(request.get_ref()[..8].try_into().unwrap());
+                    Ok(Response::new(Bytes::from(vec![7u8; len as usize])))
                 }
                 "Sleep" => {
                     let millis = u64::from_le_bytes(request.get_ref()[..8].try_into().unwrap());
@@ -567,6 +571,75 @@ pub async fn oversized_request_fails_locally_with_resource_exhausted(bed: &dyn B
     assert_echoes(&channel, "small").await;
 }
 
+/// A request over the server's frame limit fails alone with
+/// `ResourceExhausted` naming the limit; a call in flight on the same
+/// connection completes, later calls use the same connection, and the
+/// server counts no failed connection. The same for a response over the
+/// client's limit.
+pub async fn frames_over_the_limit_fail_their_call_only(bed: &dyn Bed) {
+    let server = start_with(bed, |s| s.max_frame_len(1 << 20)).await;
+    let channel = Channel::builder(server.endpoint.clone())
+        .max_frame_len(512 << 10)
+        .connect()
+        .await
+        .unwrap();
+    // Bigger than the server's limit, within the client's: the client
+    // sends it and the server refuses it.
+    let bigger = Channel::builder(server.endpoint.clone())
+        .max_frame_len(8 << 20)
+        .connect()
+        .await
+        .unwrap();
+    assert_echoes(&bigger, "before").await;
+    let sleeping = {
+        let bigger = bigger.clone();
+        tokio::spawn(async move {
+            bigger
+                .unary(probe("Sleep", 300u64.to_le_bytes().to_vec()))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for _ in 0..3 {
+        let status = bigger
+            .unary(probe("Echo", vec![1u8; 2 << 20]))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status
+                .message()
+                .contains("exceeds the server's limit of 1048576 bytes"),
+            "{status:?}"
+        );
+        assert_echoes(&bigger, "after").await;
+    }
+    sleeping
+        .await
+        .unwrap()
+        .expect("the call in flight meanwhile completed");
+    // A response over the client's limit: that call fails, the rest go on.
+    let status = channel
+        .unary(probe("Big", (600u64 << 10).to_le_bytes().to_vec()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("exceeds this channel's limit of 524288 bytes"),
+        "{status:?}"
+    );
+    assert_echoes(&channel, "still here").await;
+    let small = channel
+        .unary(probe("Big", 1000u64.to_le_bytes().to_vec()))
+        .await
+        .unwrap();
+    assert_eq!(small.get_ref().len(), 1000);
+    assert_eq!(server.stats.failed_connections(), 0, "no connection failed");
+    assert_eq!(server.stats.connections(), 2, "both connections still open");
+}
+
 pub async fn per_connection_call_limit_refuses_excess_calls(bed: &dyn Bed) {
     let mut server = start_with(bed, |s| s.max_concurrent_calls_per_connection(2)).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
@@ -783,7 +856,9 @@ pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
         assert_echoes(&fresh, "fresh").await;
     }
 
-    // A real frame over the server's limit.
+    // A real request over the server's limit is not malformed: it is
+    // answered RESOURCE_EXHAUSTED and the connection stays open.
+    use futures_util::{SinkExt, StreamExt};
     let big = rpc_core::frame::Frame::request(
         1,
         "/test.Probe/Echo",
@@ -792,7 +867,40 @@ pub async fn malformed_frames_close_only_that_connection(bed: &dyn Bed) {
         Bytes::from(vec![0u8; 2 << 20]),
     )
     .encode();
-    let _ = send_raw_and_expect_close(&server.endpoint, big).await;
+    let config = TransportConfig::default();
+    let mut raw = transport::connect(&server.endpoint, &config).await.unwrap();
+    raw.sink.send(big.into()).await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), raw.stream.next())
+        .await
+        .expect("answered")
+        .unwrap()
+        .unwrap();
+    let answer = rpc_core::frame::Frame::decode(answer, config.max_frame_len).unwrap();
+    assert_eq!(answer.kind, rpc_core::frame::FrameKind::Response);
+    assert_eq!(
+        (answer.call_id, answer.status),
+        (1, Code::ResourceExhausted)
+    );
+    let next = rpc_core::frame::Frame::request(
+        2,
+        "/test.Probe/Echo",
+        None,
+        Metadata::new(),
+        Bytes::from_static(b"same connection"),
+    )
+    .encode();
+    raw.sink.send(next.into()).await.unwrap();
+    let echoed = tokio::time::timeout(Duration::from_secs(5), raw.stream.next())
+        .await
+        .expect("answered")
+        .unwrap()
+        .unwrap();
+    let echoed = rpc_core::frame::Frame::decode(echoed, config.max_frame_len).unwrap();
+    assert_eq!((echoed.call_id, echoed.status), (2, Code::Ok));
+    assert_eq!(
+        echoed.payload.into_contiguous(),
+        Bytes::from_static(b"same connection")
+    );
     assert_echoes(&healthy, "after").await;
 }
 
@@ -863,6 +971,7 @@ macro_rules! transport_suite {
             handler_panic_is_internal_for_that_call_only,
             payload_16_mib_round_trips,
             oversized_request_fails_locally_with_resource_exhausted,
+            frames_over_the_limit_fail_their_call_only,
             per_connection_call_limit_refuses_excess_calls,
             graceful_shutdown_finishes_in_flight_calls,
             server_gone_fails_pending_calls_with_unavailable_and_reconnects,

@@ -431,6 +431,15 @@ impl Pair {
                     bytes[tail_at..].copy_from_slice(&tail);
                     bytes.into()
                 }
+                Inbound::Refused { len, max, .. } => {
+                    // Over the limit: refused alone, in its place.
+                    assert!(len > max);
+                    if !forged {
+                        assert_eq!(peer_sent[s.delivered].len() as u64, len);
+                    }
+                    s.delivered += 1;
+                    continue;
+                }
                 Inbound::Closed => continue,
             };
             if !forged {

@@ -311,14 +311,6 @@ pub enum ProtocolError {
     /// A message could not be parsed.
     #[error(transparent)]
     Message(#[from] MessageError),
-    /// An announced frame exceeds our limit (checked before allocating).
-    #[error("announced frame of {len} bytes exceeds the limit of {max} bytes")]
-    TooLarge {
-        /// Announced length.
-        len: u64,
-        /// Our limit.
-        max: u64,
-    },
     /// An announcement of nothing.
     #[error("announced frame of 0 bytes")]
     EmptyAnnounce,
@@ -444,6 +436,17 @@ pub enum Inbound {
         /// The frame's last bytes, from the announcement.
         tail: Bytes,
     },
+    /// An announced frame over our `max_frame_len`: nothing was allocated or
+    /// read, DONE went back so the peer frees it; the application answers
+    /// the call it belongs to (named in `head`) and the connection goes on.
+    Refused {
+        /// The frame's first bytes, from the announcement.
+        head: Bytes,
+        /// Bytes of the whole frame, as announced.
+        len: u64,
+        /// Our limit.
+        max: u64,
+    },
     /// The peer sends no more frames.
     Closed,
 }
@@ -451,6 +454,7 @@ pub enum Inbound {
 enum Pending {
     Frame(Bytes),
     Pull(u64),
+    Refused { head: Bytes, len: u64 },
     Closed,
 }
 
@@ -660,12 +664,6 @@ impl Protocol {
                 if self.close_received {
                     return Err(ProtocolError::AfterClose);
                 }
-                if announce.frame_len() > self.local.max_frame_len {
-                    return Err(ProtocolError::TooLarge {
-                        len: announce.frame_len(),
-                        max: self.local.max_frame_len,
-                    });
-                }
                 if announce.len == 0 {
                     return Err(ProtocolError::EmptyAnnounce);
                 }
@@ -684,18 +682,31 @@ impl Protocol {
                     });
                 }
                 self.unanswered += 1;
-                let token = announce.token;
-                self.pulls.insert(
-                    announce.token,
-                    Pull {
-                        announce,
-                        allocated: false,
-                        next_offset: 0,
-                        received: 0,
-                    },
-                );
-                self.pull_order.push_back(token);
-                self.pending.push_back(Pending::Pull(token));
+                if announce.frame_len() > self.local.max_frame_len {
+                    // Checked before anything is allocated: the frame is
+                    // refused whole, the peer gets its DONE at once.
+                    self.control.push_back(Body::Done {
+                        token: announce.token,
+                    });
+                    let len = announce.frame_len();
+                    self.pending.push_back(Pending::Refused {
+                        head: announce.head,
+                        len,
+                    });
+                } else {
+                    let token = announce.token;
+                    self.pulls.insert(
+                        announce.token,
+                        Pull {
+                            announce,
+                            allocated: false,
+                            next_offset: 0,
+                            received: 0,
+                        },
+                    );
+                    self.pull_order.push_back(token);
+                    self.pending.push_back(Pending::Pull(token));
+                }
             }
             Body::Done { token } => {
                 if self.exposed.remove(&token).is_some() {
@@ -1001,6 +1012,14 @@ impl Protocol {
                     tail: pull.announce.tail,
                 })
             }
+            Pending::Refused { .. } => match self.pending.pop_front() {
+                Some(Pending::Refused { head, len }) => Some(Inbound::Refused {
+                    head,
+                    len,
+                    max: self.local.max_frame_len,
+                }),
+                _ => unreachable!("front was a refused frame"),
+            },
             Pending::Closed => {
                 self.pending.pop_front();
                 Some(Inbound::Closed)

@@ -40,6 +40,8 @@ struct Side {
     /// READ destinations: token → bytes.
     destinations: HashMap<u64, Vec<u8>>,
     delivered: Vec<Bytes>,
+    /// Frames refused as over the limit: (length, limit).
+    refused: Vec<(u64, u64)>,
     closed: bool,
     released: Vec<(u64, bool)>,
     max_reads_seen: u32,
@@ -60,6 +62,7 @@ impl Side {
             next_addr: 0x1000_0000,
             destinations: HashMap::new(),
             delivered: Vec::new(),
+            refused: Vec::new(),
             closed: false,
             released: Vec::new(),
             max_reads_seen: 0,
@@ -249,6 +252,7 @@ impl Pair {
                     bytes[tail_at..].copy_from_slice(&tail);
                     side.delivered.push(bytes.into());
                 }
+                Inbound::Refused { len, max, .. } => side.refused.push((len, max)),
                 Inbound::Closed => side.closed = true,
             }
             progress = true;
@@ -383,23 +387,30 @@ fn reads_are_chunked_and_bounded() {
 }
 
 #[test]
-fn an_announcement_over_the_limit_fails_before_allocating() {
+fn an_announcement_over_the_limit_is_refused_alone_before_allocating() {
     let small = Geometry {
         max_frame_len: 1 << 20,
         ..geometry(8, 1024)
     };
     let mut pair = Pair::new(geometry(8, 1024), small, Limits::default());
+    let before = frame(100, 1);
+    let after = frame(200, 2);
+    pair.a.send(before.clone(), pair.now);
     pair.a.send(frame((1 << 20) + 1, 0), pair.now);
-    let error = pair.run().unwrap_err();
-    assert_eq!(
-        error,
-        ProtocolError::TooLarge {
-            len: (1 << 20) + 1,
-            max: 1 << 20
-        }
-    );
+    pair.a.send(after.clone(), pair.now);
+    pair.run().unwrap();
+    // Nothing was allocated or read for it; the frames around it arrive.
     assert!(pair.b.destinations.is_empty());
-    assert!(error.to_string().contains("exceeds the limit"));
+    assert_eq!(pair.b.delivered, vec![before, after]);
+    assert_eq!(
+        pair.b.refused,
+        vec![((1 << 20) + 1, 1 << 20)],
+        "refused, in order, with its length and the limit"
+    );
+    // DONE came back: the sender revoked its window (not by the timeout).
+    assert!(pair.a.exposed.is_empty());
+    assert_eq!(pair.a.released.len(), 1);
+    assert!(!pair.a.released[0].1, "released by DONE");
 }
 
 fn received(protocol: &mut Protocol, credits: u32, body: Body) -> Result<(), ProtocolError> {
@@ -476,14 +487,8 @@ fn forged_and_broken_messages_are_errors() {
         head: Bytes::from_static(b"h"),
         tail: Bytes::new(),
     });
-    assert_eq!(
-        received(&mut p, 0, over),
-        Err(ProtocolError::TooLarge {
-            len: g.max_frame_len + 1,
-            max: g.max_frame_len
-        })
-    );
-    assert_eq!(p.poll_event(), None, "nothing allocated");
+    received(&mut p, 0, over).unwrap();
+    assert_refused(&mut p, g.max_frame_len + 1, g.max_frame_len);
     // A length that would wrap around with the head added is too large, not small.
     let mut p = fresh();
     let wrapping = Body::Announce(Announce {
@@ -494,10 +499,8 @@ fn forged_and_broken_messages_are_errors() {
         head: Bytes::from_static(b"hh"),
         tail: Bytes::new(),
     });
-    assert!(matches!(
-        received(&mut p, 0, wrapping),
-        Err(ProtocolError::TooLarge { len: u64::MAX, .. })
-    ));
+    received(&mut p, 0, wrapping).unwrap();
+    assert_refused(&mut p, u64::MAX, g.max_frame_len);
     // So does the inline tail.
     let mut p = fresh();
     let over = Body::Announce(Announce {
@@ -508,14 +511,21 @@ fn forged_and_broken_messages_are_errors() {
         head: Bytes::from_static(b"h"),
         tail: Bytes::from_static(b"t"),
     });
-    assert_eq!(
-        received(&mut p, 0, over),
-        Err(ProtocolError::TooLarge {
-            len: g.max_frame_len + 1,
-            max: g.max_frame_len
-        })
-    );
+    received(&mut p, 0, over).unwrap();
+    assert_refused(&mut p, g.max_frame_len + 1, g.max_frame_len);
+}
+
+/// `p` refused the frame it was just announced: nothing allocated, the
+/// refusal handed up, a DONE for it sent.
+fn assert_refused(p: &mut Protocol, len: u64, max: u64) {
     assert_eq!(p.poll_event(), None, "nothing allocated");
+    assert!(matches!(
+        p.poll_inbound(),
+        Some(Inbound::Refused { len: l, max: m, .. }) if l == len && m == max
+    ));
+    let done =
+        std::iter::from_fn(|| p.poll_transmit()).find(|m| matches!(m.body, Body::Done { .. }));
+    assert!(done.is_some(), "DONE sent for the refused frame");
 }
 
 #[test]

@@ -96,9 +96,12 @@ async fn forged_rendezvous_descriptors_fail_the_call_with_a_clear_status() {
         "{bad_range:?}"
     );
 
+    // Announced as longer than the server's limit: refused alone, never
+    // pulled (nothing is allocated for it).
     let too_long = forged_call("rdmaforgedlength", Fault::ForgeLength(1 << 40), &endpoint).await;
+    assert_eq!(too_long.code(), Code::ResourceExhausted, "{too_long:?}");
     assert!(
-        too_long.message().contains("exceeds the limit"),
+        too_long.message().contains("exceeds the server's limit"),
         "{too_long:?}"
     );
 
