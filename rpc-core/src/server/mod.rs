@@ -13,6 +13,16 @@
 //! # }
 //! ```
 //!
+//! Any tower layer whose error is `Into<BoxError>` composes as it is (no
+//! `MapErr`): errors become a [`Status`](crate::Status) as tonic maps them
+//! ([`Status::from_error`](crate::Status::from_error): tower's timeout is
+//! `DeadlineExceeded`, load shedding `ResourceExhausted`). The layered
+//! service is cloned per call; a layer whose state must be shared by every
+//! call — tower's `RateLimit`, which is not `Clone` for that reason — goes
+//! behind a `Buffer`:
+//! `.layer(BufferLayer::new(1024)).layer(RateLimitLayer::new(100, Duration::from_secs(1)))`
+//! (`rpc-core/tests/server_layers.rs`).
+//!
 //! Each connection runs a task that reads frames and spawns a task per call.
 //! A call runs the layered service under the client's deadline
 //! ([`Code::DeadlineExceeded`](crate::Code) when it passes) with panics caught

@@ -177,8 +177,23 @@ impl Drop for RunningServer {
 
 /// Starts the probe server with `configure` applied to the builder.
 pub async fn start_with(bed: &dyn Bed, configure: impl FnOnce(Server) -> Server) -> RunningServer {
+    start_layered(bed, configure(Server::builder())).await
+}
+
+/// Starts the probe server built by `server`, whatever its layers.
+pub async fn start_layered<L>(bed: &dyn Bed, server: Server<L>) -> RunningServer
+where
+    L: tower::Layer<rpc_core::server::Routes>,
+    L::Service: tower::Service<Request<Bytes>, Response = Response<rpc_core::Payload>>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    <L::Service as tower::Service<Request<Bytes>>>::Error: Into<rpc_core::BoxError> + Send,
+    <L::Service as tower::Service<Request<Bytes>>>::Future: Send + 'static,
+{
     let (events_tx, events) = mpsc::unbounded_channel();
-    let listening = configure(Server::builder())
+    let listening = server
         .add_service(Probe { events: events_tx })
         .listen(bed.listen_endpoint().as_str())
         .await

@@ -1,0 +1,79 @@
+//! tower layers in a `Server`'s stack, as users stack them: any layer whose
+//! error is `Into<BoxError>` composes without a `MapErr` (its errors become
+//! a `Status`, as tonic maps them), and a rate limit shared by every
+//! connection works behind a `Buffer`.
+
+mod suite;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rpc_core::{Channel, Code, Server};
+use tower::buffer::BufferLayer;
+use tower::limit::{ConcurrencyLimitLayer, RateLimitLayer};
+use tower::load_shed::LoadShedLayer;
+use tower::timeout::TimeoutLayer;
+
+use crate::suite::{Event, TcpBed, next_event, probe, start_layered};
+
+/// `LoadShed` over `ConcurrencyLimit` over `Timeout`, no `MapErr`: a call
+/// beyond the limit is shed (`ResourceExhausted`), a call past the timeout
+/// is `DeadlineExceeded`, others go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_shed_concurrency_limit_and_timeout_compose_without_map_err() {
+    let mut server = start_layered(
+        &TcpBed,
+        Server::builder()
+            .layer(LoadShedLayer::new())
+            .layer(ConcurrencyLimitLayer::new(1))
+            .layer(TimeoutLayer::new(Duration::from_millis(300))),
+    )
+    .await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let hang = {
+        let channel = channel.clone();
+        tokio::spawn(async move { channel.unary(probe("Hang", "")).await })
+    };
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangStarted
+    );
+    let shed = channel.unary(probe("Echo", "x")).await.unwrap_err();
+    assert_eq!(shed.code(), Code::ResourceExhausted, "{shed:?}");
+    let timed_out = hang.await.unwrap().unwrap_err();
+    assert_eq!(timed_out.code(), Code::DeadlineExceeded, "{timed_out:?}");
+    let echoed = channel.unary(probe("Echo", "through")).await.unwrap();
+    assert_eq!(echoed.into_inner(), Bytes::from_static(b"through"));
+}
+
+/// tower's `RateLimit` is one service with one budget; behind a `Buffer`
+/// every connection's calls share it: 6 calls at 2 per 400 ms take at least
+/// two more periods, and all succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_behind_a_buffer_is_shared_by_all_connections() {
+    let period = Duration::from_millis(400);
+    let server = start_layered(
+        &TcpBed,
+        Server::builder()
+            .layer(BufferLayer::new(64))
+            .layer(RateLimitLayer::new(2, period)),
+    )
+    .await;
+    let started = Instant::now();
+    let mut calls = Vec::new();
+    for i in 0..6 {
+        // Three connections, two calls each.
+        let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+        calls.push(tokio::spawn(async move {
+            channel.unary(probe("Echo", format!("call {i}"))).await
+        }));
+    }
+    for call in calls {
+        call.await.unwrap().expect("rate-limited, not refused");
+    }
+    assert!(
+        started.elapsed() >= 2 * period,
+        "6 calls at 2 per {period:?} went through in {:?}",
+        started.elapsed()
+    );
+}
