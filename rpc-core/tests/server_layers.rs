@@ -1,7 +1,8 @@
-//! tower layers in a `Server`'s stack, as users stack them: any layer whose
+//! tower layers as users stack them: in a `Server`'s stack, any layer whose
 //! error is `Into<BoxError>` composes without a `MapErr` (its errors become
 //! a `Status`, as tonic maps them), and a rate limit shared by every
-//! connection works behind a `Buffer`.
+//! connection works behind a `Buffer`; on the client, `DeadlineLayer` is a
+//! timeout the server sees.
 
 mod suite;
 
@@ -75,5 +76,42 @@ async fn rate_limit_behind_a_buffer_is_shared_by_all_connections() {
         started.elapsed() >= 2 * period,
         "6 calls at 2 per {period:?} went through in {:?}",
         started.elapsed()
+    );
+}
+
+/// A client `DeadlineLayer` is a timeout the server sees: the handler gets
+/// the layer's timeout as its request's deadline (less transit), and a
+/// handler that outlives it is cut off on both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_deadline_layer_is_the_deadline_the_server_sees() {
+    use tower::{Layer, ServiceExt};
+    let mut server = start_layered(&TcpBed, Server::builder()).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let layer = rpc_core::client::DeadlineLayer::new(Duration::from_millis(1500));
+    let response = layer
+        .layer(channel.clone())
+        .oneshot(probe("Timeout", "").map(rpc_core::Payload::from))
+        .await
+        .unwrap();
+    let micros = u64::from_le_bytes(response.into_inner()[..8].try_into().unwrap());
+    assert!(
+        (1_000_000..=1_500_000).contains(&micros),
+        "the handler saw a deadline of {micros} µs"
+    );
+    let status = rpc_core::client::DeadlineLayer::new(Duration::from_millis(200))
+        .layer(channel.clone())
+        .oneshot(probe("Hang", "").map(rpc_core::Payload::from))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    // The server's handler ended too (its deadline passed, and the
+    // abandoned call was cancelled).
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangStarted
+    );
+    assert_eq!(
+        next_event(&mut server.events, Duration::from_secs(5)).await,
+        Event::HangDropped
     );
 }
