@@ -142,3 +142,34 @@ impl kv::key_value_server::KeyValue for KvStore {
         Ok(Response::new(reply))
     }
 }
+
+/// Installs a Prometheus exporter that serves `/metrics` over HTTP on
+/// `listen`, and turns on rdma-rpc's metrics (`rpc_core::metrics`). Call it
+/// inside a tokio runtime (the exporter's HTTP server runs on it).
+pub fn export_prometheus(
+    listen: std::net::SocketAddr,
+) -> Result<(), metrics_exporter_prometheus::BuildError> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(listen)
+        .install()?;
+    rpc_core::metrics::enable();
+    Ok(())
+}
+
+/// The body of `GET /metrics` from a Prometheus exporter at `addr`.
+pub async fn scrape(addr: std::net::SocketAddr) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await?;
+    match answer.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.1 200") => Ok(body.to_owned()),
+        _ => Err(std::io::Error::other(format!(
+            "unexpected answer from the exporter: {:.200}",
+            answer
+        ))),
+    }
+}

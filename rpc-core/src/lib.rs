@@ -64,6 +64,7 @@ mod conn_io;
 mod error;
 pub mod frame;
 pub mod metadata;
+pub mod metrics;
 mod payload;
 mod request;
 mod send_buffer;

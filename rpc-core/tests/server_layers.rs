@@ -115,3 +115,55 @@ async fn a_client_deadline_layer_is_the_deadline_the_server_sees() {
         Event::HangDropped
     );
 }
+
+/// `Server::access_log(true)` logs one INFO line per call, with the method,
+/// the peer, the code, the latency and the sizes.
+#[tokio::test]
+async fn the_access_log_has_one_line_per_call() {
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    // A current-thread runtime: the server's tasks log through this default.
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let server = start_layered(&TcpBed, Server::builder().access_log(true)).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    channel.unary(probe("Echo", "12345")).await.unwrap();
+    let failed = channel.unary(probe("Nope", "")).await.unwrap_err();
+    assert_eq!(failed.code(), Code::Unimplemented);
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("rpc_core::access"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{log}");
+    assert!(lines[0].contains("INFO"), "{}", lines[0]);
+    for field in [
+        "method=/test.Probe/Echo",
+        "code=Ok",
+        "request_bytes=5",
+        "response_bytes=5",
+        "latency_us=",
+        "peer=",
+    ] {
+        assert!(lines[0].contains(field), "{field} missing: {}", lines[0]);
+    }
+    assert!(lines[1].contains("method=/test.Probe/Nope"), "{}", lines[1]);
+    assert!(lines[1].contains("code=Unimplemented"), "{}", lines[1]);
+}

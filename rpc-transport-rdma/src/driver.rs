@@ -175,6 +175,8 @@ pub(crate) struct Driver {
     send_pool_starved: bool,
     /// When an idle connection gives back its extra credits.
     return_at: Option<Instant>,
+    /// Frames wait for the peer's credits (counted once per stall).
+    credit_stalled: bool,
     exposed: HashMap<u64, Exposed>,
     destinations: HashMap<u64, PooledBuffer>,
     reads: HashMap<u64, (u64, u64)>,
@@ -257,6 +259,7 @@ impl Driver {
             sends_in_flight: 0,
             send_pool_starved: false,
             return_at: None,
+            credit_stalled: false,
             qp,
             _cm: cm,
             cq,
@@ -727,6 +730,7 @@ impl Driver {
             .protocol
             .send_rendezvous(head, tail, addr, len, rkey, Instant::now());
         self.exposed.insert(token, Exposed::Payload(window));
+        rendezvous_gauge(OUT, 1.0);
         Ok(())
     }
 
@@ -768,6 +772,7 @@ impl Driver {
             Instant::now(),
         );
         self.exposed.insert(token, Exposed::Pooled { window, pool });
+        rendezvous_gauge(OUT, 1.0);
         Ok(())
     }
 
@@ -909,6 +914,7 @@ impl Driver {
                         format!("destination of {len} bytes for a rendezvous frame: {error}")
                     })?;
                     self.destinations.insert(token, destination);
+                    rendezvous_gauge(IN, 1.0);
                 }
                 Event::Release { token, expired } => {
                     progressed = true;
@@ -916,6 +922,7 @@ impl Driver {
                         tracing::warn!(token, "rendezvous frame not pulled in time: revoked");
                     }
                     if let Some(exposed) = self.exposed.remove(&token) {
+                        rendezvous_gauge(OUT, -1.0);
                         exposed.release();
                     }
                 }
@@ -974,6 +981,11 @@ impl Driver {
                 .send_shared(sge, wr_id(TAG_SEND, slot as u64), inline);
             self.sends_in_flight += 1;
         }
+        let stalled = self.protocol.waits_for_credits();
+        if stalled && !self.credit_stalled && rpc_core::metrics::enabled() {
+            metrics::counter!("rdma_credit_stalls_total").increment(1);
+        }
+        self.credit_stalled = stalled;
         if !self.sends.is_empty() {
             self.sends
                 .post(&*self.qp)
@@ -1012,6 +1024,7 @@ impl Driver {
                         .destinations
                         .remove(&token)
                         .expect("a pulled frame has its destination");
+                    rendezvous_gauge(IN, -1.0);
                     // Every READ completed: the head goes in front of what
                     // they wrote, the tail behind it.
                     let frame_bytes = &mut destination.buffer_mut().as_mut_slice()[..len as usize];
@@ -1125,6 +1138,26 @@ impl Driver {
         let mut message = (text.len() as u32).to_le_bytes().to_vec();
         message.extend_from_slice(text);
         let _ = self.socket.try_write(&message);
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // Rendezvous frames still counted when the connection ended.
+        rendezvous_gauge(OUT, -(self.exposed.len() as f64));
+        rendezvous_gauge(IN, -(self.destinations.len() as f64));
+    }
+}
+
+/// Our frames the peer may READ.
+const OUT: &str = "out";
+/// The peer's frames being pulled.
+const IN: &str = "in";
+
+/// `rdma_rendezvous_in_flight{direction}`, while `rpc_core::metrics` records.
+fn rendezvous_gauge(direction: &'static str, delta: f64) {
+    if delta != 0.0 && rpc_core::metrics::enabled() {
+        metrics::gauge!("rdma_rendezvous_in_flight", "direction" => direction).increment(delta);
     }
 }
 

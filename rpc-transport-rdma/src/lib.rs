@@ -6,8 +6,8 @@
 //! - [`protocol`]: the RPC-over-RDMA protocol of one connection as a sans-IO
 //!   state machine (credits, eager vs rendezvous, READ scheduling, close).
 //! - [`transport`]: `rdma://host:port` for rpc-core — a tokio driver per
-//!   connection around the protocol, with pre-posted pools and a completion
-//!   reactor.
+//!   connection around the protocol, with the device's shared receive and
+//!   send slots and a completion reactor.
 //!
 //! Enable it with one line at start-up; then any rpc-core client or server
 //! takes `rdma://` endpoints:
@@ -21,6 +21,15 @@
 //!
 //! The provider is `RDMA_PROVIDER` (`soft` | `ibverbs`), else ibverbs when it
 //! is compiled in and has a device, else soft; see [`RdmaConfig`] for the rest.
+//!
+//! **Metrics.** Once `rpc_core::metrics::enable()` was called, besides
+//! rpc-core's call and connection metrics:
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `rdma_registered_bytes` | gauge | | memory registered with the device(s), process-wide |
+//! | `rdma_credit_stalls_total` | counter | | times a connection's messages had to wait for the peer's credits |
+//! | `rdma_rendezvous_in_flight` | gauge | `direction` (`out`: ours the peer may READ; `in`: the peer's being pulled) | large frames in flight |
 
 pub mod config;
 pub mod device;

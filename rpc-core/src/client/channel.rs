@@ -17,6 +17,7 @@ use super::connection::{ClientConnection, Keepalive};
 use crate::conn_io::DEFAULT_OUTBOUND_QUEUE_BYTES;
 use crate::error::Error;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame};
+use crate::metrics::{CallRecord, Side};
 use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{Code, Status};
@@ -189,6 +190,7 @@ impl ChannelInner {
         {
             Ok(Ok(connection)) => Ok(ClientConnection::start(
                 connection,
+                self.config.endpoint.scheme(),
                 self.config.max_frame_len,
                 self.config.keepalive,
                 self.config.outbound_queue_bytes,
@@ -354,6 +356,7 @@ async fn call(
         ));
     };
     let timeout = request.timeout().or(inner.config.default_timeout);
+    let record = CallRecord::start(Side::Client, &path, request.get_ref().len());
     let span = tracing::debug_span!(
         "rpc.client",
         method = %path,
@@ -407,6 +410,9 @@ async fn call(
     };
     let outcome = outcome.and_then(|response| response);
     let code = outcome.as_ref().map_or_else(Status::code, |_| Code::Ok);
+    if let Some(record) = record {
+        record.finish(code, outcome.as_ref().map_or(0, |r| r.get_ref().len()));
+    }
     tracing::debug!(parent: &span, ?code, elapsed_us = started.map_or(0, |started| started.elapsed().as_micros() as u64), "call finished");
     outcome
 }

@@ -23,13 +23,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn_io::{OutboundQueue, write_frames};
 use crate::frame::{Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
+use crate::metrics::{ConnectionRecord, Side};
 use crate::payload::Payload;
 use crate::status::{Code, Status};
 use crate::transport::{Connection, FrameStream, TransportError};
@@ -126,6 +127,7 @@ impl ClientConnection {
     /// Takes over `connection` and starts its reader and writer tasks.
     pub(crate) fn start(
         connection: Connection,
+        scheme: &str,
         max_frame_len: usize,
         keepalive: Option<Keepalive>,
         outbound_queue_bytes: usize,
@@ -155,13 +157,18 @@ impl ClientConnection {
             writer_queue.close();
         });
 
-        tokio::spawn(read_frames(
-            shared.clone(),
-            stream,
-            outbound.clone(),
-            max_frame_len,
-            keepalive,
-        ));
+        // Counted while its reader runs: from now until the connection ends.
+        let counted = ConnectionRecord::open(Side::Client, scheme);
+        tokio::spawn(
+            read_frames(
+                shared.clone(),
+                stream,
+                outbound.clone(),
+                max_frame_len,
+                keepalive,
+            )
+            .map(move |()| drop(counted)),
+        );
 
         Arc::new(ClientConnection {
             shared,

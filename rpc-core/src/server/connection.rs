@@ -29,6 +29,7 @@ use super::{CLOSE_LINGER, ServerConfig};
 use crate::conn_io::{OutboundQueue, QueueClosed, Space, write_frames};
 use crate::frame::{EncodedFrame, Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
+use crate::metrics::{CallRecord, ConnectionRecord, Side};
 use crate::payload::Payload;
 use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
@@ -106,8 +107,10 @@ pub(crate) async fn serve_connection(
     shutdown: CancellationToken,
     stats: Arc<StatsInner>,
     slot: ConnectionSlot,
+    scheme: Arc<str>,
 ) {
     let _slot = slot;
+    let _counted = ConnectionRecord::open(Side::Server, &scheme);
     let Connection {
         sink,
         mut stream,
@@ -258,7 +261,7 @@ pub(crate) async fn serve_connection(
                             queue_or_block(&outbound, &stats, &mut blocked, refusal);
                             continue;
                         }
-                        let call = run_call(frame, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len);
+                        let call = run_call(frame, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len, config.access_log);
                         in_flight.insert(call_id, calls.spawn(call));
                     }
                     FrameKind::Cancel => {
@@ -355,11 +358,15 @@ async fn run_call(
     peer: String,
     outbound: OutboundQueue,
     max_frame_len: usize,
+    access_log: bool,
 ) -> u64 {
     let call_id = frame.call_id;
+    let request_len = frame.payload.len();
+    let record = CallRecord::start(Side::Server, &frame.path, request_len);
+    let access = access_log.then(|| (frame.path.clone(), peer.clone()));
     let span = tracing::debug_span!("rpc.server", method = %frame.path, call_id, %peer);
-    // Only a call someone traces reads the clock for its duration.
-    let started = (!span.is_disabled()).then(Instant::now);
+    // Only a call someone traces or logs reads the clock for its duration.
+    let started = (!span.is_disabled() || access_log).then(Instant::now);
     let deadline = frame.deadline;
     let mut request = Request::new(frame.payload.into_contiguous());
     *request.metadata_mut() = frame.metadata;
@@ -406,6 +413,21 @@ async fn run_call(
     } else {
         response
     };
+    if let Some(record) = record {
+        record.finish(response.status, response.payload.len());
+    }
+    if let Some((method, peer)) = access {
+        tracing::info!(
+            target: "rpc_core::access",
+            %method,
+            %peer,
+            code = %response.status,
+            latency_us = started.map_or(0, |started| started.elapsed().as_micros() as u64),
+            request_bytes = request_len,
+            response_bytes = response.payload.len(),
+            "call"
+        );
+    }
     tracing::debug!(parent: &span, code = ?response.status, elapsed_us = started.map_or(0, |started| started.elapsed().as_micros() as u64), "call finished");
     // Waits for room in the queue; if the writer is gone there is no one to tell.
     let response = response.encode_parts();

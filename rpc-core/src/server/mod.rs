@@ -121,6 +121,7 @@ pub(crate) struct ServerConfig {
     /// `None`: the default, which depends on `max_frame_len`.
     pub(crate) receive_budget: Option<usize>,
     pub(crate) outbound_queue_bytes: usize,
+    pub(crate) access_log: bool,
 }
 
 impl ServerConfig {
@@ -150,6 +151,7 @@ impl Server {
                 idle_timeout: DEFAULT_IDLE_TIMEOUT,
                 receive_budget: None,
                 outbound_queue_bytes: DEFAULT_OUTBOUND_QUEUE_BYTES,
+                access_log: false,
             },
         }
     }
@@ -212,6 +214,13 @@ impl<L> Server<L> {
     /// that raced with the GOAWAY is retried there transparently.
     pub fn idle_timeout(mut self, timeout: Duration) -> Self {
         self.config.idle_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Logs one INFO line per call (target `rpc_core::access`): method,
+    /// peer, status code, latency and message sizes. Off by default.
+    pub fn access_log(mut self, enabled: bool) -> Self {
+        self.config.access_log = enabled;
         self
     }
 
@@ -385,6 +394,7 @@ impl Listening {
             stats,
         } = self;
         let endpoint = listener.local_endpoint();
+        let scheme: Arc<str> = endpoint.scheme().into();
         tracing::info!(%endpoint, max_connections = config.max_connections, "serving");
         let connections = TaskTracker::new();
         let shutdown = CancellationToken::new();
@@ -408,6 +418,7 @@ impl Listening {
                                 shutdown.child_token(),
                                 stats.inner.clone(),
                                 slot,
+                                scheme.clone(),
                             ));
                         }
                         Err(_) => {

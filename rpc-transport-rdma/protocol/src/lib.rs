@@ -1070,6 +1070,12 @@ impl Protocol {
         self.unanswered as usize
     }
 
+    /// Messages wait to go out and only the peer's credits hold them back.
+    pub fn waits_for_credits(&self) -> bool {
+        let waiting = !self.queue.is_empty() || !self.control.is_empty();
+        waiting && self.send_credits < 2 && self.free_send_slots > 0
+    }
+
     /// Credits we hold for sending.
     pub fn send_credits(&self) -> u32 {
         self.send_credits

@@ -922,15 +922,25 @@ struct RegistrationTally(usize);
 
 impl RegistrationTally {
     fn new(len: usize, counter: &AtomicU64) -> RegistrationTally {
-        REGISTERED_BYTES.fetch_add(len as u64, AtomicOrdering::Relaxed);
+        let total = REGISTERED_BYTES.fetch_add(len as u64, AtomicOrdering::Relaxed) + len as u64;
         counter.fetch_add(1, AtomicOrdering::Relaxed);
+        record_registered(total);
         RegistrationTally(len)
     }
 }
 
 impl Drop for RegistrationTally {
     fn drop(&mut self) {
-        REGISTERED_BYTES.fetch_sub(self.0 as u64, AtomicOrdering::Relaxed);
+        let total =
+            REGISTERED_BYTES.fetch_sub(self.0 as u64, AtomicOrdering::Relaxed) - self.0 as u64;
+        record_registered(total);
+    }
+}
+
+/// `rdma_registered_bytes`, while `rpc_core::metrics` records.
+fn record_registered(total: u64) {
+    if rpc_core::metrics::enabled() {
+        metrics::gauge!("rdma_registered_bytes").set(total as f64);
     }
 }
 
