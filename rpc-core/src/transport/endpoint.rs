@@ -68,7 +68,7 @@ impl FromStr for Endpoint {
 /// Schemes whose address is a TCP `host:port` (rdma:// too: its set-up
 /// exchange runs over TCP). Other schemes (`mem://name`, ones registered by
 /// other crates) take any address.
-const HOST_PORT_SCHEMES: &[&str] = &["tcp", "rdma"];
+const HOST_PORT_SCHEMES: &[&str] = &["tcp", "tls", "rdma"];
 
 /// Checks `host:port` (`[v6]:port` for IPv6); the host is resolved later.
 fn check_host_port(authority: &str) -> Result<(), &'static str> {

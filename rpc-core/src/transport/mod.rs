@@ -21,6 +21,8 @@ mod budget;
 mod endpoint;
 pub mod memory;
 pub mod tcp;
+#[cfg(feature = "tls")]
+pub mod tls;
 
 use std::collections::BTreeMap;
 use std::fmt;
