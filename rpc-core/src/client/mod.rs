@@ -3,12 +3,16 @@
 //! stack over a channel) and [`DeadlineLayer`] (a tower timeout the server
 //! sees as the call's deadline).
 
+mod balance;
 mod channel;
 mod connection;
 mod deadline;
+mod retry;
 mod rpc;
 
+pub use balance::{BalancedChannel, EJECT_BASE, EJECT_MAX, Resolve, SystemResolver};
 pub use channel::{Backoff, Channel, ChannelBuilder, ResponseFuture};
 pub use connection::Keepalive;
 pub use deadline::{Deadline, DeadlineLayer};
+pub use retry::{AsStatus, RetryPolicy};
 pub use rpc::RpcClient;

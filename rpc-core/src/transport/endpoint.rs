@@ -6,7 +6,7 @@ use std::str::FromStr;
 use super::TransportError;
 
 /// Where to connect or listen: `tcp://host:port`, `mem://name`, `rdma://host:port`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Endpoint {
     scheme: String,
     authority: String,

@@ -329,3 +329,182 @@ async fn a_client_process_that_exits_ends_its_connection_normally() {
     }
     assert_eq!(server.stats.failed_connections(), 0);
 }
+
+/// Three server processes over rdma:// behind one `BalancedChannel`; one is
+/// killed while calls run: the calls it held fail `Unavailable` (nothing
+/// else), the balancer ejects it, and every later call succeeds on the
+/// other two. Idempotent calls through the shipped `RetryPolicy` do not
+/// fail at all: they are retried on another server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn balanced_calls_survive_a_killed_server() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    crate::require_device!();
+    ensure_registered();
+    let mut children: Vec<ChildServer> = (0..3)
+        .map(|_| ChildServer::spawn("rdma::child_server_process", CHILD_ENV))
+        .collect();
+    let endpoints: Vec<rpc_core::transport::Endpoint> = children
+        .iter()
+        .map(|child| child.endpoint.parse().unwrap())
+        .collect();
+    let balanced = rpc_core::client::BalancedChannel::from_endpoints(endpoints);
+    for i in 0..30 {
+        let text = format!("warm-up {i}");
+        let back = balanced.unary(probe("Echo", text.clone())).await.unwrap();
+        assert_eq!(back.into_inner(), text.as_bytes());
+    }
+    // Load: 16 loops of calls, some of them slow, until told to stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    let succeeded = Arc::new(AtomicUsize::new(0));
+    let mut loops = Vec::new();
+    for worker in 0..16u64 {
+        let balanced = balanced.clone();
+        let stop = stop.clone();
+        let succeeded = succeeded.clone();
+        loops.push(tokio::spawn(async move {
+            let mut failures = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let outcome = if worker % 4 == 0 {
+                    // Not idempotent: not retried.
+                    balanced
+                        .unary(probe("Sleep", 20u64.to_le_bytes().to_vec()))
+                        .await
+                } else {
+                    use tower::ServiceExt;
+                    let retrying = tower::retry::Retry::new(
+                        rpc_core::client::RetryPolicy::idempotent(["/test.Probe/Echo"]),
+                        balanced.clone(),
+                    );
+                    let call = probe("Echo", format!("load {worker}")).map(rpc_core::Payload::from);
+                    retrying.oneshot(call).await.map_err(|status| {
+                        panic!("an idempotent call failed despite retries: {status:?}")
+                    })
+                };
+                match outcome {
+                    Ok(_) => {
+                        succeeded.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(status) => failures.push(status),
+                }
+            }
+            failures
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    children[0].kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut failed = Vec::new();
+    for handle in loops {
+        failed.extend(handle.await.unwrap());
+    }
+    println!(
+        "balanced load: {} calls succeeded, {} failed when a server was killed",
+        succeeded.load(Ordering::Relaxed),
+        failed.len()
+    );
+    for status in &failed {
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    // Afterwards: every call succeeds on the two left.
+    for i in 0..200 {
+        let text = format!("after {i}");
+        let back = balanced
+            .unary(probe("Echo", text.clone()))
+            .await
+            .unwrap_or_else(|status| panic!("call {i} after the kill: {status:?}"));
+        assert_eq!(back.into_inner(), text.as_bytes());
+    }
+}
+
+/// Endpoints from a name a resolver we control answers: servers that appear
+/// in its answer get calls, one that leaves it gets none (then is shut down
+/// without a single call failing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_discovery_follows_the_resolver() {
+    use std::net::SocketAddr;
+    use std::sync::{Arc, Mutex};
+
+    struct Stub(Arc<Mutex<Vec<SocketAddr>>>);
+    impl rpc_core::client::Resolve for Stub {
+        fn resolve(
+            &self,
+            _host_port: &str,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>,
+        > {
+            let answer = self.0.lock().unwrap().clone();
+            Box::pin(async move { Ok(answer) })
+        }
+    }
+    crate::require_device!();
+    ensure_registered();
+    let first = start_with(&RdmaBed, |s| s).await;
+    let second = start_with(&RdmaBed, |s| s).await;
+    let address = |server: &crate::suite::RunningServer| -> SocketAddr {
+        server.endpoint.authority().parse().unwrap()
+    };
+    let answer = Arc::new(Mutex::new(vec![address(&first)]));
+    let balanced = rpc_core::client::BalancedChannel::from_dns(
+        "rdma",
+        "echo.service.test:0",
+        Duration::from_millis(50),
+        Arc::new(Stub(answer.clone())),
+    );
+    let calls = |n: usize| {
+        let balanced = balanced.clone();
+        async move {
+            for i in 0..n {
+                balanced
+                    .unary(probe("Echo", format!("call {i}")))
+                    .await
+                    .unwrap_or_else(|status| panic!("call {i}: {status:?}"));
+            }
+        }
+    };
+    calls(20).await;
+    assert!(first.stats.frames_received() >= 20);
+    assert_eq!(second.stats.frames_received(), 0, "not resolved yet");
+    // The name now resolves to both.
+    answer.lock().unwrap().push(address(&second));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    calls(100).await;
+    assert!(
+        second.stats.frames_received() > 0,
+        "the new server got calls"
+    );
+    // Only the second one is left in the answer: the first gets nothing more.
+    *answer.lock().unwrap() = vec![address(&second)];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = first.stats.frames_received();
+    calls(50).await;
+    assert_eq!(
+        first.stats.frames_received(),
+        before,
+        "a removed server got calls"
+    );
+}
+
+/// rdma:// and tcp:// endpoints behind one `BalancedChannel`: both serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn balanced_over_rdma_and_tcp_at_once() {
+    crate::require_device!();
+    ensure_registered();
+    let over_rdma = start_with(&RdmaBed, |s| s).await;
+    let over_tcp = start_with(&At("tcp://127.0.0.1:0".into()), |s| s).await;
+    let balanced = rpc_core::client::BalancedChannel::from_endpoints([
+        over_rdma.endpoint.clone(),
+        over_tcp.endpoint.clone(),
+    ]);
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..200 {
+        let balanced = balanced.clone();
+        calls.spawn(async move { balanced.unary(probe("Echo", format!("call {i}"))).await });
+    }
+    while let Some(call) = calls.join_next().await {
+        call.unwrap().unwrap();
+    }
+    assert!(over_rdma.stats.frames_received() > 0, "rdma:// got no call");
+    assert!(over_tcp.stats.frames_received() > 0, "tcp:// got no call");
+}

@@ -1,0 +1,356 @@
+//! [`BalancedChannel`]: calls spread over several servers.
+//!
+//! One lazily connected [`Channel`] per endpoint (rdma://, tcp://, any
+//! scheme, mixed), behind tower's power-of-two-choices balancer on pending
+//! calls: each call goes to the less loaded of two endpoints picked at
+//! random. An endpoint whose call fails `Unavailable` (its connection failed
+//! or its server is gone) is ejected — not picked — for a backoff that
+//! doubles with each consecutive failure (100 ms up to 10 s, ±50% jitter),
+//! then tried again by the next call that picks it; a success resets it.
+//!
+//! The endpoints come from a list ([`BalancedChannel::from_endpoints`]) or
+//! from a name resolved again every interval
+//! ([`BalancedChannel::from_dns`], through a [`Resolve`]: the system
+//! resolver by default, or one of your own): endpoints that appear are
+//! added, those that disappear are removed once their calls are done.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_core::Stream;
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+use tower::buffer::Buffer;
+use tower::discover::Change;
+use tower::load::{CompleteOnResponse, PendingRequests};
+use tower_service::Service;
+
+use super::Channel;
+use crate::payload::Payload;
+use crate::request::{Request, Response};
+use crate::status::{BoxError, Code, Status};
+use crate::transport::Endpoint;
+
+/// First ejection of a failing endpoint.
+pub const EJECT_BASE: Duration = Duration::from_millis(100);
+/// Longest ejection.
+pub const EJECT_MAX: Duration = Duration::from_secs(10);
+/// Calls a [`BalancedChannel`] queues before its callers wait.
+const QUEUE: usize = 1024;
+
+/// Resolves a host name to addresses (see [`BalancedChannel::from_dns`]).
+pub trait Resolve: Send + Sync + 'static {
+    /// The addresses of `host_port` (`name:port`) now.
+    fn resolve(
+        &self,
+        host_port: &str,
+    ) -> Pin<Box<dyn Future<Output = std::io::Result<Vec<SocketAddr>>> + Send + 'static>>;
+}
+
+/// The system's resolver (`/etc/hosts`, DNS), through tokio.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemResolver;
+
+impl Resolve for SystemResolver {
+    fn resolve(
+        &self,
+        host_port: &str,
+    ) -> Pin<Box<dyn Future<Output = std::io::Result<Vec<SocketAddr>>> + Send + 'static>> {
+        let host_port = host_port.to_owned();
+        Box::pin(async move { Ok(tokio::net::lookup_host(host_port).await?.collect()) })
+    }
+}
+
+type Call = Pin<Box<dyn Future<Output = Result<Response<Bytes>, Status>> + Send>>;
+
+/// Several endpoints behind one cloneable service (see the module docs).
+/// Create it inside a tokio runtime.
+#[derive(Clone)]
+pub struct BalancedChannel {
+    inner: Buffer<Request<Payload>, <Balanced as Service<Request<Payload>>>::Future>,
+}
+
+impl std::fmt::Debug for BalancedChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BalancedChannel").finish_non_exhaustive()
+    }
+}
+
+type Balanced = tower::balance::p2c::Balance<Changes, Request<Payload>>;
+
+impl BalancedChannel {
+    /// Balances over `endpoints` (default channel settings).
+    pub fn from_endpoints(endpoints: impl IntoIterator<Item = Endpoint>) -> BalancedChannel {
+        Self::from_endpoints_with(endpoints, Channel::from_endpoint)
+    }
+
+    /// Balances over `endpoints`, each channel made by `make` (e.g.
+    /// `|endpoint| Channel::builder(endpoint).timeout(..).connect_lazy()`).
+    pub fn from_endpoints_with(
+        endpoints: impl IntoIterator<Item = Endpoint>,
+        make: impl Fn(Endpoint) -> Channel + Send + Sync + 'static,
+    ) -> BalancedChannel {
+        let (changes, receiver) = mpsc::unbounded_channel();
+        for endpoint in endpoints {
+            let _ = changes.send(Change::Insert(endpoint.clone(), member(make(endpoint))));
+        }
+        // The list never changes: the sender lives as long as the balancer.
+        Self::start(Changes {
+            receiver,
+            _keep: Some(changes),
+        })
+    }
+
+    /// Balances over the addresses `host:port` resolves to, as
+    /// `scheme://address:port`, resolving again every `interval`.
+    pub fn from_dns(
+        scheme: &str,
+        host_port: &str,
+        interval: Duration,
+        resolver: Arc<dyn Resolve>,
+    ) -> BalancedChannel {
+        let (changes, receiver) = mpsc::unbounded_channel();
+        tokio::spawn(follow_dns(
+            scheme.to_owned(),
+            host_port.to_owned(),
+            interval,
+            resolver,
+            changes,
+        ));
+        Self::start(Changes {
+            receiver,
+            _keep: None,
+        })
+    }
+
+    fn start(changes: Changes) -> BalancedChannel {
+        let balanced = tower::balance::p2c::Balance::new(changes);
+        BalancedChannel {
+            inner: Buffer::new(balanced, QUEUE),
+        }
+    }
+
+    /// Performs one call with an encoded message, as [`Channel::unary`].
+    pub async fn unary<P: Into<Payload>>(
+        &self,
+        request: Request<P>,
+    ) -> Result<Response<Bytes>, Status> {
+        self.clone().oneshot(request.map(Into::into)).await
+    }
+}
+
+impl Service<Request<Payload>> for BalancedChannel {
+    type Response = Response<Bytes>;
+    type Error = Status;
+    type Future = Call;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        self.inner
+            .poll_ready(cx)
+            .map_err(|error| Status::from_error(unbuffer(error)))
+    }
+
+    fn call(&mut self, request: Request<Payload>) -> Call {
+        let call = self.inner.call(request);
+        Box::pin(async move {
+            call.await
+                .map_err(|error| Status::from_error(unbuffer(error)))
+        })
+    }
+}
+
+/// The `Status` a member failed with, from inside the buffer's and the
+/// balancer's error wrappers.
+fn unbuffer(error: BoxError) -> BoxError {
+    let mut current: &(dyn std::error::Error + 'static) = &*error;
+    loop {
+        if let Some(status) = current.downcast_ref::<Status>() {
+            return Box::new(status.clone());
+        }
+        match current.source() {
+            Some(source) => current = source,
+            None => return error,
+        }
+    }
+}
+
+/// The membership changes the balancer follows.
+struct Changes {
+    receiver: mpsc::UnboundedReceiver<Change<Endpoint, Member>>,
+    /// For a fixed list: keeps the stream open.
+    _keep: Option<mpsc::UnboundedSender<Change<Endpoint, Member>>>,
+}
+
+impl Stream for Changes {
+    type Item = Result<Change<Endpoint, Member>, BoxError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.get_mut()
+            .receiver
+            .poll_recv(cx)
+            .map(|change| change.map(Ok))
+    }
+}
+
+type Member = PendingRequests<Ejecting>;
+
+fn member(channel: Channel) -> Member {
+    PendingRequests::new(Ejecting::new(channel), CompleteOnResponse::default())
+}
+
+async fn follow_dns(
+    scheme: String,
+    host_port: String,
+    interval: Duration,
+    resolver: Arc<dyn Resolve>,
+    changes: mpsc::UnboundedSender<Change<Endpoint, Member>>,
+) {
+    let mut current: BTreeSet<Endpoint> = BTreeSet::new();
+    loop {
+        match resolver.resolve(&host_port).await {
+            Ok(addresses) => {
+                let resolved: BTreeSet<Endpoint> = addresses
+                    .iter()
+                    .filter_map(|address| Endpoint::new(&scheme, &address.to_string()).ok())
+                    .collect();
+                for gone in current.difference(&resolved) {
+                    tracing::debug!(endpoint = %gone, "no longer resolved: removed");
+                    if changes.send(Change::Remove(gone.clone())).is_err() {
+                        return;
+                    }
+                }
+                for new in resolved.difference(&current) {
+                    tracing::debug!(endpoint = %new, "resolved: added");
+                    let channel = Channel::from_endpoint(new.clone());
+                    if changes
+                        .send(Change::Insert(new.clone(), member(channel)))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                current = resolved;
+            }
+            // Keep what we have; try again next time.
+            Err(error) => tracing::warn!(%host_port, %error, "resolving failed"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = changes.closed() => return,
+        }
+    }
+}
+
+/// Consecutive failures of one endpoint, and until when it is ejected.
+#[derive(Debug, Default)]
+struct Health {
+    failures: u32,
+    ejected_until: Option<Instant>,
+}
+
+/// A member channel that is not ready while ejected.
+#[derive(Debug)]
+struct Ejecting {
+    channel: Channel,
+    health: Arc<Mutex<Health>>,
+    wait: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Ejecting {
+    fn new(channel: Channel) -> Ejecting {
+        Ejecting {
+            channel,
+            health: Arc::default(),
+            wait: None,
+        }
+    }
+}
+
+/// The ejection after `failures` consecutive failures, jittered by ±50%.
+fn ejection(failures: u32) -> Duration {
+    let doubled = EJECT_BASE.saturating_mul(1 << failures.saturating_sub(1).min(16));
+    let base = doubled.min(EJECT_MAX);
+    // A cheap random factor in [0.5, 1.5): the clock's low bits, hashed.
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(failures);
+    let unit = (hasher.finish() % 1_000) as f64 / 1_000.0;
+    base.mul_f64(0.5 + unit)
+}
+
+impl Service<Request<Payload>> for Ejecting {
+    type Response = Response<Bytes>;
+    type Error = Status;
+    type Future = Call;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        let until = self
+            .health
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .ejected_until;
+        if let Some(until) = until {
+            if Instant::now() < until {
+                let wait = self
+                    .wait
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until.into())));
+                if wait.deadline() != until.into() {
+                    wait.as_mut().reset(until.into());
+                }
+                if wait.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+            self.wait = None;
+        }
+        self.channel.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Payload>) -> Call {
+        let health = self.health.clone();
+        let endpoint = self.channel.endpoint().clone();
+        let call = self.channel.call(request);
+        Box::pin(async move {
+            let outcome = call.await;
+            let mut health = health.lock().unwrap_or_else(|poison| poison.into_inner());
+            match &outcome {
+                Err(status) if status.code() == Code::Unavailable => {
+                    health.failures += 1;
+                    let ejected = ejection(health.failures);
+                    health.ejected_until = Some(Instant::now() + ejected);
+                    tracing::debug!(%endpoint, failures = health.failures, ?ejected, %status, "endpoint ejected");
+                }
+                _ => {
+                    health.failures = 0;
+                    health.ejected_until = None;
+                }
+            }
+            outcome
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ejections_double_up_to_the_cap_with_jitter() {
+        for failures in 1..40 {
+            let expected = EJECT_BASE
+                .saturating_mul(1 << (failures - 1).min(16))
+                .min(EJECT_MAX);
+            let got = ejection(failures);
+            assert!(
+                got >= expected / 2 && got < expected * 3 / 2,
+                "{failures}: {got:?}"
+            );
+        }
+    }
+}
