@@ -78,24 +78,9 @@ fn ident(name: &str) -> Ident {
     syn::parse_str::<Ident>(name).unwrap_or_else(|_| Ident::new_raw(name, Span::call_site()))
 }
 
-/// `snake_case` of a CamelCase service name.
+/// `snake_case` of a CamelCase service name (`HTTPProxy` → `http_proxy`).
 fn snake_case(name: &str) -> String {
-    let mut out = String::with_capacity(name.len() + 4);
-    let chars: Vec<char> = name.chars().collect();
-    for (i, &c) in chars.iter().enumerate() {
-        if c.is_uppercase() {
-            let prev_lower =
-                i > 0 && (chars[i - 1].is_lowercase() || chars[i - 1].is_ascii_digit());
-            let next_lower = chars.get(i + 1).is_some_and(|n| n.is_lowercase());
-            if i > 0 && (prev_lower || (next_lower && chars[i - 1].is_uppercase())) {
-                out.push('_');
-            }
-            out.extend(c.to_lowercase());
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    heck::ToSnakeCase::to_snake_case(name)
 }
 
 /// The type of a message as seen from inside a generated `*_client`/`*_server`

@@ -46,68 +46,27 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-/// Memory access rights of a [`MemoryRegion`] (values as in `ibv_access_flags`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct AccessFlags(u32);
+bitflags::bitflags! {
+    /// Memory access rights of a [`MemoryRegion`] (values as in `ibv_access_flags`).
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Default, Debug)]
+    pub struct AccessFlags: u32 {
+        /// The local HCA may write (needed for receives and READ/atomic destinations).
+        const LOCAL_WRITE = 1;
+        /// The peer may RDMA WRITE into the region.
+        const REMOTE_WRITE = 1 << 1;
+        /// The peer may RDMA READ from the region.
+        const REMOTE_READ = 1 << 2;
+        /// The peer may run atomics on the region.
+        const REMOTE_ATOMIC = 1 << 3;
+        /// Memory windows may be bound over the region (`IBV_ACCESS_MW_BIND`);
+        /// gives the peer nothing by itself.
+        const MW_BIND = 1 << 4;
+    }
+}
 
 impl AccessFlags {
     /// Local reads only.
-    pub const NONE: AccessFlags = AccessFlags(0);
-    /// The local HCA may write (needed for receives and READ/atomic destinations).
-    pub const LOCAL_WRITE: AccessFlags = AccessFlags(1);
-    /// The peer may RDMA WRITE into the region.
-    pub const REMOTE_WRITE: AccessFlags = AccessFlags(1 << 1);
-    /// The peer may RDMA READ from the region.
-    pub const REMOTE_READ: AccessFlags = AccessFlags(1 << 2);
-    /// The peer may run atomics on the region.
-    pub const REMOTE_ATOMIC: AccessFlags = AccessFlags(1 << 3);
-    /// Memory windows may be bound over the region (`IBV_ACCESS_MW_BIND`);
-    /// gives the peer nothing by itself.
-    pub const MW_BIND: AccessFlags = AccessFlags(1 << 4);
-
-    /// The raw bits.
-    pub fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// From raw bits (unknown bits are dropped).
-    pub fn from_bits_truncate(bits: u32) -> AccessFlags {
-        AccessFlags(bits & 0x1f)
-    }
-
-    /// True when every flag of `other` is set.
-    pub fn contains(self, other: AccessFlags) -> bool {
-        self.0 & other.0 == other.0
-    }
-}
-
-impl std::ops::BitOr for AccessFlags {
-    type Output = AccessFlags;
-    fn bitor(self, rhs: AccessFlags) -> AccessFlags {
-        AccessFlags(self.0 | rhs.0)
-    }
-}
-
-impl fmt::Debug for AccessFlags {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names = [
-            (AccessFlags::LOCAL_WRITE, "LOCAL_WRITE"),
-            (AccessFlags::REMOTE_WRITE, "REMOTE_WRITE"),
-            (AccessFlags::REMOTE_READ, "REMOTE_READ"),
-            (AccessFlags::REMOTE_ATOMIC, "REMOTE_ATOMIC"),
-            (AccessFlags::MW_BIND, "MW_BIND"),
-        ];
-        let set: Vec<&str> = names
-            .iter()
-            .filter(|(flag, _)| self.contains(*flag))
-            .map(|(_, name)| *name)
-            .collect();
-        if set.is_empty() {
-            f.write_str("NONE")
-        } else {
-            f.write_str(&set.join(" | "))
-        }
-    }
+    pub const NONE: AccessFlags = AccessFlags::empty();
 }
 
 /// One scatter/gather element: `length` bytes at `addr` inside the region of `lkey`.
@@ -1481,6 +1440,11 @@ mod tests {
         let flags = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
         assert!(flags.contains(AccessFlags::REMOTE_READ));
         assert!(!flags.contains(AccessFlags::REMOTE_WRITE));
-        assert_eq!(format!("{flags:?}"), "LOCAL_WRITE | REMOTE_READ");
+        assert_eq!(
+            format!("{flags:?}"),
+            "AccessFlags(LOCAL_WRITE | REMOTE_READ)"
+        );
+        assert_eq!(AccessFlags::from_bits_truncate(0xff), AccessFlags::all());
+        assert_eq!(AccessFlags::NONE, AccessFlags::empty());
     }
 }

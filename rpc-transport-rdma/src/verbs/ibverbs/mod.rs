@@ -4,8 +4,8 @@
 //!
 //! The provider speaks the classic verbs C API (`ibv_post_send` with linked
 //! work-request lists, `ibv_poll_cq`, basic CQs and QPs), which maps one to one
-//! onto the traits; `../shared/rdma-vm/NOTES.md` explains why the `_ex`
-//! variants are avoided on rdma-core 44. Known device quirks handled here:
+//! onto the traits; the `_ex` variants are avoided because they misbehave on
+//! rdma-core 44 (`docs/providers.md`, "ibverbs"). Known device quirks handled here:
 //! a negative errno from `post` (siw) is normalised, `max_sge_rd` is checked
 //! before posting a READ (siw reports SUCCESS with half the data otherwise),
 //! and the QP state is tracked locally because siw's `ibv_query_qp` always
