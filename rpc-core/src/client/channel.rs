@@ -13,6 +13,11 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Instrument;
 
+use tower::retry::backoff::{
+    Backoff as _, ExponentialBackoff, ExponentialBackoffMaker, MakeBackoff,
+};
+use tower::util::rng::HasherRng;
+
 use super::connection::{ClientConnection, Keepalive};
 use crate::conn_io::DEFAULT_OUTBOUND_QUEUE_BYTES;
 use crate::error::Error;
@@ -24,14 +29,15 @@ use crate::status::{Code, Status};
 use crate::transport::{self, Endpoint, TransportConfig};
 
 /// How long to wait between failed connection attempts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Backoff {
-    /// Wait after the first failure.
+    /// Wait after the first failure (doubled after each further one).
     pub initial: Duration,
-    /// Longest wait.
+    /// Longest wait (before jitter).
     pub max: Duration,
-    /// Growth per consecutive failure.
-    pub multiplier: u32,
+    /// Random extra wait, as a fraction of the wait (0.5: up to +50%), so
+    /// that clients that lost one server do not all come back at once.
+    pub jitter: f64,
 }
 
 impl Default for Backoff {
@@ -39,8 +45,23 @@ impl Default for Backoff {
         Backoff {
             initial: Duration::from_millis(50),
             max: Duration::from_secs(5),
-            multiplier: 2,
+            jitter: 0.5,
         }
+    }
+}
+
+impl Backoff {
+    /// tower's jittered exponential backoff with these settings (made
+    /// valid: `max` at least `initial` and above 0, jitter within 0..=100).
+    fn maker(&self) -> ExponentialBackoffMaker {
+        let max = self.max.max(self.initial).max(Duration::from_millis(1));
+        let jitter = if self.jitter.is_nan() {
+            0.0
+        } else {
+            self.jitter.clamp(0.0, 100.0)
+        };
+        ExponentialBackoffMaker::new(self.initial, max, jitter, HasherRng::default())
+            .expect("the settings were made valid above")
     }
 }
 
@@ -130,10 +151,14 @@ impl ChannelBuilder {
             ready: Ready::default(),
             inner: Arc::new(ChannelInner {
                 current: Mutex::new(None),
-                connecting: tokio::sync::Mutex::new(Reconnect {
-                    retry_at: None,
-                    next_wait: self.backoff.initial,
-                    last_error: None,
+                connecting: tokio::sync::Mutex::new({
+                    let mut maker = self.backoff.maker();
+                    Reconnect {
+                        retry_at: None,
+                        backoff: maker.make_backoff(),
+                        maker,
+                        last_error: None,
+                    }
                 }),
                 config: self,
             }),
@@ -151,7 +176,9 @@ impl ChannelBuilder {
 
 struct Reconnect {
     retry_at: Option<Instant>,
-    next_wait: Duration,
+    /// The waits between failed attempts (reset by a success).
+    backoff: ExponentialBackoff,
+    maker: ExponentialBackoffMaker,
     last_error: Option<String>,
 }
 
@@ -227,16 +254,14 @@ impl ChannelInner {
             Ok(connection) => {
                 tracing::debug!(%endpoint, "connected");
                 reconnect.retry_at = None;
-                reconnect.next_wait = self.config.backoff.initial;
+                reconnect.backoff = reconnect.maker.make_backoff();
                 reconnect.last_error = None;
                 *self.current_slot() = Some(connection.clone());
                 Ok(connection)
             }
             Err(error) => {
-                let backoff = self.config.backoff;
-                reconnect.retry_at = Some(Instant::now() + reconnect.next_wait);
-                reconnect.next_wait =
-                    (reconnect.next_wait * backoff.multiplier.max(1)).min(backoff.max);
+                let wait = reconnect.backoff.next_backoff();
+                reconnect.retry_at = Some(wait.deadline());
                 reconnect.last_error = Some(error.to_string());
                 tracing::debug!(%endpoint, %error, "connect failed");
                 Err(
