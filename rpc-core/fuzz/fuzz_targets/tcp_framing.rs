@@ -14,7 +14,7 @@ use futures_core::Stream;
 use libfuzzer_sys::fuzz_target;
 use rpc_core::frame::{Frame, HEADER_LEN};
 use rpc_core::transport::TransportError;
-use rpc_core::transport::tcp::{FrameReader, LENGTH_PREFIX_LEN, LengthPrefixCodec};
+use rpc_core::transport::tcp::{FrameReader, LENGTH_PREFIX_LEN, length_prefix_codec};
 use tokio_util::codec::Decoder;
 
 const MAX: usize = 4096;
@@ -22,14 +22,14 @@ const MAX: usize = 4096;
 fuzz_target!(|data: &[u8]| {
     let Some((&split, rest)) = data.split_first() else { return };
     let split = (split as usize).min(rest.len());
-    let mut codec = LengthPrefixCodec::new(MAX);
+    let mut codec = length_prefix_codec(MAX);
     let mut buf = BytesMut::from(&rest[..split]);
-    let feed = |buf: &mut BytesMut, codec: &mut LengthPrefixCodec| -> bool {
+    let feed = |buf: &mut BytesMut, codec: &mut tokio_util::codec::LengthDelimitedCodec| -> bool {
         loop {
             match codec.decode(buf) {
                 Ok(Some(frame)) => {
                     assert!(frame.len() <= MAX);
-                    let _ = Frame::decode(frame, MAX);
+                    let _ = Frame::decode(frame.freeze(), MAX);
                 }
                 Ok(None) => return true,
                 Err(_) => return false,

@@ -18,7 +18,7 @@ use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, Sink};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_util::codec::{Decoder, Encoder};
+use tokio_util::codec::LengthDelimitedCodec;
 use tokio_util::io::poll_read_buf;
 
 use super::{
@@ -35,73 +35,20 @@ pub const LENGTH_PREFIX_LEN: usize = 4;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TcpTransport;
 
-/// Length-prefixed framing: `len: u32 LE` then `len` bytes of frame, as a
-/// `tokio_util` codec for tools and fuzzing. The transport itself reads with
-/// [`FrameReader`] (which reserves before it buffers) and writes with [`FrameWriter`].
-#[derive(Debug, Clone)]
-pub struct LengthPrefixCodec {
-    max_frame_len: usize,
-}
-
-impl LengthPrefixCodec {
-    /// A codec that refuses frames longer than `max_frame_len`.
-    pub fn new(max_frame_len: usize) -> LengthPrefixCodec {
-        LengthPrefixCodec { max_frame_len }
-    }
-}
-
-impl Decoder for LengthPrefixCodec {
-    type Item = Bytes;
-    type Error = TransportError;
-
-    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Bytes>, TransportError> {
-        if src.len() < LENGTH_PREFIX_LEN {
-            return Ok(None);
-        }
-        let len = u32::from_le_bytes([src[0], src[1], src[2], src[3]]) as usize;
-        if len > self.max_frame_len {
-            return Err(FrameError::TooLarge {
-                len,
-                max: self.max_frame_len,
-            }
-            .into());
-        }
-        if src.len() < LENGTH_PREFIX_LEN + len {
-            src.reserve(LENGTH_PREFIX_LEN + len - src.len());
-            return Ok(None);
-        }
-        src.advance(LENGTH_PREFIX_LEN);
-        Ok(Some(src.split_to(len).freeze()))
-    }
-
-    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Bytes>, TransportError> {
-        match self.decode(src)? {
-            Some(frame) => Ok(Some(frame)),
-            None if src.is_empty() => Ok(None),
-            None => Err(TransportError::Io(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!(
-                    "connection closed inside a frame ({} bytes of it received)",
-                    src.len()
-                ),
-            ))),
-        }
-    }
-}
-
-impl Encoder<Bytes> for LengthPrefixCodec {
-    type Error = TransportError;
-
-    fn encode(&mut self, frame: Bytes, dst: &mut BytesMut) -> Result<(), TransportError> {
-        let len = u32::try_from(frame.len()).map_err(|_| FrameError::TooLarge {
-            len: frame.len(),
-            max: u32::MAX as usize,
-        })?;
-        dst.reserve(LENGTH_PREFIX_LEN + frame.len());
-        dst.put_u32_le(len);
-        dst.put_slice(&frame);
-        Ok(())
-    }
+/// tcp://'s framing — `len: u32 LE`, then `len` bytes of frame — as tokio's
+/// `LengthDelimitedCodec`, for tools and fuzzing. The transport itself reads
+/// with [`FrameReader`], which does what the codec cannot: it reserves a
+/// frame's bytes in the server's receive budget before it allocates them,
+/// reads large frames into recycled buffers, and skips a frame over the limit
+/// whole (its call is refused, the connection goes on) where the codec fails
+/// the stream; it writes with [`FrameWriter`] (one `writev` per batch, the
+/// payload's parts never copied).
+pub fn length_prefix_codec(max_frame_len: usize) -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .little_endian()
+        .length_field_type::<u32>()
+        .max_frame_length(max_frame_len)
+        .new_codec()
 }
 
 /// Bytes a connection reads ahead before it knows how long the next frame is.
@@ -117,7 +64,7 @@ const MAX_IOV: usize = 64;
 
 /// Reads length-prefixed frames from a byte stream.
 ///
-/// Unlike a `FramedRead` with [`LengthPrefixCodec`], it allocates a frame's
+/// Unlike a `FramedRead` with [`length_prefix_codec`], it allocates a frame's
 /// buffer only after it reserved the frame's bytes in the server's
 /// [`ReceiveBudget`] (when there is one), and at the frame's exact length; until
 /// then it holds at most [`READ_AHEAD`] bytes. While it waits for the budget it
@@ -586,27 +533,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn codec_waits_for_whole_frames_and_rejects_oversize_announcements() {
-        let mut codec = LengthPrefixCodec::new(8);
+    fn the_codec_frames_as_the_transport_does() {
+        use tokio_util::codec::{Decoder, Encoder};
+        let mut codec = length_prefix_codec(8);
         let mut buf = BytesMut::new();
         codec.encode(Bytes::from_static(b"abc"), &mut buf).unwrap();
+        assert_eq!(&buf[..LENGTH_PREFIX_LEN], &3u32.to_le_bytes());
         let mut partial = buf.split_to(5);
         assert!(codec.decode(&mut partial).unwrap().is_none());
         partial.unsplit(buf);
-        assert_eq!(
-            codec.decode(&mut partial).unwrap().unwrap(),
-            Bytes::from_static(b"abc")
-        );
+        assert_eq!(&codec.decode(&mut partial).unwrap().unwrap()[..], b"abc");
 
         let mut huge = BytesMut::new();
         huge.put_u32_le(9);
-        assert!(matches!(
-            codec.decode(&mut huge),
-            Err(TransportError::Frame(FrameError::TooLarge {
-                len: 9,
-                max: 8
-            }))
-        ));
+        assert!(codec.decode(&mut huge).is_err(), "over the limit");
 
         let mut cut = BytesMut::new();
         cut.put_u32_le(4);
