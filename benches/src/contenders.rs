@@ -93,6 +93,19 @@ impl Contender {
     }
 }
 
+/// Lets command lines take a contender by its [`key`](Contender::key)
+/// (`rdma`, `rdma-busy`, `tcp`, `tonic`, `tarpc`), with the keys listed in
+/// `--help` and a clear error for any other word.
+impl clap::ValueEnum for Contender {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Contender::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.key()).help(self.label()))
+    }
+}
+
 static MULTI_THREAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Makes [`runtime`] (here and in the server processes started after this)

@@ -593,67 +593,76 @@ fn write_outputs(report: &Report) -> Vec<String> {
     written
 }
 
+/// rdma-rpc beside tonic and tarpc and the machine's floors, in one run.
+///
+/// Every contender's server runs in its own process (this binary, started
+/// with `--serve <contender>`); the client runs here; both on current-thread
+/// tokio runtimes unless `--multi-thread`. Prints progress on stderr and a
+/// markdown table on stdout (ratios to tonic in brackets), then a verdict
+/// per goal; writes the numbers as JSON and the charts (latency CDF,
+/// goodput against size; SVG and PNG) to `target/bench-results/`.
+/// `benches/README.md` explains every row.
+#[derive(Debug, clap::Parser)]
+#[command(name = "compare", args_override_self = true)]
+struct Cli {
+    /// Short runs (the default): 3,000 latency calls, 0.6 s per throughput
+    /// point, echoes up to 64 MiB; under 2 minutes on 2 cores.
+    #[arg(long, overrides_with = "full")]
+    quick: bool,
+    /// The numbers for a report: 20,000 latency calls, 3 s per throughput
+    /// point, echoes up to 256 MiB.
+    #[arg(long, overrides_with = "quick")]
+    full: bool,
+    /// Only these contenders, comma-separated [default: all of them; the
+    /// goal verdicts need all].
+    #[arg(
+        long,
+        value_name = "CONTENDERS",
+        value_delimiter = ',',
+        action = clap::ArgAction::Set
+    )]
+    only: Option<Vec<Contender>>,
+    /// Busy processes competing for the CPUs during the whole run.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    load: usize,
+    /// Multi-thread runtimes (2 workers, what `#[tokio::main]` gives) in
+    /// both processes instead of current-thread ones.
+    #[arg(long)]
+    multi_thread: bool,
+    /// Internal: serve CONTENDER and print `LISTENING <address>` (the
+    /// server process this binary starts for each contender).
+    #[arg(long, value_name = "CONTENDER", hide = true)]
+    serve: Option<Contender>,
+    /// Internal: keep a CPU busy until killed (the processes `--load` starts).
+    #[arg(long, hide = true)]
+    burn: bool,
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some(floors::CHILD_FLAG) {
         return floors::run_child(&args[1..]);
     }
-    let mut settings = Settings::quick();
-    let mut load = 0;
-    let mut multi_thread = false;
-    let mut only: Option<Vec<Contender>> = None;
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        match arg.as_str() {
-            "--serve" => {
-                let key = iter.next().expect("--serve CONTENDER");
-                let contender = Contender::from_key(key).expect("known contender");
-                return contenders::serve(contender);
-            }
-            "--quick" => {
-                settings = Settings {
-                    load,
-                    multi_thread,
-                    ..Settings::quick()
-                }
-            }
-            "--full" => {
-                settings = Settings {
-                    load,
-                    multi_thread,
-                    ..Settings::full()
-                }
-            }
-            "--multi-thread" => {
-                multi_thread = true;
-                settings.multi_thread = true;
-                contenders::use_multi_thread_runtimes();
-            }
-            "--load" => {
-                load = iter
-                    .next()
-                    .and_then(|n| n.parse().ok())
-                    .expect("--load N (busy processes)");
-                settings.load = load;
-            }
-            "--burn" => burn(),
-            "--only" => {
-                let keys = iter.next().expect("--only rdma,tonic,...");
-                only = Some(
-                    keys.split(',')
-                        .map(|key| {
-                            Contender::from_key(key).expect("rdma, rdma-busy, tcp, tonic or tarpc")
-                        })
-                        .collect(),
-                );
-            }
-            other => {
-                panic!(
-                    "unknown argument {other}; use --quick or --full [--only rdma,tonic,...] [--load N] [--multi-thread]"
-                )
-            }
-        }
+    let cli = <Cli as clap::Parser>::parse();
+    if cli.multi_thread {
+        contenders::use_multi_thread_runtimes();
     }
+    if let Some(contender) = cli.serve {
+        return contenders::serve(contender);
+    }
+    if cli.burn {
+        burn();
+    }
+    let settings = Settings {
+        load: cli.load,
+        multi_thread: cli.multi_thread,
+        ..if cli.full {
+            Settings::full()
+        } else {
+            Settings::quick()
+        }
+    };
+    let only = cli.only;
     let _load = BusyProcesses::start(settings.load);
     let started = Instant::now();
     let rdma_provider = rpc_transport_rdma::device::select(
