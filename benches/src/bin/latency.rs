@@ -144,20 +144,34 @@ fn micros(nanos: u64) -> String {
     format!("{:.1}", nanos as f64 / 1000.0)
 }
 
+/// Round-trip latency of an empty unary call, per transport and runtime flavour.
+///
+/// The server runs on its own runtime thread, the client on another, in one
+/// process (or both on one current-thread runtime, for the framework's own
+/// cost). Each call is `echo.v1.Echo/Say` with an empty message, one at a
+/// time, over tcp:// and mem://. Prints a markdown table; timings on a
+/// shared machine drift, so compare rows of the same run.
+#[derive(Debug, clap::Parser)]
+#[command(name = "latency", args_override_self = true)]
+struct Cli {
+    /// Measured calls per row.
+    #[arg(long, value_name = "N", default_value_t = 20_000)]
+    calls: u64,
+    /// Unmeasured warm-up calls per row, before the measured ones.
+    #[arg(long, value_name = "N", default_value_t = 2_000)]
+    warmup: u64,
+    /// Only the rows whose name (transport, then runtimes) contains TEXT,
+    /// e.g. `mem://` or `multi_thread` [default: every row].
+    #[arg(long, value_name = "TEXT")]
+    only: Option<String>,
+}
+
 fn main() {
-    let mut calls = 20_000u64;
-    let mut warmup = 2_000u64;
-    let mut only: Option<String> = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().and_then(|v| v.parse().ok());
-        match arg.as_str() {
-            "--calls" => calls = value().expect("--calls N"),
-            "--warmup" => warmup = value().expect("--warmup N"),
-            "--only" => only = args.next(),
-            other => panic!("unknown argument {other}; use --calls N --warmup N --only TEXT"),
-        }
-    }
+    let Cli {
+        calls,
+        warmup,
+        only,
+    } = clap::Parser::parse();
     let mut rows = Vec::new();
     for flavor in [
         Flavor::SeparateCurrent,

@@ -145,27 +145,50 @@ async fn measure(endpoint: &str, calls: u64, seconds: f64, large_rounds: u32) ->
     }
 }
 
-fn main() {
-    let mut calls = 20_000u64;
-    let mut seconds = 3.0f64;
-    let mut large_rounds = 8u32;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--serve" => return serve(&args.next().expect("--serve ENDPOINT")),
-            "--calls" => calls = args.next().and_then(|v| v.parse().ok()).expect("--calls N"),
-            "--seconds" => {
-                seconds = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .expect("--seconds S")
-            }
-            "--large" => {
-                large_rounds = args.next().and_then(|v| v.parse().ok()).expect("--large N")
-            }
-            other => panic!("unknown argument {other}; use --calls N --seconds S --large N"),
-        }
+/// tcp:// against rdma:// (soft provider), server and client in two processes.
+///
+/// For each contender, this binary starts itself as a server process
+/// (`--serve ENDPOINT`), connects, and measures over one connection, with a
+/// raw-bytes echo service: latency of a 64-byte echo, one call in flight
+/// (p50, p99); throughput of 64-byte echoes with 128 in flight (calls/s);
+/// goodput of a 64 MiB echo (GB/s both ways). Both processes run a
+/// current-thread tokio runtime; the rdma:// rows run in adaptive,
+/// busy-poll and event-only polling modes. Prints a markdown table; compare
+/// rows of the same run.
+#[derive(Debug, clap::Parser)]
+#[command(name = "transports", args_override_self = true)]
+struct Cli {
+    /// Sequential 64 B echoes for the latency row (after a tenth as many to
+    /// warm up).
+    #[arg(long, value_name = "N", default_value_t = 20_000)]
+    calls: u64,
+    /// Seconds of 64 B echoes with 128 in flight, for calls/s.
+    #[arg(long, value_name = "S", default_value_t = 3.0, value_parser = parse_seconds)]
+    seconds: f64,
+    /// 64 MiB echoes for the goodput row (after one to warm up).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    large: u32,
+    /// Internal: serve the raw echo on ENDPOINT and print `LISTENING
+    /// <endpoint>` (the server process this binary starts).
+    #[arg(long, value_name = "ENDPOINT", hide = true)]
+    serve: Option<String>,
+}
+
+/// A duration in seconds: a finite number, not negative.
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => Ok(seconds),
+        Ok(_) => Err("must be a finite number of seconds, not negative".to_owned()),
+        Err(error) => Err(error.to_string()),
     }
+}
+
+fn main() {
+    let cli = <Cli as clap::Parser>::parse();
+    if let Some(listen) = cli.serve {
+        return serve(&listen);
+    }
+    let (calls, seconds, large_rounds) = (cli.calls, cli.seconds, cli.large);
     let contenders = [
         ("tcp://", "tcp://127.0.0.1:0", "adaptive"),
         (

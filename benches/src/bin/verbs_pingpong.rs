@@ -299,6 +299,32 @@ fn run_child(args: &[String]) {
     }
 }
 
+/// Verbs-level microbenchmark of the soft provider, beside the machine's floors.
+///
+/// Two processes (this binary re-executes itself as the peer). Rows: 64 B
+/// SEND/RECV ping-pong round trip in event mode (completion channel) and
+/// busy-poll mode; RDMA READ goodput at 64 KiB, 1 MiB, 64 MiB; and the
+/// floors: TCP loopback 64 B ping-pong, eventfd ping-pong, shared-memory
+/// busy-poll ping-pong, memcpy and process_vm_readv of 64 MiB. Compare rows
+/// of one run.
+#[derive(Debug, clap::Parser)]
+#[command(name = "verbs_pingpong", args_override_self = true)]
+struct Cli {
+    /// Round trips per ping-pong row.
+    #[arg(long, value_name = "N", default_value_t = 5000)]
+    rounds: usize,
+    /// Only the soft SEND/RECV ping-pong in this mode, alone (for profiling
+    /// it) [default: every row].
+    #[arg(long, value_name = "MODE", value_parser = ["busy", "event"])]
+    only: Option<String>,
+    /// With --only: the two processes pinned to CPUs 0 and 1.
+    #[arg(long)]
+    pin: bool,
+    /// With --only: both processes pinned to CPU 0.
+    #[arg(long)]
+    pin_same: bool,
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some(floors::CHILD_FLAG) {
@@ -309,29 +335,12 @@ fn main() {
         floors::pin_from_env();
         return run_child(&args[1..]);
     }
-    let mut rounds = 5000usize;
-    let mut only: Option<String> = None;
-    let mut pin = false;
-    let mut pin_same = false;
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        match arg.as_str() {
-            "--rounds" => {
-                rounds = iter
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .expect("--rounds N")
-            }
-            "--only" => only = iter.next().cloned(),
-            "--pin" => pin = true,
-            "--pin-same" => pin_same = true,
-            other => {
-                panic!(
-                    "unknown argument {other}; use --rounds N [--only busy|event [--pin|--pin-same]]"
-                )
-            }
-        }
-    }
+    let Cli {
+        rounds,
+        only,
+        pin,
+        pin_same,
+    } = clap::Parser::parse();
     if let Some(mode) = only.as_deref() {
         // One soft row alone (for profiling it), optionally on two pinned CPUs.
         if pin || pin_same {
