@@ -23,9 +23,6 @@ use rdma_rpc_benches::stats::proc_status_field;
 use rdma_rpc_examples::echo::{EchoRequest, echo_client::EchoClient};
 use rpc_core::Channel;
 
-const USAGE: &str =
-    "usage: scale [--transports rdma,tcp] [--connections 10,100,1000] [--processes N] [--calls N]";
-
 /// The server's gauges: /proc for threads and memory, its own word for
 /// registered bytes.
 #[derive(Debug, Clone, Copy, Default)]
@@ -293,45 +290,99 @@ fn measure(
     }
 }
 
-fn list<T: std::str::FromStr>(value: Option<String>, what: &str) -> Vec<T> {
-    value
-        .unwrap_or_default()
-        .split(',')
-        .map(|v| v.parse().unwrap_or_else(|_| panic!("{what}: {USAGE}")))
-        .collect()
+/// Many connections on one server: what each costs it idle and busy, and
+/// how latency holds up as they grow.
+///
+/// For each transport and connection count: a fresh echo server in its own
+/// process; `--processes` client processes open the connections between
+/// them (one call each), wait, then call on every connection in turn with
+/// `--in-flight` calls in flight in all, the same for every connection count
+/// (so latency shows what more connections cost, not more load), until each
+/// connection had `--calls` 64 B calls. Prints the server's threads,
+/// resident memory and registered bytes with the connections idle and busy,
+/// calls/s, p50/p99 and errors, then the goals. Raise `ulimit -n` first for
+/// thousands of connections.
+#[derive(Debug, clap::Parser)]
+#[command(name = "scale", args_override_self = true)]
+struct Cli {
+    /// Transports to measure, comma-separated.
+    #[arg(
+        long,
+        value_name = "SCHEMES",
+        value_delimiter = ',',
+        action = clap::ArgAction::Set,
+        value_parser = ["rdma", "tcp"],
+        default_value = "rdma"
+    )]
+    transports: Vec<String>,
+    /// Connection counts to measure, comma-separated, a fresh server each.
+    #[arg(
+        long,
+        value_name = "COUNTS",
+        value_delimiter = ',',
+        action = clap::ArgAction::Set,
+        default_value = "10,100,1000"
+    )]
+    connections: Vec<usize>,
+    /// Client processes the connections are spread over.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    processes: usize,
+    /// 64 B calls on each connection.
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    calls: usize,
+    /// Calls in flight in all, whatever the connection count.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    in_flight: usize,
+    /// Internal: the echo server on SCHEME (see `serve`).
+    #[arg(long, value_name = "SCHEME", hide = true, exclusive = true)]
+    serve: Option<String>,
+    /// Internal: a client process (see `client`).
+    #[arg(
+        long,
+        num_args = 4,
+        value_names = ["ENDPOINT", "CONNECTIONS", "CALLS", "CALLERS"],
+        hide = true,
+        exclusive = true
+    )]
+    client: Option<Vec<String>>,
+}
+
+/// Runs [`client`] with the values of `--client ENDPOINT CONNECTIONS CALLS
+/// CALLERS`, or exits with clap's error for one that is not a number.
+fn run_client(values: &[String]) {
+    let number = |index: usize, name: &str| -> usize {
+        values[index].parse().unwrap_or_else(|_| {
+            <Cli as clap::CommandFactory>::command()
+                .error(
+                    clap::error::ErrorKind::ValueValidation,
+                    format!("--client {name}: '{}' is not a number", values[index]),
+                )
+                .exit()
+        })
+    };
+    client(
+        &values[0],
+        number(1, "CONNECTIONS"),
+        number(2, "CALLS"),
+        number(3, "CALLERS"),
+    );
 }
 
 fn main() {
-    let mut args = std::env::args().skip(1);
-    let mut transports = vec!["rdma".to_owned()];
-    let mut connections = vec![10, 100, 1000];
-    let mut processes = 10;
-    let mut in_flight = 10;
-    let mut calls = 100;
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--serve" => return serve(&args.next().expect("--serve SCHEME")),
-            "--client" => {
-                let endpoint = args.next().expect("--client ENDPOINT");
-                let n = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .expect("CONNECTIONS");
-                let calls = args.next().and_then(|v| v.parse().ok()).expect("CALLS");
-                let callers = args.next().and_then(|v| v.parse().ok()).expect("CALLERS");
-                return client(&endpoint, n, calls, callers);
-            }
-            "--transports" => transports = list(args.next(), "--transports"),
-            "--connections" => connections = list(args.next(), "--connections"),
-            "--processes" => processes = list(args.next(), "--processes")[0],
-            "--calls" => calls = list(args.next(), "--calls")[0],
-            "--in-flight" => in_flight = list(args.next(), "--in-flight")[0],
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                return;
-            }
-            other => panic!("unknown argument {other}; {USAGE}"),
-        }
+    let Cli {
+        transports,
+        connections,
+        processes,
+        calls,
+        in_flight,
+        serve: serve_scheme,
+        client: client_values,
+    } = clap::Parser::parse();
+    if let Some(scheme) = serve_scheme {
+        return serve(&scheme);
+    }
+    if let Some(values) = client_values {
+        return run_client(&values);
     }
     let rows: Vec<Row> = transports
         .iter()
