@@ -9,16 +9,30 @@
 use std::time::{Duration, Instant};
 
 use rdma_rpc_examples::echo::{EchoRequest, echo_client::EchoClient, echo_server::EchoServer};
-use rdma_rpc_examples::{EchoService, endpoint_arg, init_logging};
+use rdma_rpc_examples::{EchoService, init_logging};
 use rpc_core::{Code, Request, Server};
+
+/// The main job in one process: starts an echo server, calls it, prints what happened.
+///
+/// Calls with a message, with metadata, with a 4 MiB payload, 2,000
+/// sequential calls for latency, one with a deadline that expires; then
+/// shuts the server down gracefully.
+#[derive(Debug, clap::Parser)]
+#[command(name = "echo")]
+struct Cli {
+    /// Where the server listens (rdma://, tcp:// or mem://; port 0: any
+    /// free port); the client connects to the address it got.
+    #[arg(value_name = "ENDPOINT", default_value = "rdma://127.0.0.1:0")]
+    listen: String,
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Cli { listen } = clap::Parser::parse();
     init_logging();
     // The one line that enables rdma:// (provider from RDMA_PROVIDER, else
     // ibverbs when built in and a device exists, else soft).
     rpc_transport_rdma::register()?;
-    let listen = endpoint_arg("rdma://127.0.0.1:0");
     let listening = Server::builder()
         .add_service(EchoServer::new(EchoService))
         .listen(listen.as_str())

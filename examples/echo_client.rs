@@ -7,20 +7,30 @@
 use std::time::Instant;
 
 use rdma_rpc_examples::echo::{EchoRequest, echo_client::EchoClient};
-use rdma_rpc_examples::{endpoint_arg, init_logging};
+use rdma_rpc_examples::init_logging;
+
+/// An echo client in its own process: a few calls, then latency of sequential calls.
+///
+/// Says hello, then makes CALLS sequential calls with 64 B payloads and
+/// prints their p50, p99 and maximum latency.
+#[derive(Debug, clap::Parser)]
+#[command(name = "echo_client")]
+struct Cli {
+    /// The server to call (rdma:// or tcp://).
+    #[arg(value_name = "ENDPOINT", default_value = "rdma://127.0.0.1:50051")]
+    endpoint: String,
+    /// Sequential calls to measure.
+    #[arg(value_name = "CALLS", default_value_t = 1000)]
+    calls: u32,
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Cli { endpoint, calls } = clap::Parser::parse();
     init_logging();
     // The one line that enables rdma:// (provider from RDMA_PROVIDER, else
     // ibverbs when built in and a device exists, else soft).
     rpc_transport_rdma::register()?;
-    let endpoint = endpoint_arg("rdma://127.0.0.1:50051");
-    let calls: u32 = std::env::args()
-        .nth(2)
-        .map(|n| n.parse())
-        .transpose()?
-        .unwrap_or(1000);
     let mut client = EchoClient::connect(endpoint.as_str()).await?;
     let reply = client
         .say(EchoRequest {

@@ -6,16 +6,25 @@
 //! Stops gracefully on Ctrl-C.
 
 use rdma_rpc_examples::echo::echo_server::EchoServer;
-use rdma_rpc_examples::{EchoService, endpoint_arg, init_logging};
+use rdma_rpc_examples::{EchoService, init_logging};
 use rpc_core::Server;
+
+/// An echo server in its own process; stops gracefully on Ctrl-C.
+#[derive(Debug, clap::Parser)]
+#[command(name = "echo_server")]
+struct Cli {
+    /// Where to listen (rdma:// or tcp://).
+    #[arg(value_name = "ENDPOINT", default_value = "rdma://127.0.0.1:50051")]
+    listen: String,
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Cli { listen } = clap::Parser::parse();
     init_logging();
     // The one line that enables rdma:// (provider from RDMA_PROVIDER, else
     // ibverbs when built in and a device exists, else soft).
     rpc_transport_rdma::register()?;
-    let listen = endpoint_arg("rdma://127.0.0.1:50051");
     let listening = Server::builder()
         .add_service(EchoServer::new(EchoService))
         .listen(listen.as_str())

@@ -32,13 +32,6 @@ impl echo::echo_server::Echo for EchoService {
     }
 }
 
-/// The endpoint given as the first argument, or `default`.
-pub fn endpoint_arg(default: &str) -> String {
-    std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| default.to_owned())
-}
-
 /// Logs to stderr at the level in `RUST_LOG` (default `info`).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

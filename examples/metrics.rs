@@ -3,27 +3,44 @@
 //! scrape of `/metrics` returns (rdma-rpc's own metrics only).
 //!
 //! `cargo run --release --example metrics [-- ENDPOINT [METRICS_ADDR]]`
-//! (defaults `rdma://127.0.0.1:0` and `127.0.0.1:9464`). With `--serve` as
-//! the last argument it keeps serving (and exporting) until Ctrl-C.
+//! (defaults `rdma://127.0.0.1:0` and `127.0.0.1:9464`). With `--serve` it
+//! keeps serving (and exporting) until Ctrl-C.
 
 use std::net::SocketAddr;
 
 use rdma_rpc_examples::echo::EchoRequest;
 use rdma_rpc_examples::echo::echo_client::EchoClient;
 use rdma_rpc_examples::echo::echo_server::EchoServer;
-use rdma_rpc_examples::{EchoService, endpoint_arg, export_prometheus, init_logging, scrape};
+use rdma_rpc_examples::{EchoService, export_prometheus, init_logging, scrape};
+
+/// Metrics: an echo server and client with a Prometheus exporter.
+///
+/// Makes 100 calls, then prints what a Prometheus scrape of `/metrics`
+/// returns (rdma-rpc's own metrics only).
+#[derive(Debug, clap::Parser)]
+#[command(name = "metrics")]
+struct Cli {
+    /// Where the echo server listens (rdma://, tcp:// or mem://; port 0: any
+    /// free port); the client connects to the address it got.
+    #[arg(value_name = "ENDPOINT", default_value = "rdma://127.0.0.1:0")]
+    endpoint: String,
+    /// Where the exporter serves `/metrics` over HTTP.
+    #[arg(value_name = "METRICS_ADDR", default_value = "127.0.0.1:9464")]
+    metrics_addr: SocketAddr,
+    /// After the calls, keep serving (and exporting) until Ctrl-C.
+    #[arg(long)]
+    serve: bool,
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Cli {
+        endpoint,
+        metrics_addr,
+        serve: keep_serving,
+    } = clap::Parser::parse();
     init_logging();
     rpc_transport_rdma::register()?;
-    let endpoint = endpoint_arg("rdma://127.0.0.1:0");
-    let metrics_addr: SocketAddr = std::env::args()
-        .nth(2)
-        .filter(|arg| arg != "--serve")
-        .unwrap_or_else(|| "127.0.0.1:9464".to_owned())
-        .parse()?;
-    let keep_serving = std::env::args().any(|arg| arg == "--serve");
     export_prometheus(metrics_addr)?;
 
     let listening = rpc_core::Server::builder()

@@ -21,7 +21,7 @@ use rdma_rpc_examples::kv::{
     GetRequest, PutRequest, ScanRequest, key_value_client::KeyValueClient,
     key_value_server::KeyValueServer,
 };
-use rdma_rpc_examples::{KvStore, endpoint_arg, init_logging};
+use rdma_rpc_examples::{KvStore, init_logging};
 use rpc_core::bytes::Bytes;
 use rpc_core::{BoxError, Channel, Code, Payload, Request, Response, Server, Status};
 use tower::{Layer, Service, ServiceBuilder};
@@ -140,8 +140,24 @@ impl tower::retry::Policy<Request<Payload>, Response<Bytes>, BoxError> for Retry
     }
 }
 
+/// rdma-rpc inside tower stacks, on both sides, with the key-value service.
+///
+/// Client: `Retry` (idempotent calls only) → `Timeout` → `ConcurrencyLimit`
+/// → `Channel`. Server: a `Chaos` layer that fails every third first
+/// attempt with `Unavailable`, delays calls that ask for it, and records how
+/// many calls run at once.
+#[derive(Debug, clap::Parser)]
+#[command(name = "tower_stack")]
+struct Cli {
+    /// Where the server listens (rdma://, tcp:// or mem://; port 0: any
+    /// free port); the client connects to the address it got.
+    #[arg(value_name = "ENDPOINT", default_value = "rdma://127.0.0.1:0")]
+    listen: String,
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Cli { listen } = clap::Parser::parse();
     init_logging();
     // The one line that enables rdma:// (provider from RDMA_PROVIDER, else
     // ibverbs when built in and a device exists, else soft).
@@ -150,7 +166,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listening = Server::builder()
         .layer(ChaosLayer(stats.clone()))
         .add_service(KeyValueServer::new(KvStore::default()))
-        .listen(endpoint_arg("rdma://127.0.0.1:0").as_str())
+        .listen(listen.as_str())
         .await?;
     let endpoint = listening.local_endpoint();
     tokio::spawn(listening.serve());

@@ -1,0 +1,101 @@
+//! Every example answers `--help` and `-h` with its usage and exit status
+//! 0, and rejects an unknown flag or a bad value with clap's message and a
+//! non-zero status.
+//!
+//! Cargo gives integration tests the paths of binaries, not of examples, so
+//! this looks for the examples where `cargo test` builds them: in
+//! `examples/` beside the `deps/` folder this test runs from. A plain
+//! `cargo test` (or `cargo test -p rdma-rpc-examples`) builds them first;
+//! `cargo test --test help` alone does not, and this test then says so.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const EXAMPLES: [&str; 5] = [
+    "echo",
+    "echo_client",
+    "echo_server",
+    "metrics",
+    "tower_stack",
+];
+
+/// The built example `name`.
+fn example(name: &str) -> PathBuf {
+    let test = std::env::current_exe().expect("own path");
+    let profile = test
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps/<test>");
+    let path = profile
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        path.is_file(),
+        "{} is not built: run `cargo test -p rdma-rpc-examples` (which builds the examples), \
+         not only `--test help`",
+        path.display()
+    );
+    path
+}
+
+fn run(name: &str, args: &[&str]) -> Output {
+    Command::new(example(name))
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap_or_else(|error| panic!("start {name}: {error}"))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn help_prints_usage_and_exits_zero() {
+    for name in EXAMPLES {
+        for flag in ["--help", "-h"] {
+            let output = run(name, &[flag]);
+            let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+            assert!(
+                output.status.success(),
+                "{name} {flag}: {}\nstdout: {stdout}\nstderr: {stderr}",
+                output.status
+            );
+            assert!(
+                stdout.contains("Usage:") && stdout.contains("[ENDPOINT]"),
+                "{name} {flag} printed no usage: {stdout}"
+            );
+            assert!(!stderr.contains("panicked"), "{name} {flag}: {stderr}");
+        }
+    }
+}
+
+#[test]
+fn unknown_flag_is_an_error_not_a_panic() {
+    for name in EXAMPLES {
+        let output = run(name, &["--bogus"]);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{name} --bogus: {stderr}");
+        assert!(
+            stderr.contains("unexpected argument '--bogus'"),
+            "{name} --bogus: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{name} --bogus: {stderr}");
+    }
+}
+
+#[test]
+fn bad_values_and_extra_arguments_are_errors() {
+    for (name, args) in [
+        ("echo_client", &["tcp://127.0.0.1:1", "many"][..]),
+        ("echo", &["mem://echo", "extra"]),
+        ("echo_server", &["tcp://127.0.0.1:0", "extra"]),
+        ("tower_stack", &["mem://kv", "extra"]),
+        ("metrics", &["mem://metrics", "not-an-address"]),
+    ] {
+        let output = run(name, args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{name} {args:?}: {stderr}");
+        assert!(stderr.starts_with("error: "), "{name} {args:?}: {stderr}");
+    }
+}
