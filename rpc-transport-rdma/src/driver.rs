@@ -600,11 +600,7 @@ impl Driver {
     async fn drain(&mut self) {
         let _ = self.qp.to_error();
         let deadline = Instant::now() + DRAIN_WAIT;
-        loop {
-            let count = match self.cq.poll(&mut self.completions) {
-                Ok(count) => count,
-                Err(_) => break,
-            };
+        while let Ok(count) = self.cq.poll(&mut self.completions) {
             for index in 0..count {
                 let completion = self.completions[index];
                 let _ = self.return_slot(&completion);
