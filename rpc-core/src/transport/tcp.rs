@@ -450,7 +450,23 @@ fn into_connection(
     stream.set_nodelay(true)?;
     let peer = stream.peer_addr()?.to_string();
     let (read, write) = stream.into_split();
-    Ok(Connection {
+    Ok(framed_connection(read, write, peer, max_frame_len, budget))
+}
+
+/// A [`Connection`] of length-prefixed frames over a byte stream's halves
+/// (tcp://, and tls:// inside TLS).
+pub(crate) fn framed_connection<R, W>(
+    read: R,
+    write: W,
+    peer: String,
+    max_frame_len: usize,
+    budget: Option<&ReceiveBudget>,
+) -> Connection
+where
+    R: AsyncRead + Send + Unpin + 'static,
+    W: AsyncWrite + Send + Unpin + 'static,
+{
+    Connection {
         sink: Box::pin(FrameWriter::new(write)),
         stream: Box::pin(FrameReader::new(
             read,
@@ -458,7 +474,7 @@ fn into_connection(
             budget.map(ReceiveBudget::connection),
         )),
         peer,
-    })
+    }
 }
 
 impl Transport for TcpTransport {

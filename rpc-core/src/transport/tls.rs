@@ -42,7 +42,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-use super::tcp::{FrameReader, FrameWriter};
+use super::tcp::framed_connection;
 use super::{
     Connection, Endpoint, Listener, ReceiveBudget, Transport, TransportConfig, TransportError,
 };
@@ -140,15 +140,7 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     let (read, write) = tokio::io::split(stream);
-    Connection {
-        sink: Box::pin(FrameWriter::new(write)),
-        stream: Box::pin(FrameReader::new(
-            read,
-            max_frame_len,
-            budget.map(ReceiveBudget::connection),
-        )),
-        peer,
-    }
+    framed_connection(read, write, peer, max_frame_len, budget)
 }
 
 impl Transport for TlsTransport {
