@@ -947,7 +947,12 @@ impl Driver {
         loop {
             // A slot first (a connection with no SEND in flight may take one
             // past the pool's cap: it has no completion of its own to wait
-            // for), then the message.
+            // for), then the message. None while every one of the
+            // connection's send slots is in flight: it holds at most
+            // `send_slots` of the shared pool, never one more.
+            if self.spare_send.is_none() && self.protocol.send_slots_exhausted() {
+                break;
+            }
             let slot = match self.spare_send.take() {
                 Some(slot) => slot,
                 None => match self

@@ -5,8 +5,10 @@
 //! calls: each call goes to the less loaded of two endpoints picked at
 //! random. An endpoint whose call fails `Unavailable` (its connection failed
 //! or its server is gone) is ejected — not picked — for a backoff that
-//! doubles with each consecutive failure (100 ms up to 10 s, ±50% jitter),
-//! then tried again by the next call that picks it; a success resets it.
+//! doubles with each consecutive failure (100 ms up to 10 s, ±50% jitter);
+//! then it is probed (its channel connects) before it takes calls again: a
+//! probe that fails ejects it for the next backoff, so no call is sent to an
+//! endpoint that is still down; a success resets it.
 //!
 //! The endpoints come from a list ([`BalancedChannel::from_endpoints`]) or
 //! from a name resolved again every interval
@@ -254,12 +256,25 @@ struct Health {
     ejected_until: Option<Instant>,
 }
 
-/// A member channel that is not ready while ejected.
-#[derive(Debug)]
+type Probe = Pin<Box<dyn Future<Output = Result<(), Status>> + Send>>;
+
+/// A member channel that is not ready while ejected, nor until a probe
+/// reached its server again.
 struct Ejecting {
     channel: Channel,
     health: Arc<Mutex<Health>>,
     wait: Option<Pin<Box<tokio::time::Sleep>>>,
+    probe: Option<Probe>,
+}
+
+impl std::fmt::Debug for Ejecting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ejecting")
+            .field("endpoint", self.channel.endpoint())
+            .field("health", &self.health)
+            .field("probing", &self.probe.is_some())
+            .finish()
+    }
 }
 
 impl Ejecting {
@@ -268,7 +283,24 @@ impl Ejecting {
             channel,
             health: Arc::default(),
             wait: None,
+            probe: None,
         }
+    }
+
+    fn health(&self) -> std::sync::MutexGuard<'_, Health> {
+        self.health
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+impl Health {
+    /// One more consecutive failure: ejected for the next backoff.
+    fn failed(&mut self) -> Duration {
+        self.failures += 1;
+        let ejected = ejection(self.failures);
+        self.ejected_until = Some(Instant::now() + ejected);
+        ejected
     }
 }
 
@@ -290,12 +322,9 @@ impl Service<Request<Payload>> for Ejecting {
     type Future = Call;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
-        let until = self
-            .health
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .ejected_until;
-        if let Some(until) = until {
+        loop {
+            let until = self.health().ejected_until;
+            let Some(until) = until else { break };
             if Instant::now() < until {
                 let wait = self
                     .wait
@@ -308,6 +337,28 @@ impl Service<Request<Payload>> for Ejecting {
                 }
             }
             self.wait = None;
+            // Ejection over: reach the server before taking calls again.
+            let channel = self.channel.clone();
+            let probe = self
+                .probe
+                .get_or_insert_with(|| Box::pin(async move { channel.ensure_connected().await }));
+            match probe.as_mut().poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(outcome) => {
+                    self.probe = None;
+                    let mut health = self.health();
+                    match outcome {
+                        Ok(()) => {
+                            health.failures = 0;
+                            health.ejected_until = None;
+                        }
+                        Err(status) => {
+                            let ejected = health.failed();
+                            tracing::debug!(endpoint = %self.channel.endpoint(), ?ejected, %status, "probe failed: still ejected");
+                        }
+                    }
+                }
+            }
         }
         self.channel.poll_ready(cx)
     }
@@ -321,9 +372,7 @@ impl Service<Request<Payload>> for Ejecting {
             let mut health = health.lock().unwrap_or_else(|poison| poison.into_inner());
             match &outcome {
                 Err(status) if status.code() == Code::Unavailable => {
-                    health.failures += 1;
-                    let ejected = ejection(health.failures);
-                    health.ejected_until = Some(Instant::now() + ejected);
+                    let ejected = health.failed();
                     tracing::debug!(%endpoint, failures = health.failures, ?ejected, %status, "endpoint ejected");
                 }
                 _ => {

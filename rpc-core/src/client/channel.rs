@@ -361,6 +361,12 @@ impl Channel {
         &self.inner.config.endpoint
     }
 
+    /// Connects now if not connected (a probe of whether the server is
+    /// reachable again): `Unavailable` when it is not.
+    pub(crate) async fn ensure_connected(&self) -> Result<(), Status> {
+        self.inner.connection().await.map(drop)
+    }
+
     /// Performs one call with an encoded message: [`Bytes`], a [`Payload`]
     /// of several parts, or anything else that converts to one.
     pub async fn unary<P: Into<Payload>>(

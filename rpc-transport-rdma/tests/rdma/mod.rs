@@ -407,7 +407,10 @@ async fn balanced_calls_survive_a_killed_server() {
     for status in &failed {
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     }
-    // Afterwards: every call succeeds on the two left.
+    // Afterwards: every call succeeds on the two left — also once the dead
+    // server's first ejections ran out (100 ms ± 50%, then doubled): it is
+    // probed, not sent calls, until it answers again.
+    tokio::time::sleep(Duration::from_millis(400)).await;
     for i in 0..200 {
         let text = format!("after {i}");
         let back = balanced

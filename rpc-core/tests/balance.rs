@@ -1,0 +1,49 @@
+//! `BalancedChannel` over a live server and a dead endpoint: once the dead
+//! one has failed a call it is ejected, and when its ejection runs out it is
+//! probed (its channel tries to connect), not sent calls: no later call
+//! fails, however long after.
+
+mod suite;
+
+use std::time::Duration;
+
+use rpc_core::Code;
+use rpc_core::client::BalancedChannel;
+use rpc_core::transport::Endpoint;
+
+use crate::suite::{TcpBed, probe, start};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_endpoint_is_probed_not_sent_calls_after_its_ejection() {
+    let server = start(&TcpBed).await;
+    // A port where nothing listens: bound, then released.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead: Endpoint = format!("tcp://{}", listener.local_addr().unwrap())
+        .parse()
+        .unwrap();
+    drop(listener);
+    let balanced = BalancedChannel::from_endpoints([server.endpoint.clone(), dead]);
+    // Calls until the dead endpoint is picked once: that call fails
+    // Unavailable and ejects it.
+    let mut failed = None;
+    for i in 0..200 {
+        if let Err(status) = balanced.unary(probe("Echo", format!("{i}"))).await {
+            failed = Some(status);
+            break;
+        }
+    }
+    let failed = failed.expect("the dead endpoint was never picked in 200 calls");
+    assert_eq!(failed.code(), Code::Unavailable, "{failed:?}");
+    // Each round waits past the previous ejection (the first is at most
+    // 150 ms, then they double): every call meanwhile and after goes to the
+    // live server.
+    for round in 0..3u64 {
+        tokio::time::sleep(Duration::from_millis(200 << round)).await;
+        for i in 0..50 {
+            balanced
+                .unary(probe("Echo", format!("{round}/{i}")))
+                .await
+                .unwrap_or_else(|status| panic!("round {round}, call {i}: {status:?}"));
+        }
+    }
+}
