@@ -3,86 +3,17 @@
 //! TLS with and without a client certificate. Each case registers its own
 //! scheme, so their settings never mix.
 
+mod certs;
 mod suite;
 
 use std::sync::Arc;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
 use rpc_core::Channel;
 use rpc_core::transport::tls::TlsTransport;
-use rpc_core::transport::tls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rpc_core::transport::tls::rustls::server::WebPkiClientVerifier;
-use rpc_core::transport::tls::rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rpc_core::transport::tls::rustls::{ClientConfig, ServerConfig};
 
+use crate::certs::{Ca, client_config, server_config};
 use crate::suite::{Bed, assert_echoes, start};
-
-/// A certificate authority and what it signs.
-struct Ca {
-    cert: rcgen::Certificate,
-    key: KeyPair,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        Ca {
-            cert: params.self_signed(&key).unwrap(),
-            key,
-        }
-    }
-
-    /// A leaf certificate for localhost and 127.0.0.1, valid now unless `expired`.
-    fn leaf(&self, expired: bool) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-        params
-            .subject_alt_names
-            .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
-        if expired {
-            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
-            params.not_after = rcgen::date_time_ymd(2021, 1, 1);
-        }
-        let cert = params.signed_by(&key, &self.cert, &self.key).unwrap();
-        (
-            vec![cert.der().clone()],
-            PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-        )
-    }
-
-    fn roots(&self) -> RootCertStore {
-        let mut roots = RootCertStore::empty();
-        roots.add(self.cert.der().clone()).unwrap();
-        roots
-    }
-}
-
-fn server_config(ca: &Ca, expired: bool, client_ca: Option<&Ca>) -> ServerConfig {
-    let (chain, key) = ca.leaf(expired);
-    let builder = ServerConfig::builder();
-    let builder = match client_ca {
-        Some(client_ca) => builder.with_client_cert_verifier(
-            WebPkiClientVerifier::builder(Arc::new(client_ca.roots()))
-                .build()
-                .unwrap(),
-        ),
-        None => builder.with_no_client_auth(),
-    };
-    builder.with_single_cert(chain, key).unwrap()
-}
-
-fn client_config(trusts: &Ca, identity: Option<&Ca>) -> ClientConfig {
-    let builder = ClientConfig::builder().with_root_certificates(trusts.roots());
-    match identity {
-        Some(ca) => {
-            let (chain, key) = ca.leaf(false);
-            builder.with_client_auth_cert(chain, key).unwrap()
-        }
-        None => builder.with_no_client_auth(),
-    }
-}
 
 /// A TLS server under `scheme` on 127.0.0.1.
 struct TlsBed(&'static str);

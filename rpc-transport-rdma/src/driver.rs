@@ -44,13 +44,13 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use rpc_core::frame::EncodedFrame;
 use rpc_core::transport::{ConnectionBudget, Reservation, TransportError};
-use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc};
 
 use crate::config::{Fault, PollMode, RdmaConfig};
 use crate::device::{Device, SharedPools};
 use crate::pool::{LargePool, PooledBuffer};
 use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, Route};
+use crate::setup_socket::{SetupSocket, SocketRead};
 use crate::spin::SpinPolicy;
 use crate::verbs::{
     AccessFlags, AsyncCompletionChannel, CmConnection, CompletionQueue, ExposedBuffer,
@@ -71,6 +71,8 @@ pub(crate) const CREDIT_RETURN_IDLE: Duration = Duration::from_millis(100);
 const DRAIN_WAIT: Duration = Duration::from_millis(100);
 /// Longest close reason accepted from the peer.
 const MAX_REASON_LEN: usize = 4096;
+/// Bytes of the set-up socket kept: a close reason with its length prefix.
+const REASON_BUFFER: usize = MAX_REASON_LEN + 4;
 /// How long a driver whose application closed the connection waits for the
 /// peer to take its last frames (and pull its windows) before it ends the
 /// connection anyway: a peer whose queue pair never connected, or that
@@ -189,9 +191,11 @@ pub(crate) struct Driver {
     inbound: Option<mpsc::UnboundedSender<Result<Bytes, TransportError>>>,
     inbound_shared: Arc<InboundShared>,
     inbound_limit: usize,
-    socket: TcpStream,
+    socket: SetupSocket,
     peer_reason: Vec<u8>,
     socket_eof: bool,
+    /// How the set-up socket ended, seen while waiting, not yet handled.
+    socket_closed: Option<SocketRead>,
     /// The peer closed cleanly and then dropped the set-up socket.
     peer_left: bool,
     /// The set-up socket closed with no reason and no clean close before:
@@ -238,7 +242,7 @@ impl Driver {
         device: Arc<Device>,
         protocol: Protocol,
         config: &RdmaConfig,
-        socket: TcpStream,
+        socket: SetupSocket,
         outgoing: mpsc::Receiver<EncodedFrame>,
         inbound: mpsc::UnboundedSender<Result<Bytes, TransportError>>,
         inbound_shared: Arc<InboundShared>,
@@ -279,6 +283,7 @@ impl Driver {
             socket,
             peer_reason: Vec::new(),
             socket_eof: false,
+            socket_closed: None,
             peer_left: false,
             peer_vanished: false,
             gone_since: None,
@@ -478,8 +483,18 @@ impl Driver {
                     ready = true;
                 }
             }
-            if !self.socket_eof && self.socket.poll_read_ready(cx).is_ready() {
-                ready = true;
+            if !self.socket_eof && self.socket_closed.is_none() {
+                match self
+                    .socket
+                    .poll_read_into(cx, &mut self.peer_reason, REASON_BUFFER)
+                {
+                    Poll::Ready(SocketRead::Data) => ready = true,
+                    Poll::Ready(closed) => {
+                        self.socket_closed = Some(closed);
+                        ready = true;
+                    }
+                    Poll::Pending => {}
+                }
             }
             if drained.as_mut().poll(cx).is_ready() {
                 ready = true;
@@ -1066,24 +1081,25 @@ impl Driver {
 
     /// Reads a close reason or EOF from the set-up socket.
     fn read_socket(&mut self) -> Result<bool, String> {
-        let mut buffer = [0u8; 1024];
         let mut progressed = false;
         loop {
-            match self.socket.try_read(&mut buffer) {
-                Ok(0) => {
+            let read = match self.socket_closed.take() {
+                Some(closed) => closed,
+                None => match self
+                    .socket
+                    .try_read_into(&mut self.peer_reason, REASON_BUFFER)
+                {
+                    Some(read) => read,
+                    None => return Ok(progressed),
+                },
+            };
+            match read {
+                SocketRead::Data => progressed = true,
+                SocketRead::Eof => {
                     self.socket_eof = true;
                     return self.on_socket_eof().map(|()| true);
                 }
-                Ok(n) => {
-                    progressed = true;
-                    if self.peer_reason.len() + n <= MAX_REASON_LEN + 4 {
-                        self.peer_reason.extend_from_slice(&buffer[..n]);
-                    }
-                }
-                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                    return Ok(progressed);
-                }
-                Err(error) => {
+                SocketRead::Failed(error) => {
                     self.socket_eof = true;
                     return Err(format!("peer connection lost: {error}"));
                 }
@@ -1112,22 +1128,16 @@ impl Driver {
     /// The peer's close reason, if it arrives on the set-up socket soon.
     async fn await_peer_reason(&mut self) -> Option<String> {
         let deadline = tokio::time::Instant::now() + PEER_REASON_WAIT;
-        let mut buffer = [0u8; 1024];
+        if let Some(SocketRead::Eof | SocketRead::Failed(_)) = self.socket_closed.take() {
+            self.socket_eof = true;
+        }
         while !self.socket_eof && decode_reason(&self.peer_reason).is_none() {
-            if tokio::time::timeout_at(deadline, self.socket.readable())
-                .await
-                .is_err()
-            {
-                break;
-            }
-            match self.socket.try_read(&mut buffer) {
-                Ok(0) => self.socket_eof = true,
-                Ok(n) if self.peer_reason.len() + n <= MAX_REASON_LEN + 4 => {
-                    self.peer_reason.extend_from_slice(&buffer[..n]);
-                }
-                Ok(_) => break,
-                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(_) => break,
+            let read = self.socket.read_into(&mut self.peer_reason, REASON_BUFFER);
+            match tokio::time::timeout_at(deadline, read).await {
+                Err(_) | Ok(SocketRead::Failed(_)) => break,
+                Ok(SocketRead::Eof) => self.socket_eof = true,
+                Ok(SocketRead::Data) if self.peer_reason.len() >= REASON_BUFFER => break,
+                Ok(SocketRead::Data) => {}
             }
         }
         decode_reason(&self.peer_reason)
@@ -1138,7 +1148,7 @@ impl Driver {
         let text = &reason.as_bytes()[..reason.len().min(MAX_REASON_LEN)];
         let mut message = (text.len() as u32).to_le_bytes().to_vec();
         message.extend_from_slice(text);
-        let _ = self.socket.try_write(&message);
+        self.socket.write_now(&message);
     }
 }
 

@@ -19,6 +19,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! With feature `tls`, `RdmaTransport::with_tls` runs the set-up exchange
+//! inside TLS (`rdma+tls://`): certificates checked before any queue pair
+//! connects.
+//!
 //! The provider is `RDMA_PROVIDER` (`soft` | `ibverbs`), else ibverbs when it
 //! is compiled in and has a device, else soft; see [`RdmaConfig`] for the rest.
 //!
@@ -35,6 +39,7 @@ pub mod config;
 pub mod device;
 mod driver;
 pub mod setup;
+mod setup_socket;
 mod spin;
 pub mod transport;
 pub mod verbs;

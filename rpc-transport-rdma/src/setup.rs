@@ -201,7 +201,37 @@ pub fn fuzz_decode_hello(body: &[u8]) -> Result<Hello, SetupError> {
 }
 
 async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, SetupError> {
-    let len = stream.read_u32_le().await? as usize;
+    let mut prefix = [0u8; 4];
+    if let Err(error) = stream.read_exact(&mut prefix).await {
+        if error.kind() == std::io::ErrorKind::UnexpectedEof {
+            return Err(SetupError::Protocol(
+                "the peer closed the set-up connection before its hello: it refused this one \
+                 (see its log), or it expects TLS here (an rdma+tls:// endpoint)"
+                    .into(),
+            ));
+        }
+        return Err(error.into());
+    }
+    let len = u32::from_le_bytes(prefix) as usize;
+    if len > MAX_HELLO_LEN {
+        match tls_record(&prefix) {
+            Some(TLS_HANDSHAKE) => {
+                return Err(SetupError::Protocol(
+                    "the peer opened a TLS handshake: it is an rdma+tls:// client, and this \
+                     endpoint is plain rdma:// (register the transport with TLS, under its own scheme)"
+                        .into(),
+                ));
+            }
+            Some(_) => {
+                return Err(SetupError::Protocol(
+                    "the peer answered with a TLS alert: it expects TLS here (an rdma+tls:// \
+                     endpoint), and this side is plain rdma://"
+                        .into(),
+                ));
+            }
+            None => {}
+        }
+    }
     if len > MAX_HELLO_LEN {
         return Err(SetupError::Protocol(format!(
             "hello of {len} bytes exceeds {MAX_HELLO_LEN}"
@@ -211,6 +241,27 @@ async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, Setup
     stream.read_exact(&mut body).await?;
     Hello::decode(&body)
 }
+
+/// A TLS record of type handshake (a ClientHello).
+const TLS_HANDSHAKE: u8 = 0x16;
+/// A TLS record of type alert (what a TLS server answers a plain hello).
+const TLS_ALERT: u8 = 0x15;
+
+/// The record type, when the first bytes are a TLS handshake or alert
+/// record header: the type, then version 3.1 to 3.4. Read as a hello's
+/// length prefix, such a header announces more than [`MAX_HELLO_LEN`], so
+/// only a refused hello is ever taken for one.
+fn tls_record(prefix: &[u8; 4]) -> Option<u8> {
+    (matches!(prefix[0], TLS_HANDSHAKE | TLS_ALERT)
+        && prefix[1] == 0x03
+        && (0x01..=0x04).contains(&prefix[2]))
+    .then_some(prefix[0])
+}
+
+const _: () = assert!(
+    0x0001_0315 > MAX_HELLO_LEN,
+    "a TLS record header is never a valid hello length"
+);
 
 /// Exchanges hellos on `stream`, connects `qp` (RESET or INIT → RTS) to the
 /// peer's QP, and waits until the peer has done the same. Returns the peer's hello.
@@ -422,6 +473,33 @@ mod tests {
             Err(SetupError::Protocol(message)) => message,
             other => panic!("expected a protocol error, got {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_tls_client_or_a_silent_close_is_named_when_a_hello_is_expected() {
+        // The start of a TLS 1.2/1.3 ClientHello record.
+        let mut tls: &[u8] = &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc];
+        let error = read_hello(&mut tls).await.unwrap_err().to_string();
+        assert!(error.contains("rdma+tls:// client"), "{error}");
+        // The alert a TLS server sends when a plain hello reached it.
+        let mut alert: &[u8] = &[0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x32];
+        let error = read_hello(&mut alert).await.unwrap_err().to_string();
+        assert!(error.contains("expects TLS"), "{error}");
+        let mut closed: &[u8] = &[];
+        let error = read_hello(&mut closed).await.unwrap_err().to_string();
+        assert!(error.contains("before its hello"), "{error}");
+        assert!(error.contains("expects TLS"), "{error}");
+        // A hello whose length happens to start like a record is still a hello.
+        let mut good = hello().encode();
+        let len = u32::from_le_bytes(good[..4].try_into().unwrap());
+        assert!(len < 0x0316, "the test hello is short");
+        good.truncate(4);
+        good[..4].copy_from_slice(&0x0316u32.to_le_bytes());
+        let error = read_hello(&mut good.as_slice())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(!error.contains("TLS"), "{error}");
     }
 
     #[test]

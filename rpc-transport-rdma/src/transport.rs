@@ -30,10 +30,13 @@ use crate::device::{self, Device};
 use crate::driver::{Commitment, Driver, Endpoint as QpEndpoint, InboundShared};
 use crate::protocol::{GEOMETRY_LEN, Geometry, MAX_FRAME_LEN, PROTOCOL_VERSION, Protocol};
 use crate::setup::{self, Hello, SetupError};
+use crate::setup_socket::SetupSocket;
 use crate::verbs::{
     AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions, MAX_BINDS_IN_FLIGHT, QpCaps,
     QpInit, QueuePair, VerbsError,
 };
+#[cfg(feature = "tls")]
+use rpc_core::transport::tls::TlsTransport;
 
 /// How long the set-up exchange may take before the attempt is abandoned.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -49,6 +52,9 @@ pub const MAX_PENDING_SETUPS: usize = 128;
 #[derive(Debug, Clone)]
 pub struct RdmaTransport {
     config: Arc<RdmaConfig>,
+    /// TLS around the set-up exchange (`rdma+tls://`).
+    #[cfg(feature = "tls")]
+    tls: Option<TlsTransport>,
 }
 
 impl RdmaTransport {
@@ -60,7 +66,62 @@ impl RdmaTransport {
         rpc_core::codec::recycle::prepare_new_buffers_with(crate::verbs::advise_huge_pages);
         Ok(RdmaTransport {
             config: Arc::new(config),
+            #[cfg(feature = "tls")]
+            tls: None,
         })
+    }
+
+    /// Runs every set-up exchange of this transport inside TLS (feature
+    /// `tls`): the server proves its certificate before any hello is sent,
+    /// the client too when `tls` verifies clients (mutual TLS), and nothing a
+    /// network attacker rewrites in the hellos (queue pair addresses, pool
+    /// geometry, the rdma_cm port and token, the soft provider's QP secret)
+    /// is accepted. RDMA traffic itself is not encrypted (see
+    /// `docs/security.md`). Register it under its own scheme,
+    /// conventionally `rdma+tls`, so plain and TLS endpoints never mix:
+    ///
+    /// ```no_run
+    /// # fn demo(tls: rpc_core::transport::tls::TlsTransport) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use rpc_transport_rdma::{RdmaConfig, RdmaTransport};
+    /// let transport = RdmaTransport::new(RdmaConfig::from_env()?)?.with_tls(tls);
+    /// rpc_core::transport::register("rdma+tls", Arc::new(transport));
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "tls")]
+    pub fn with_tls(mut self, tls: TlsTransport) -> RdmaTransport {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// The client side of the set-up connection: TLS when configured.
+    async fn open_setup(
+        &self,
+        socket: TcpStream,
+        endpoint: &Endpoint,
+    ) -> Result<SetupSocket, TransportError> {
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &self.tls {
+            let stream = tls.client_handshake(socket, endpoint).await?;
+            return Ok(SetupSocket::Tls(Box::new(stream.into())));
+        }
+        let _ = endpoint;
+        Ok(SetupSocket::Plain(socket))
+    }
+
+    /// The server side of an accepted set-up connection: TLS when configured.
+    async fn accept_setup(
+        &self,
+        socket: TcpStream,
+        scheme: &str,
+    ) -> Result<SetupSocket, TransportError> {
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &self.tls {
+            let stream = tls.server_handshake(socket, scheme).await?;
+            return Ok(SetupSocket::Tls(Box::new(stream.into())));
+        }
+        let _ = scheme;
+        Ok(SetupSocket::Plain(socket))
     }
 }
 
@@ -74,7 +135,9 @@ impl Transport for RdmaTransport {
         endpoint: &Endpoint,
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Connection, TransportError>> {
+        let transport = self.clone();
         let rdma = self.config.clone();
+        let endpoint = endpoint.clone();
         let authority = endpoint.authority().to_owned();
         let max_frame_len = config.max_frame_len;
         Box::pin(async move {
@@ -82,12 +145,17 @@ impl Transport for RdmaTransport {
             let attempt = async {
                 let socket = TcpStream::connect(&authority).await?;
                 socket.set_nodelay(true)?;
+                let peer_ip = socket.peer_addr()?.ip();
+                let socket = transport.open_setup(socket, &endpoint).await?;
                 establish(
                     socket,
+                    peer_ip,
                     &device,
                     &rdma,
                     max_frame_len,
-                    authority.clone(),
+                    // Labelled with the scheme it was dialled under
+                    // (`rdma+tls://…` says the set-up went through TLS).
+                    format!("{}://{authority}", endpoint.scheme()),
                     Role::Connect,
                 )
                 .await
@@ -108,6 +176,7 @@ impl Transport for RdmaTransport {
         endpoint: &Endpoint,
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>> {
+        let transport = self.clone();
         let rdma = self.config.clone();
         let authority = endpoint.authority().to_owned();
         // The scheme it was registered under (`rdma`, or a test's own).
@@ -115,6 +184,12 @@ impl Transport for RdmaTransport {
         let max_frame_len = config.max_frame_len;
         let receive_budget = config.receive_budget.clone();
         Box::pin(async move {
+            #[cfg(feature = "tls")]
+            if transport.tls.as_ref().is_some_and(|tls| !tls.has_server()) {
+                return Err(TransportError::Other(
+                    format!("{scheme}:// cannot listen: its TlsTransport has no server configuration (TlsTransport::with_server)").into(),
+                ));
+            }
             // Open the device now: a missing device fails the bind, not each accept.
             let device = device::open(&rdma).map_err(other)?;
             let listener = TcpListener::bind(&authority).await?;
@@ -163,6 +238,8 @@ impl Transport for RdmaTransport {
             };
             let (accepted, incoming) = mpsc::channel(16);
             let accept_loop = tokio::spawn(accept_loop(
+                transport,
+                scheme,
                 listener,
                 cm,
                 device,
@@ -180,7 +257,10 @@ impl Transport for RdmaTransport {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn accept_loop(
+    transport: RdmaTransport,
+    scheme: String,
     listener: TcpListener,
     cm: Option<Arc<dyn CmListener>>,
     device: Arc<Device>,
@@ -225,6 +305,8 @@ async fn accept_loop(
         let config = config.clone();
         let accepted = accepted.clone();
         let cm = cm.clone();
+        let transport = transport.clone();
+        let scheme = scheme.clone();
         let budget = receive_budget
             .as_ref()
             .map(rpc_core::transport::ReceiveBudget::connection);
@@ -236,14 +318,19 @@ async fn accept_loop(
                 token: new_token(),
                 budget,
             };
-            let attempt = establish(
-                socket,
-                &device,
-                &config,
-                max_frame_len,
-                peer.to_string(),
-                role,
-            );
+            let attempt = async {
+                let socket = transport.accept_setup(socket, &scheme).await?;
+                establish(
+                    socket,
+                    peer.ip(),
+                    &device,
+                    &config,
+                    max_frame_len,
+                    format!("{scheme}://{peer}"),
+                    role,
+                )
+                .await
+            };
             let result = match tokio::time::timeout(SETUP_TIMEOUT, attempt).await {
                 Ok(result) => result,
                 Err(_) => Err(TransportError::Io(std::io::Error::new(
@@ -566,8 +653,10 @@ fn prepare(
 }
 
 /// Runs the set-up exchange on `socket` and starts the connection's driver.
+#[allow(clippy::too_many_arguments)]
 async fn establish(
-    mut socket: TcpStream,
+    mut socket: SetupSocket,
+    peer_ip: std::net::IpAddr,
     device: &Arc<Device>,
     config: &RdmaConfig,
     max_frame_len: usize,
@@ -604,7 +693,6 @@ async fn establish(
         cm_port,
         cm_token,
     };
-    let peer_ip = socket.peer_addr()?.ip();
     let mut peer_geometry = None;
     let cm = setup::establish_with(
         &mut socket,
@@ -648,7 +736,7 @@ async fn establish(
             shared,
             limit: config.inbound_backlog,
         }),
-        peer: format!("rdma://{peer}"),
+        peer,
     })
 }
 

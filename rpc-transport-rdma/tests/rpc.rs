@@ -10,6 +10,9 @@
 #[path = "../../rpc-core/tests/suite/mod.rs"]
 mod suite;
 
+#[path = "../../rpc-core/tests/certs/mod.rs"]
+mod certs;
+
 mod common;
 mod rdma;
 

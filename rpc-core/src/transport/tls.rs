@@ -40,6 +40,7 @@ pub use rustls;
 use rustls::pki_types::ServerName;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
+pub use tokio_rustls;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::tcp::framed_connection;
@@ -106,28 +107,105 @@ impl TlsTransport {
     }
 }
 
-fn not_configured(role: &str, with: &str) -> TransportError {
+fn not_configured(scheme: &str, role: &str, with: &str) -> TransportError {
     TransportError::Other(
         format!(
-            "tls:// cannot {role}: its TlsTransport has no {with} configuration (TlsTransport::with_{with})"
+            "{scheme}:// cannot {role}: its TlsTransport has no {with} configuration (TlsTransport::with_{with})"
         )
         .into(),
     )
 }
 
-/// The host of `host:port` (brackets of an IPv6 address removed).
-fn host_of(authority: &str) -> &str {
-    let host = authority
-        .rsplit_once(':')
-        .map_or(authority, |(host, _)| host);
-    host.trim_start_matches('[').trim_end_matches(']')
-}
-
 fn handshake_failed(what: &str, error: io::Error) -> TransportError {
+    // A peer that answers with something other than TLS (a plaintext
+    // server's first bytes) reads as a corrupt record.
+    let hint = if error.kind() == io::ErrorKind::InvalidData
+        && error.to_string().contains("corrupt message")
+    {
+        " (the peer did not answer in TLS: is it a plaintext tcp:// or rdma:// server?)"
+    } else {
+        ""
+    };
     TransportError::Io(io::Error::new(
         error.kind(),
-        format!("TLS handshake {what} failed: {error}"),
+        format!("TLS handshake {what} failed: {error}{hint}"),
     ))
+}
+
+impl TlsTransport {
+    /// Runs the client side of a handshake on `tcp`, connected to `endpoint`,
+    /// checking the server's certificate against the endpoint's host; bounded
+    /// by the handshake time-out. Other transports that run their set-up over
+    /// TCP (`rdma+tls://`) protect it with this.
+    pub async fn client_handshake(
+        &self,
+        tcp: TcpStream,
+        endpoint: &Endpoint,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, TransportError> {
+        let scheme = endpoint.scheme();
+        let client = self
+            .client
+            .clone()
+            .ok_or_else(|| not_configured(scheme, "connect", "client"))?;
+        let name = ServerName::try_from(endpoint.host().to_owned()).map_err(|_| {
+            TransportError::InvalidEndpoint {
+                endpoint: endpoint.to_string(),
+                reason: "the host is neither a DNS name nor an IP address a certificate can name",
+            }
+        })?;
+        let timeout = self.handshake_timeout;
+        let handshake = TlsConnector::from(client).connect(name, tcp);
+        match tokio::time::timeout(timeout, handshake).await {
+            Ok(Ok(stream)) => Ok(stream),
+            Ok(Err(error)) => Err(handshake_failed(&format!("with {endpoint}"), error)),
+            Err(_) => Err(handshake_failed(
+                &format!("with {endpoint}"),
+                io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no answer within {timeout:?}"),
+                ),
+            )),
+        }
+    }
+
+    /// Runs the server side of a handshake on an accepted `tcp` (from
+    /// `peer`), bounded by the handshake time-out. `scheme` names the
+    /// transport in the error when no server configuration is set.
+    pub async fn server_handshake(
+        &self,
+        tcp: TcpStream,
+        scheme: &str,
+    ) -> Result<tokio_rustls::server::TlsStream<TcpStream>, TransportError> {
+        let server = self
+            .server
+            .clone()
+            .ok_or_else(|| not_configured(scheme, "listen", "server"))?;
+        let peer = tcp
+            .peer_addr()
+            .map_or_else(|_| "a peer".to_owned(), |peer| peer.to_string());
+        let timeout = self.handshake_timeout;
+        match tokio::time::timeout(timeout, TlsAcceptor::from(server).accept(tcp)).await {
+            Ok(Ok(stream)) => Ok(stream),
+            Ok(Err(error)) => Err(handshake_failed(&format!("from {peer}"), error)),
+            Err(_) => Err(handshake_failed(
+                &format!("from {peer}"),
+                io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no ClientHello within {timeout:?}"),
+                ),
+            )),
+        }
+    }
+
+    /// Whether it can listen (has a server configuration).
+    pub fn has_server(&self) -> bool {
+        self.server.is_some()
+    }
+
+    /// Whether it can connect (has a client configuration).
+    pub fn has_client(&self) -> bool {
+        self.client.is_some()
+    }
 }
 
 fn into_connection<S>(
@@ -149,32 +227,17 @@ impl Transport for TlsTransport {
         endpoint: &Endpoint,
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Connection, TransportError>> {
-        let authority = endpoint.authority().to_owned();
+        let endpoint = endpoint.clone();
         let max_frame_len = config.max_frame_len;
-        let client = self.client.clone();
-        let timeout = self.handshake_timeout;
+        let tls = self.clone();
         async move {
-            let client = client.ok_or_else(|| not_configured("connect", "client"))?;
-            let name = ServerName::try_from(host_of(&authority).to_owned()).map_err(|_| {
-                TransportError::InvalidEndpoint {
-                    endpoint: format!("tls://{authority}"),
-                    reason: "the host is neither a DNS name nor an IP address a certificate can name",
-                }
-            })?;
-            let tcp = TcpStream::connect(&authority).await?;
+            if !tls.has_client() {
+                return Err(not_configured(endpoint.scheme(), "connect", "client"));
+            }
+            let tcp = TcpStream::connect(endpoint.authority()).await?;
             tcp.set_nodelay(true)?;
             let peer = tcp.peer_addr()?.to_string();
-            let handshake = TlsConnector::from(client).connect(name, tcp);
-            let stream = match tokio::time::timeout(timeout, handshake).await {
-                Ok(Ok(stream)) => stream,
-                Ok(Err(error)) => return Err(handshake_failed(&format!("with {authority}"), error)),
-                Err(_) => {
-                    return Err(handshake_failed(
-                        &format!("with {authority}"),
-                        io::Error::new(io::ErrorKind::TimedOut, format!("no answer within {timeout:?}")),
-                    ));
-                }
-            };
+            let stream = tls.client_handshake(tcp, &endpoint).await?;
             Ok(into_connection(stream, peer, max_frame_len, None))
         }
         .boxed()
@@ -189,17 +252,18 @@ impl Transport for TlsTransport {
         let max_frame_len = config.max_frame_len;
         let budget = config.receive_budget.clone();
         let scheme = endpoint.scheme().to_owned();
-        let server = self.server.clone();
-        let timeout = self.handshake_timeout;
+        let tls = self.clone();
         async move {
-            let server = server.ok_or_else(|| not_configured("listen", "server"))?;
+            if !tls.has_server() {
+                return Err(not_configured(&scheme, "listen", "server"));
+            }
             let listener = TcpListener::bind(&authority).await?;
             let local = Endpoint::new(&scheme, &listener.local_addr()?.to_string())?;
             let (accepted, incoming) = mpsc::channel(64);
             tokio::spawn(accept_loop(
                 listener,
-                TlsAcceptor::from(server),
-                timeout,
+                tls,
+                local.scheme().to_owned(),
                 max_frame_len,
                 budget,
                 accepted,
@@ -214,8 +278,8 @@ impl Transport for TlsTransport {
 /// ends when the listener is dropped.
 async fn accept_loop(
     listener: TcpListener,
-    acceptor: TlsAcceptor,
-    timeout: Duration,
+    tls: TlsTransport,
+    scheme: String,
     max_frame_len: usize,
     budget: Option<ReceiveBudget>,
     accepted: mpsc::Sender<Result<Connection, TransportError>>,
@@ -240,21 +304,19 @@ async fn accept_loop(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let acceptor = acceptor.clone();
+        let tls = tls.clone();
+        let scheme = scheme.clone();
         let budget = budget.clone();
         let accepted = accepted.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => {
+            match tls.server_handshake(tcp, &scheme).await {
+                Ok(stream) => {
                     let connection =
                         into_connection(stream, peer.to_string(), max_frame_len, budget.as_ref());
                     let _ = accepted.send(Ok(connection)).await;
                 }
-                Ok(Err(error)) => {
-                    tracing::debug!(%peer, %error, "TLS handshake failed");
-                }
-                Err(_) => tracing::debug!(%peer, ?timeout, "TLS handshake timed out"),
+                Err(error) => tracing::debug!(%peer, %error, "TLS handshake failed"),
             }
         });
     }

@@ -1,6 +1,8 @@
 //! Cases only RDMA has: rendezvous payloads up to 256 MiB, forged
 //! rendezvous descriptors, a killed peer process.
 
+mod tls;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
