@@ -587,9 +587,18 @@ impl Driver {
         Ok(progressed)
     }
 
-    /// Commits more shared receive slots while the peer keeps running out of
-    /// credits (as many as the pool spares), and releases those it gave back.
+    /// Releases the shared receive slots the peer gave back, then commits
+    /// more while the peer keeps running out of credits (as many as the
+    /// pool spares). In that order: a RETURN and a new shortage can arrive
+    /// in one batch, and committing first would find the pool short by the
+    /// slots about to be released and register a chunk the connection never
+    /// needs at once.
     fn adjust_window(&mut self) {
+        let returned = self.protocol.take_returned() as usize;
+        if returned > 0 {
+            self.commitment.slots -= returned;
+            self.pools.receive.release(returned);
+        }
         let wanted = self.protocol.credits_wanted();
         if wanted > 0 {
             let committed = match self.pools.receive.commit(0, wanted as usize) {
@@ -601,11 +610,6 @@ impl Driver {
             };
             self.commitment.slots += committed;
             self.protocol.grow_window(committed as u32);
-        }
-        let returned = self.protocol.take_returned() as usize;
-        if returned > 0 {
-            self.commitment.slots -= returned;
-            self.pools.receive.release(returned);
         }
     }
 

@@ -40,14 +40,34 @@ async fn ten_thousand_calls_256_in_flight_without_rnr_or_registration_growth(cha
     echo_load(channel, 3_000, 256).await;
     let registered = settled_registered_bytes().await;
     let registrations = verbs::registrations();
+    let slots = shared_pool_slots();
     // rnr_retry is 0 in every test connection: one RNR would fail a call.
     echo_load(channel, 10_000, 256).await;
+    let slots_after = shared_pool_slots();
+    println!(
+        "shared pools (receive, send slots): {slots:?} after warm-up, {slots_after:?} after 10,000 calls"
+    );
     assert_eq!(
         settled_registered_bytes().await,
         registered,
-        "registered bytes"
+        "registered bytes (shared pools' receive and send slots: {slots:?} after warm-up, {slots_after:?} now)"
     );
     assert_eq!(verbs::registrations(), registrations, "new registrations");
+}
+
+/// Slots registered in the device's shared (receive, send) pools.
+fn shared_pool_slots() -> (usize, usize) {
+    let pools = shared_pools();
+    (pools.receive.capacity(), pools.send.capacity())
+}
+
+/// The device's shared pools for the test connections' slot length.
+fn shared_pools() -> std::sync::Arc<rpc_transport_rdma::device::SharedPools> {
+    let config = crate::common::strict_config();
+    let device = rpc_transport_rdma::device::open(&config).unwrap();
+    device
+        .shared_pools(config.slot_len(), config.max_shared_slots)
+        .unwrap()
 }
 
 /// Registered bytes once in-flight DONEs have been handled (a call returns
@@ -357,13 +377,7 @@ async fn large_calls_register_nothing_after_warm_up_where_windows_bind(channel: 
 
 /// Slots of the device's shared receive pool committed to connections.
 fn committed_receive_slots() -> usize {
-    let config = crate::common::strict_config();
-    let device = rpc_transport_rdma::device::open(&config).unwrap();
-    device
-        .shared_pools(config.slot_len(), config.max_shared_slots)
-        .unwrap()
-        .receive
-        .committed()
+    shared_pools().receive.committed()
 }
 
 /// Waits (up to 5 s) until `committed_receive_slots` is `expected`.

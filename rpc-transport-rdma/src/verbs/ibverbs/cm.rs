@@ -356,8 +356,44 @@ impl ConnectionManager for IbvConnectionManager {
         options: &ConnectOptions,
         timeout: Duration,
     ) -> Result<CmConnection, VerbsError> {
-        let ibv = ibv_qp(qp)?;
         let deadline = Instant::now() + timeout;
+        let mut attempt = 1;
+        loop {
+            match self.connect_once(qp, addr, token, options, deadline) {
+                // On iWARP the port rdma_cm bound for us must also be free in
+                // the kernel's TCP port space, where an unrelated socket (an
+                // ephemeral port, a connection in TIME_WAIT) may hold it:
+                // rdma_connect then fails with EADDRINUSE before anything was
+                // sent, the QP still in INIT. A fresh id binds another port.
+                Err(VerbsError::Io(error))
+                    if error.kind() == std::io::ErrorKind::AddrInUse
+                        && attempt < CM_CONNECT_ATTEMPTS
+                        && Instant::now() < deadline =>
+                {
+                    tracing::debug!(%error, attempt, "rdma_cm: local port taken; another one");
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+}
+
+/// Local ports an rdma_cm connect tries before giving up on EADDRINUSE.
+const CM_CONNECT_ATTEMPTS: u32 = 8;
+
+impl IbvConnectionManager {
+    /// One connect attempt through a fresh rdma_cm id (a fresh local port).
+    fn connect_once(
+        &self,
+        qp: &Arc<dyn QueuePair>,
+        addr: SocketAddr,
+        token: u64,
+        options: &ConnectOptions,
+        deadline: Instant,
+    ) -> Result<CmConnection, VerbsError> {
+        let ibv = ibv_qp(qp)?;
+        let timeout = deadline.saturating_duration_since(Instant::now());
         let id = Id::new()?;
         let mut dst = sockaddr(addr);
         let millis = timeout.as_millis().min(i32::MAX as u128) as i32;
