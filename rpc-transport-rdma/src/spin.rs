@@ -20,9 +20,16 @@
 //!   finds nobody to run (or a thread that runs a few microseconds, such as
 //!   the soft provider's engine checking in) and costs next to nothing; a
 //!   fast answer (within `YIELD_CPU_AFTER`) never pays even that.
+//! - **the machine has a CPU to spare.** Before any of that, a wait does not
+//!   spin at all while the machine has more runnable threads than this
+//!   process may use CPUs (the running count of `/proc/loadavg`, read at
+//!   most every [`RUN_QUEUE_CHECK`] per process): a spinner would take the
+//!   CPU its peer or the application is queued for, so it arms and sleeps
+//!   as a TCP socket would. Inside a container that shows the host's count,
+//!   this errs towards not spinning.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a spinning driver polls before it also yields its CPU to the
@@ -38,6 +45,9 @@ pub(crate) const CONTENDED_YIELD: Duration = Duration::from_micros(50);
 
 /// How long the process stops spinning once a spinner found its CPU wanted.
 pub(crate) const CONTENDED_BACKOFF: Duration = Duration::from_millis(5);
+
+/// How often a process looks at the machine's run queue (see the module docs).
+pub(crate) const RUN_QUEUE_CHECK: Duration = Duration::from_millis(1);
 
 /// One connection's spin budget.
 #[derive(Debug, Clone)]
@@ -57,7 +67,7 @@ impl SpinPolicy {
     /// this wait, and for the whole process a while) if another thread
     /// wanted it.
     pub(crate) fn keep_spinning(&self, idle: Duration, now: Instant) -> bool {
-        if idle >= self.budget || !cpu_free(now) {
+        if idle >= self.budget || !cpu_free(now) || oversubscribed(now) {
             return false;
         }
         if idle < YIELD_CPU_AFTER {
@@ -148,6 +158,53 @@ fn cpu_contended(now: Instant) {
     BACKOFF.contended(now);
 }
 
+/// The number of runnable threads in `/proc/loadavg` ("0.50 0.40 0.30 3/245 1234": 3).
+fn running_from_loadavg(text: &str) -> Option<usize> {
+    let field = text.split_ascii_whitespace().nth(3)?;
+    field.split_once('/')?.0.parse().ok()
+}
+
+/// Runnable threads on the machine now, if the kernel says (Linux).
+fn running_threads() -> Option<usize> {
+    use std::os::unix::fs::FileExt;
+    static LOADAVG: OnceLock<Option<std::fs::File>> = OnceLock::new();
+    let file = LOADAVG
+        .get_or_init(|| std::fs::File::open("/proc/loadavg").ok())
+        .as_ref()?;
+    let mut buffer = [0u8; 128];
+    let len = file.read_at(&mut buffer, 0).ok()?;
+    running_from_loadavg(std::str::from_utf8(&buffer[..len]).ok()?)
+}
+
+/// CPUs this process may run on.
+fn usable_cpus() -> usize {
+    static CPUS: OnceLock<usize> = OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
+}
+
+/// The machine's run queue, as last looked at: when (µs since [`epoch`]),
+/// and whether it had more runnable threads than [`usable_cpus`].
+static RUN_QUEUE_CHECKED: AtomicU64 = AtomicU64::new(0);
+static OVERSUBSCRIBED: AtomicBool = AtomicBool::new(false);
+
+/// Whether more threads want to run than this process has CPUs, looked up
+/// at most every [`RUN_QUEUE_CHECK`] (one thread of the process reads; the
+/// others use its answer). False where the kernel does not say.
+pub(crate) fn oversubscribed(now: Instant) -> bool {
+    let at = micros_since_epoch(now).max(1);
+    let checked = RUN_QUEUE_CHECKED.load(Ordering::Relaxed);
+    if at.saturating_sub(checked) >= RUN_QUEUE_CHECK.as_micros() as u64
+        && RUN_QUEUE_CHECKED
+            .compare_exchange(checked, at, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        let verdict = running_threads().is_some_and(|running| running > usable_cpus());
+        OVERSUBSCRIBED.store(verdict, Ordering::Relaxed);
+        return verdict;
+    }
+    OVERSUBSCRIBED.load(Ordering::Relaxed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,7 +216,9 @@ mod tests {
         let mut policy = SpinPolicy::new(MAX);
         let now = Instant::now();
         assert!(cpu_free(now) || !policy.keep_spinning(Duration::from_micros(5), now));
-        assert!(!cpu_free(now) || policy.keep_spinning(Duration::from_micros(5), now));
+        // (Unless the machine is busier than its CPUs: tests run beside others.)
+        let crowded = oversubscribed(now);
+        assert!(!cpu_free(now) || crowded || policy.keep_spinning(Duration::from_micros(5), now));
         assert!(!policy.keep_spinning(MAX, now));
         policy.waited(Duration::from_micros(7));
         assert_eq!(policy.budget(), MAX);
@@ -221,6 +280,50 @@ mod tests {
             stop.store(true, Ordering::Relaxed);
             busy.join().unwrap();
             assert!(longest >= CONTENDED_YIELD, "{longest:?}");
+        }
+    }
+
+    #[test]
+    fn the_running_count_is_read_from_loadavg() {
+        assert_eq!(running_from_loadavg("2.39 2.22 1.96 3/98 29721\n"), Some(3));
+        assert_eq!(running_from_loadavg("0.00 0.00 0.00 12/1045 1"), Some(12));
+        assert_eq!(running_from_loadavg("0.00 0.00 0.00"), None);
+        assert_eq!(running_from_loadavg("0.00 0.00 0.00 x/1 1"), None);
+        #[cfg(target_os = "linux")]
+        assert!(running_threads().is_some_and(|running| running >= 1));
+    }
+
+    #[test]
+    fn more_busy_threads_than_cpus_stop_the_spinning() {
+        #[cfg(target_os = "linux")]
+        {
+            let stop = std::sync::Arc::new(AtomicBool::new(false));
+            let busy: Vec<_> = (0..usable_cpus() + 2)
+                .map(|_| {
+                    let stop = stop.clone();
+                    std::thread::spawn(move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            std::hint::spin_loop();
+                        }
+                    })
+                })
+                .collect();
+            // The busy threads are runnable for the whole second: the run
+            // queue looked at every RUN_QUEUE_CHECK shows more of them than
+            // CPUs, and a policy with a full budget then does not spin.
+            let policy = SpinPolicy::new(MAX);
+            let deadline = Instant::now() + Duration::from_secs(1);
+            let mut seen = false;
+            while Instant::now() < deadline && !seen {
+                std::thread::sleep(RUN_QUEUE_CHECK);
+                let now = Instant::now();
+                seen = oversubscribed(now) && !policy.keep_spinning(Duration::ZERO, now);
+            }
+            stop.store(true, Ordering::Relaxed);
+            for thread in busy {
+                thread.join().unwrap();
+            }
+            assert!(seen, "the run queue never showed more threads than CPUs");
         }
     }
 }
