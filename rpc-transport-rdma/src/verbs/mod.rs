@@ -1333,6 +1333,35 @@ fn advise_huge_pages_in(start: usize, len: usize) {
     let _ = unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
 }
 
+/// Backs every page of `bytes` with memory now, as registering memory with a
+/// hardware device (which pins it) does: a pool's buffers count in the
+/// process's resident memory from their registration, not from the first
+/// frame that lands in them, and no first-touch page fault lands on the
+/// data path (the soft provider copies into them with `process_vm_readv`).
+pub(crate) fn make_resident(bytes: &mut [u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    // SAFETY: the range is exactly the slice we borrow mutably;
+    // MADV_POPULATE_WRITE faults its pages in as a write would, keeping
+    // their contents (zeros here).
+    let populated = unsafe {
+        libc::madvise(
+            bytes.as_mut_ptr().cast(),
+            bytes.len(),
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+    if populated != 0 {
+        // Kernels before 5.14 (or memory it refuses): touch each page.
+        for page in bytes.chunks_mut(4096) {
+            // A volatile write, so the store of the zero already there is kept.
+            // SAFETY: `page` is a valid, exclusively borrowed, non-empty slice.
+            unsafe { std::ptr::write_volatile(page.as_mut_ptr(), page[0]) };
+        }
+    }
+}
+
 /// The CPU the calling thread runs on (tests).
 #[cfg(all(test, target_os = "linux"))]
 pub(crate) fn current_cpu() -> Option<usize> {

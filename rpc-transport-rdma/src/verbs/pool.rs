@@ -121,7 +121,11 @@ pub fn size_class(len: usize) -> usize {
 /// Sizes of the [`LargePool`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LargePoolConfig {
-    /// Buffers of each class from 64 KiB to 1 MiB registered when the device opens.
+    /// Buffers of each class from 64 KiB to 1 MiB registered when the device
+    /// opens (default 1: 1.9 MiB, resident from the start as pinning makes
+    /// it on hardware). Every process that opens the device pays this, most
+    /// of which (clients) never send a large payload; a burst beyond it
+    /// grows its class ahead of demand (see [`LargePool::take`]).
     pub prealloc_per_class: usize,
     /// Bytes of free buffers kept registered for reuse; a buffer returned to
     /// a full pool makes room by deregistering the longest-idle ones (a
@@ -132,21 +136,52 @@ pub struct LargePoolConfig {
 impl Default for LargePoolConfig {
     fn default() -> Self {
         LargePoolConfig {
-            prealloc_per_class: 4,
+            prealloc_per_class: 1,
             max_cached_bytes: 512 << 20,
         }
     }
 }
 
+/// Classes up to this size grow ahead of demand on a miss (see
+/// [`LargePool::take`]); larger ones register exactly what is asked.
+const GROW_AHEAD_UP_TO: usize = 2 * MIB;
+
 #[derive(Default)]
 struct FreeLists {
     /// Free buffers by class, each with the sequence number of its return.
     by_class: HashMap<usize, Vec<(RegisteredBuffer, u64)>>,
+    /// Buffers of each class taken and not returned yet.
+    out: HashMap<usize, usize>,
     cached_bytes: usize,
     returns: u64,
 }
 
+/// A class with no free buffer borrows one of a larger class up to this
+/// many times its size (registered and idle already) before it registers.
+const BORROW_UP_TO: usize = 4;
+
 impl FreeLists {
+    /// A free buffer of `class`, else the smallest free one of a larger
+    /// class up to [`BORROW_UP_TO`] times its size (it goes back to its own
+    /// class when returned).
+    fn take_free(&mut self, class: usize) -> Option<RegisteredBuffer> {
+        let larger = self
+            .by_class
+            .iter()
+            .filter(|(size, list)| {
+                **size >= class && **size <= class.saturating_mul(BORROW_UP_TO) && !list.is_empty()
+            })
+            .map(|(size, _)| *size)
+            .min()?;
+        let (buffer, _) = self
+            .by_class
+            .get_mut(&larger)
+            .and_then(Vec::pop)
+            .expect("not empty");
+        self.cached_bytes -= larger;
+        Some(buffer)
+    }
+
     /// Removes the free buffer returned longest ago.
     fn evict_oldest(&mut self) -> Option<RegisteredBuffer> {
         let class = self
@@ -167,6 +202,8 @@ pub struct LargePool {
     pd: Arc<dyn ProtectionDomain>,
     config: LargePoolConfig,
     free: Mutex<FreeLists>,
+    /// Buffers this pool registered so far.
+    registrations: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for LargePool {
@@ -188,12 +225,13 @@ impl LargePool {
             pd,
             config,
             free: Mutex::new(FreeLists::default()),
+            registrations: std::sync::atomic::AtomicU64::new(0),
         });
         let mut class = MIN_CLASS;
         while class <= MIB {
             for _ in 0..config.prealloc_per_class {
                 let buffer = pool.register(class)?;
-                pool.put_back(buffer);
+                pool.keep(buffer);
             }
             class *= 2;
         }
@@ -212,37 +250,77 @@ impl LargePool {
         // Where the device binds memory windows, a READ window over a
         // buffer (a copied frame, or a received one sent on) is bound over
         // its registration instead of registering it again.
+        self.registrations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let access = if self.pd.window_cache().is_some() {
             AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND
         } else {
             AccessFlags::LOCAL_WRITE
         };
-        if class >= HUGE_PAGES_FROM {
-            RegisteredBuffer::new_huge(&self.pd, class, access)
+        let mut buffer = if class >= HUGE_PAGES_FROM {
+            RegisteredBuffer::new_huge(&self.pd, class, access)?
         } else {
-            RegisteredBuffer::new(&self.pd, class, access)
-        }
+            RegisteredBuffer::new(&self.pd, class, access)?
+        };
+        // Resident from the start (as a hardware registration pins it): a
+        // buffer registered ahead of a peak costs its memory now, and the
+        // frame that first lands in it takes no page faults.
+        super::make_resident(buffer.as_mut_slice());
+        Ok(buffer)
     }
 
-    /// A buffer of at least `len` bytes (registered only on a miss).
+    /// A buffer of at least `len` bytes (registered only on a miss): of
+    /// its size class, else a free one of a larger class up to
+    /// 4 times as large.
+    ///
+    /// A miss means the class's buffers did not cover this peak. For classes
+    /// up to 2 MiB it registers, besides the buffer asked for,
+    /// half as many again as the class has out (at least one, within
+    /// `max_cached_bytes`), kept free: a load that keeps rising registers
+    /// a logarithmic number of times, not once per new peak, and each
+    /// registration (pinning pages on hardware) stays off the data path for
+    /// longer. Larger classes register exactly what is asked.
     pub fn take(self: &Arc<Self>, len: usize) -> Result<PooledBuffer, VerbsError> {
         let class = size_class(len);
-        let cached = {
+        let (cached, ahead) = {
             let mut lists = self.lists();
-            let buffer = lists
-                .by_class
-                .get_mut(&class)
-                .and_then(Vec::pop)
-                .map(|(buffer, _)| buffer);
-            if buffer.is_some() {
-                lists.cached_bytes -= class;
-            }
-            buffer
+            let buffer = lists.take_free(class);
+            // Counted by the class of the buffer handed out (a borrowed one
+            // goes back to its own).
+            let out_class = buffer.as_ref().map_or(class, RegisteredBuffer::len);
+            let out = lists.out.entry(out_class).or_default();
+            let out_before = *out;
+            *out += 1;
+            let ahead = match &buffer {
+                Some(_) => 0,
+                None if class <= GROW_AHEAD_UP_TO => {
+                    let room = self
+                        .config
+                        .max_cached_bytes
+                        .saturating_sub(lists.cached_bytes);
+                    (out_before / 2).max(1).min(room / class)
+                }
+                None => 0,
+            };
+            (buffer, ahead)
         };
         let buffer = match cached {
             Some(buffer) => buffer,
-            None => self.register(class)?,
+            None => match self.register(class) {
+                Ok(buffer) => buffer,
+                Err(error) => {
+                    self.returned(class);
+                    return Err(error);
+                }
+            },
         };
+        for _ in 0..ahead {
+            // Best effort: the buffer asked for is there already.
+            match self.register(class) {
+                Ok(spare) => self.keep(spare),
+                Err(_) => break,
+            }
+        }
         Ok(PooledBuffer {
             buffer: Some(buffer),
             pool: self.clone(),
@@ -250,7 +328,22 @@ impl LargePool {
         })
     }
 
+    /// One buffer of `class` is no longer out (returned, or lost).
+    fn returned(&self, class: usize) {
+        let mut lists = self.lists();
+        if let Some(out) = lists.out.get_mut(&class) {
+            *out = out.saturating_sub(1);
+        }
+    }
+
+    /// A buffer taken from this pool comes back.
     fn put_back(&self, buffer: RegisteredBuffer) {
+        self.returned(buffer.len());
+        self.keep(buffer);
+    }
+
+    /// Keeps `buffer` free for reuse, within `max_cached_bytes`.
+    fn keep(&self, buffer: RegisteredBuffer) {
         let class = buffer.len();
         if class > self.config.max_cached_bytes {
             return; // Dropped here: deregistered.
@@ -271,6 +364,12 @@ impl LargePool {
         }
         // Deregistered outside the lock.
         drop(evicted);
+    }
+
+    /// Buffers this pool registered so far (misses and growth ahead of them).
+    pub fn registrations(&self) -> u64 {
+        self.registrations
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Bytes of free buffers held for reuse.
@@ -357,9 +456,11 @@ impl Drop for PooledBuffer {
         if let Some(buffer) = self.buffer.take() {
             if self.reads_in_flight == 0 {
                 self.pool.put_back(buffer);
+            } else {
+                // Dropped here: deregistered first, so a READ still in
+                // flight can never land in it, nor in another connection's frame.
+                self.pool.returned(buffer.len());
             }
-            // Else dropped here: deregistered first, so a READ still in
-            // flight can never land in it, nor in another connection's frame.
         }
     }
 }
@@ -436,5 +537,60 @@ mod tests {
         // A buffer larger than the whole cap is never kept.
         drop(pool.take(9 << 20).unwrap());
         assert!(pool.cached_bytes() <= 8 << 20);
+    }
+
+    #[test]
+    fn a_rising_load_grows_a_class_ahead_of_it_and_a_repeat_registers_nothing() {
+        let pool = LargePool::new(
+            pd(),
+            LargePoolConfig {
+                prealloc_per_class: 0,
+                max_cached_bytes: 256 << 20,
+            },
+        )
+        .unwrap();
+        // 100 buffers of one class out at once, taken one by one.
+        let held: Vec<_> = (0..100).map(|_| pool.take(1 << 20).unwrap()).collect();
+        let first = pool.registrations();
+        // At least the peak, at most half as much again ahead of it.
+        assert!(first >= 100, "{first}");
+        assert!(first <= 100 + 100 / 2 + 1, "{first}");
+        // Ahead of the peak: the next takes find free buffers.
+        assert!(pool.cached_bytes() > 0);
+        drop(held);
+        // The same peak again registers nothing.
+        let held: Vec<_> = (0..100).map(|_| pool.take(1 << 20).unwrap()).collect();
+        assert_eq!(pool.registrations(), first);
+        drop(held);
+        // A class above the grow-ahead limit registers exactly what is asked.
+        let large: Vec<_> = (0..3).map(|_| pool.take(3 << 20).unwrap()).collect();
+        assert_eq!(pool.registrations(), first + 3);
+        drop(large);
+        // An empty class borrows a free buffer of a larger one before it
+        // registers, and the buffer goes back to its own class.
+        let before = pool.registrations();
+        let borrowed = pool.take(300 << 10).unwrap();
+        assert_eq!(borrowed.buffer().len(), 1 << 20);
+        assert_eq!(pool.registrations(), before);
+        drop(borrowed);
+        assert_eq!(pool.take(1 << 20).unwrap().buffer().len(), 1 << 20);
+        // Not from a class more than BORROW_UP_TO times larger.
+        let tiny = pool.take(1000).unwrap();
+        assert_eq!(tiny.buffer().len(), MIN_CLASS);
+        assert!(pool.registrations() > before);
+        drop(tiny);
+        // Growth ahead stays within the cache's cap.
+        let small = LargePool::new(
+            pd(),
+            LargePoolConfig {
+                prealloc_per_class: 0,
+                max_cached_bytes: 2 << 20,
+            },
+        )
+        .unwrap();
+        let held: Vec<_> = (0..8).map(|_| small.take(1 << 20).unwrap()).collect();
+        assert!(small.cached_bytes() <= 2 << 20);
+        drop(held);
+        assert!(small.cached_bytes() <= 2 << 20);
     }
 }
