@@ -68,7 +68,7 @@ pub struct Builder {
 /// every `bytes` field is `bytes::Bytes`. Adjust it (type attributes, field
 /// attributes, `Vec<u8>` fields with `config.bytes(std::iter::empty::<&str>())`)
 /// and pass it to [`Builder::compile_with_config`]; the `prost_build` crate is
-/// re-exported as [`prost_build`](crate::prost_build) for that, so no direct
+/// re-exported as [`prost_build`] for that, so no direct
 /// dependency on it is needed either.
 pub fn config() -> prost_build::Config {
     let mut config = prost_build::Config::new();

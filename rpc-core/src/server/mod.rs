@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Any tower layer whose error is `Into<BoxError>` composes as it is (no
-//! `MapErr`): errors become a [`Status`](crate::Status) as tonic maps them
+//! `MapErr`): errors become a [`Status`] as tonic maps them
 //! ([`Status::from_error`](crate::Status::from_error): tower's timeout is
 //! `DeadlineExceeded`, load shedding `ResourceExhausted`). The layered
 //! service is cloned per call; a layer whose state must be shared by every

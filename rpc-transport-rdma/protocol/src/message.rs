@@ -125,7 +125,7 @@ const KIND_RETURN: u8 = 6;
 
 impl Message {
     /// The header, and the fixed body bytes that follow it (the
-    /// [`tail`](Message::tail) is not copied here: the caller gathers header,
+    /// announcement's [`tail`](Announce::tail) is not copied here: the caller gathers header,
     /// body and tail into its send slot).
     pub fn encode_header(&self) -> ([u8; HEADER_LEN], Option<[u8; ANNOUNCE_BODY_LEN]>) {
         let (kind, token) = match &self.body {

@@ -27,7 +27,7 @@
 //!
 //! Memory whose lifetime this module makes known itself: any other `Bytes`
 //! the application sends (a `Vec` it filled, a file it read) is cached
-//! together with a clone of those `Bytes` ([`Owner::Held`]): the clone keeps
+//! together with a clone of those `Bytes` (`Owner::Held`): the clone keeps
 //! the memory allocated, and immutable, for as long as the registration is
 //! cached, so a later frame in the same bytes (the same tensor sent again,
 //! or to another peer) finds the same pages under the same registration.
