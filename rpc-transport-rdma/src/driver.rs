@@ -49,7 +49,7 @@ use tokio::sync::{Notify, mpsc};
 use crate::config::{Fault, PollMode, RdmaConfig};
 use crate::device::{Device, SharedPools};
 use crate::pool::{LargePool, PooledBuffer};
-use crate::protocol::{Event, HEADER_LEN, Inbound, Message, Protocol, Route};
+use crate::protocol::{Event, Inbound, Protocol, Route};
 use crate::setup_socket::{SetupSocket, SocketRead};
 use crate::spin::SpinPolicy;
 use crate::verbs::{
@@ -995,7 +995,7 @@ impl Driver {
             let sge = self
                 .pools
                 .send
-                .fill(slot, |buffer| write_message(buffer, &message));
+                .fill(slot, |buffer| message.encode_into(buffer));
             let inline = sge.length as usize <= self.max_inline;
             self.sends
                 .send_shared(sge, wr_id(TAG_SEND, slot as u64), inline);
@@ -1180,22 +1180,6 @@ fn decode_reason(bytes: &[u8]) -> Option<String> {
     let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
     let text = bytes.get(4..4 + len.min(MAX_REASON_LEN))?;
     Some(String::from_utf8_lossy(text).into_owned())
-}
-
-/// Writes `message` into a send slot; returns its length.
-fn write_message(slot: &mut [u8], message: &Message) -> usize {
-    let (header, announce) = message.encode_header();
-    slot[..HEADER_LEN].copy_from_slice(&header);
-    let mut len = HEADER_LEN;
-    if let Some(body) = announce {
-        slot[len..len + body.len()].copy_from_slice(&body);
-        len += body.len();
-    }
-    for bytes in message.inline() {
-        slot[len..len + bytes.len()].copy_from_slice(bytes);
-        len += bytes.len();
-    }
-    len
 }
 
 /// How a large frame is announced: the inline head, the one part the peer

@@ -8,7 +8,7 @@
 
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use rdma_rpc_protocol::{Body, HEADER_LEN, Message};
+use rdma_rpc_protocol::{Body, HEADER_LEN, MAX_BATCH_FRAMES, Message};
 
 fuzz_target!(|data: &[u8]| {
     let bytes = Bytes::copy_from_slice(data);
@@ -22,16 +22,19 @@ fuzz_target!(|data: &[u8]| {
         "an accepted message re-encodes byte for byte"
     );
     assert_eq!(Message::decode(encoded).as_ref(), Ok(&message));
-    // The driver's gather path: header, the announce body if any, then the
-    // inline bytes (a DATA frame, an announcement's head and tail).
-    let (header, announce) = message.encode_header();
+    // The driver's path: the message written straight into its send slot.
+    let mut slot = vec![0u8; bytes.len()];
+    assert_eq!(message.encode_into(&mut slot), bytes.len());
+    assert_eq!(&slot[..], &bytes[..]);
+    let (header, _) = message.encode_header();
     assert_eq!(&header[..], &bytes[..HEADER_LEN]);
-    let body_len = announce.map_or(0, |body| body.len());
-    if let Some(body) = announce {
-        assert_eq!(&body[..], &bytes[HEADER_LEN..HEADER_LEN + body_len]);
-    }
-    assert_eq!(message.inline().concat(), &bytes[HEADER_LEN + body_len..]);
-    if let Body::Data(frame) = &message.body {
-        assert_eq!(&frame[..], &bytes[HEADER_LEN..]);
+    match &message.body {
+        Body::Data(frame) => assert_eq!(&frame[..], &bytes[HEADER_LEN..]),
+        Body::Batch(frames) => {
+            assert!((2..=MAX_BATCH_FRAMES).contains(&frames.len()));
+            let carried: usize = frames.iter().map(|frame| 4 + frame.len()).sum();
+            assert_eq!(HEADER_LEN + carried, bytes.len());
+        }
+        _ => {}
     }
 });

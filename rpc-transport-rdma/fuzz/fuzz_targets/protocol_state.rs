@@ -94,6 +94,13 @@ enum Forged {
         credits: u32,
         returned: u32,
     },
+    /// `count` frames of `len` bytes in one BATCH (any count: a BATCH of
+    /// fewer than 2 or more than the maximum must be refused).
+    Batch {
+        credits: u32,
+        count: u8,
+        len: u8,
+    },
 }
 
 struct Side {
@@ -272,6 +279,18 @@ impl Pair {
                         credits,
                         body: Body::Return { credits: returned },
                     },
+                    Forged::Batch {
+                        credits,
+                        count,
+                        len,
+                    } => Message {
+                        credits,
+                        body: Body::Batch(
+                            (0..count)
+                                .map(|i| frame(usize::from(len), usize::from(i)))
+                                .collect(),
+                        ),
+                    },
                 };
                 self.forged = true;
                 self.wires[to].push_back((message.encode(), true));
@@ -299,8 +318,10 @@ impl Pair {
     fn transmit(&mut self, from: usize) {
         let to = 1 - from;
         while let Some(message) = self.sides[from].protocol.poll_transmit() {
-            if matches!(message.body, Body::Data(_) | Body::Announce(_)) {
-                self.sides[from].queued -= 1;
+            match &message.body {
+                Body::Data(_) | Body::Announce(_) => self.sides[from].queued -= 1,
+                Body::Batch(frames) => self.sides[from].queued -= frames.len(),
+                _ => {}
             }
             let bytes = message.encode();
             let receiver = &mut self.sides[to];

@@ -73,7 +73,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-pub use message::{Announce, Body, HEADER_LEN, Message, MessageError, PROTOCOL_VERSION};
+pub use message::{
+    Announce, BATCH_ENTRY_LEN, Body, HEADER_LEN, MAX_BATCH_FRAMES, Message, MessageError,
+    PROTOCOL_VERSION,
+};
 
 /// What one side of a connection offers, exchanged in the set-up hello.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -660,6 +663,12 @@ impl Protocol {
                 }
                 self.pending.push_back(Pending::Frame(frame));
             }
+            Body::Batch(frames) => {
+                if self.close_received {
+                    return Err(ProtocolError::AfterClose);
+                }
+                self.pending.extend(frames.into_iter().map(Pending::Frame));
+            }
             Body::Announce(announce) => {
                 if self.close_received {
                     return Err(ProtocolError::AfterClose);
@@ -874,6 +883,7 @@ impl Protocol {
             None
         };
         let mut body = match body {
+            Some(Body::Data(frame)) => self.batch_behind(frame),
             Some(body) => body,
             None if self.needs_credit_message() => Body::Credit,
             None => return None,
@@ -905,6 +915,34 @@ impl Protocol {
         self.granted_total += u64::from(credits);
         self.free_send_slots -= 1;
         Some(Message { credits, body })
+    }
+
+    /// `first` alone (DATA), or with the eager frames queued right behind it
+    /// as one BATCH, as many as fit the peer's slot (up to
+    /// [`MAX_BATCH_FRAMES`]): frames queued at once cost one message.
+    fn batch_behind(&mut self, first: Bytes) -> Body {
+        let room = self.peer.slot_len as usize;
+        let mut len = HEADER_LEN + BATCH_ENTRY_LEN + first.len();
+        let mut first = Some(first);
+        let mut frames = Vec::new();
+        while frames.len().max(1) < MAX_BATCH_FRAMES {
+            let Some(Body::Data(next)) = self.queue.front() else {
+                break;
+            };
+            if len + BATCH_ENTRY_LEN + next.len() > room {
+                break;
+            }
+            len += BATCH_ENTRY_LEN + next.len();
+            let Some(Body::Data(next)) = self.queue.pop_front() else {
+                unreachable!("the front was DATA");
+            };
+            frames.extend(first.take());
+            frames.push(next);
+        }
+        match first {
+            Some(alone) => Body::Data(alone),
+            None => Body::Batch(frames),
+        }
     }
 
     /// Whether credit grants are held back: the driver asked (the application

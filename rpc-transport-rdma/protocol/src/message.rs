@@ -6,7 +6,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 1 | protocol version ([`PROTOCOL_VERSION`]) |
-//! | 1 | 1 | kind: 1 DATA, 2 ANNOUNCE, 3 DONE, 4 CREDIT, 5 CLOSE, 6 RETURN |
+//! | 1 | 1 | kind: 1 DATA, 2 ANNOUNCE, 3 DONE, 4 CREDIT, 5 CLOSE, 6 RETURN, 7 BATCH |
 //! | 2 | 2 | reserved, zero |
 //! | 4 | 4 | credits granted to the receiver of this message (u32 LE) |
 //! | 8 | 8 | token (ANNOUNCE, DONE), credits given back (RETURN: 1..=u32::MAX), else zero (u64 LE) |
@@ -18,16 +18,24 @@
 //! sender's memory at `addr` for an RDMA READ, then the last `tail_len` (a
 //! frame's small head, and the small end of a message after its large field,
 //! ride in the message, so the large part can be read where it already
-//! lies); DONE, CREDIT, CLOSE and RETURN carry nothing.
+//! lies); BATCH carries 2 to [`MAX_BATCH_FRAMES`] whole frames, each as
+//! `len: u32` and then its `len` bytes, filling the message exactly (what
+//! a sender had queued at once travels in one slot, one completion, one
+//! credit); DONE, CREDIT, CLOSE and RETURN carry nothing.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// Version byte of every message.
-pub const PROTOCOL_VERSION: u8 = 4;
+pub const PROTOCOL_VERSION: u8 = 5;
 /// Bytes of the common header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes of an ANNOUNCE body before its inline head.
 pub const ANNOUNCE_BODY_LEN: usize = 32;
+/// The most frames one BATCH carries: bounds what one message (one credit)
+/// adds to the receiver's queue of frames for the application.
+pub const MAX_BATCH_FRAMES: usize = 64;
+/// Bytes in front of each frame of a BATCH (its length, u32 LE).
+pub const BATCH_ENTRY_LEN: usize = 4;
 
 /// A rendezvous announcement: the frame is `head`, then `len` bytes at
 /// `addr` (readable with `rkey` until the receiver says DONE for `token`),
@@ -68,6 +76,9 @@ impl Announce {
 pub enum Body {
     /// A whole frame, copied into the slot.
     Data(Bytes),
+    /// Several whole frames (2 to [`MAX_BATCH_FRAMES`]), in send order,
+    /// copied into one slot.
+    Batch(Vec<Bytes>),
     /// A frame to pull with RDMA READ.
     Announce(Announce),
     /// The receiver pulled the announced frame: the sender may free it.
@@ -122,6 +133,7 @@ const KIND_DONE: u8 = 3;
 const KIND_CREDIT: u8 = 4;
 const KIND_CLOSE: u8 = 5;
 const KIND_RETURN: u8 = 6;
+const KIND_BATCH: u8 = 7;
 
 impl Message {
     /// The header, and the fixed body bytes that follow it (the
@@ -130,6 +142,7 @@ impl Message {
     pub fn encode_header(&self) -> ([u8; HEADER_LEN], Option<[u8; ANNOUNCE_BODY_LEN]>) {
         let (kind, token) = match &self.body {
             Body::Data(_) => (KIND_DATA, 0),
+            Body::Batch(_) => (KIND_BATCH, 0),
             Body::Announce(announce) => (KIND_ANNOUNCE, announce.token),
             Body::Done { token } => (KIND_DONE, *token),
             Body::Credit => (KIND_CREDIT, 0),
@@ -158,38 +171,55 @@ impl Message {
         (header, announce)
     }
 
-    /// The variable bytes after the header and any fixed body, in order: a
-    /// DATA message's frame, an ANNOUNCE's inline head and tail; empty
-    /// otherwise.
-    pub fn inline(&self) -> [&[u8]; 2] {
-        match &self.body {
-            Body::Data(frame) => [frame, &[]],
-            Body::Announce(announce) => [&announce.head, &announce.tail],
-            _ => [&[], &[]],
-        }
-    }
-
     /// Bytes this message occupies in a slot.
     pub fn encoded_len(&self) -> usize {
         HEADER_LEN
             + match &self.body {
                 Body::Data(frame) => frame.len(),
+                Body::Batch(frames) => frames
+                    .iter()
+                    .map(|frame| BATCH_ENTRY_LEN + frame.len())
+                    .sum(),
                 Body::Announce(announce) => ANNOUNCE_BODY_LEN + announce.inline_len(),
                 _ => 0,
             }
     }
 
-    /// The whole message as one buffer (tests, and the slow path).
-    pub fn encode(&self) -> Bytes {
+    /// Writes the whole message to the front of `slot` (the driver's send
+    /// slot) and returns its length, [`Message::encoded_len`].
+    ///
+    /// # Panics
+    /// When `slot` is shorter than that.
+    pub fn encode_into(&self, slot: &mut [u8]) -> usize {
+        let mut out = &mut slot[..self.encoded_len()];
         let (header, announce) = self.encode_header();
-        let mut out = BytesMut::with_capacity(self.encoded_len());
         out.put_slice(&header);
         if let Some(body) = announce {
             out.put_slice(&body);
         }
-        for bytes in self.inline() {
-            out.put_slice(bytes);
+        match &self.body {
+            Body::Data(frame) => out.put_slice(frame),
+            Body::Batch(frames) => {
+                for frame in frames {
+                    let len = u32::try_from(frame.len()).expect("a batched frame fits a slot");
+                    out.put_u32_le(len);
+                    out.put_slice(frame);
+                }
+            }
+            Body::Announce(announce) => {
+                out.put_slice(&announce.head);
+                out.put_slice(&announce.tail);
+            }
+            _ => {}
         }
+        debug_assert!(out.is_empty(), "encoded_len counts every byte");
+        self.encoded_len()
+    }
+
+    /// The whole message as one buffer (tests, and the slow path).
+    pub fn encode(&self) -> Bytes {
+        let mut out = BytesMut::zeroed(self.encoded_len());
+        self.encode_into(&mut out);
         out.freeze()
     }
 
@@ -226,6 +256,12 @@ impl Message {
                     return Err(MessageError::Malformed("token set on DATA"));
                 }
                 Body::Data(bytes.slice(HEADER_LEN..))
+            }
+            KIND_BATCH => {
+                if token != 0 {
+                    return Err(MessageError::Malformed("token set on BATCH"));
+                }
+                Body::Batch(decode_batch(&bytes)?)
             }
             KIND_ANNOUNCE => {
                 if rest < ANNOUNCE_BODY_LEN {
@@ -277,6 +313,34 @@ impl Message {
         };
         Ok(Message { credits, body })
     }
+}
+
+/// The frames of a BATCH message (`bytes` is the whole message): each a
+/// slice of `bytes`.
+fn decode_batch(bytes: &Bytes) -> Result<Vec<Bytes>, MessageError> {
+    let mut frames = Vec::new();
+    let mut at = HEADER_LEN;
+    while at < bytes.len() {
+        if frames.len() == MAX_BATCH_FRAMES {
+            return Err(MessageError::Malformed("BATCH of more than 64 frames"));
+        }
+        let Some(prefix) = bytes.get(at..at + BATCH_ENTRY_LEN) else {
+            return Err(MessageError::Truncated { len: bytes.len() });
+        };
+        let len = u32::from_le_bytes(prefix.try_into().expect("4 bytes")) as usize;
+        let start = at + BATCH_ENTRY_LEN;
+        if bytes.len() - start < len {
+            return Err(MessageError::Truncated { len: bytes.len() });
+        }
+        frames.push(bytes.slice(start..start + len));
+        at = start + len;
+    }
+    if frames.len() < 2 {
+        return Err(MessageError::Malformed(
+            "BATCH of fewer than 2 frames (one frame travels as DATA)",
+        ));
+    }
+    Ok(frames)
 }
 
 #[cfg(test)]
@@ -331,7 +395,99 @@ mod tests {
                 credits: 2,
                 body: Body::Return { credits: 60 },
             },
+            Message {
+                credits: 5,
+                body: Body::Batch(vec![
+                    Bytes::from_static(b"first frame"),
+                    Bytes::new(),
+                    Bytes::from_static(b"third"),
+                ]),
+            },
         ]
+    }
+
+    fn batch_of(count: usize) -> Vec<u8> {
+        let mut bytes = Message {
+            credits: 0,
+            body: Body::Credit,
+        }
+        .encode()
+        .to_vec();
+        bytes[1] = KIND_BATCH;
+        for index in 0..count {
+            bytes.extend_from_slice(&1u32.to_le_bytes());
+            bytes.push(index as u8);
+        }
+        bytes
+    }
+
+    #[test]
+    fn a_batch_lays_out_length_prefixed_frames_and_refuses_anything_else() {
+        let batch = all().pop().unwrap().encode();
+        assert_eq!(batch[1], KIND_BATCH);
+        assert_eq!(&batch[HEADER_LEN..HEADER_LEN + 4], &11u32.to_le_bytes());
+        assert_eq!(&batch[HEADER_LEN + 4..HEADER_LEN + 15], b"first frame");
+        assert_eq!(
+            &batch[HEADER_LEN + 15..HEADER_LEN + 19],
+            &0u32.to_le_bytes()
+        );
+        assert_eq!(
+            &batch[HEADER_LEN + 19..HEADER_LEN + 23],
+            &5u32.to_le_bytes()
+        );
+        assert_eq!(&batch[HEADER_LEN + 23..], b"third");
+        let frames = match Message::decode(batch.clone()).unwrap().body {
+            Body::Batch(frames) => frames,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(frames[2], &b"third"[..]);
+
+        // A cut anywhere inside the last frame or its prefix (a cut right
+        // after the second frame leaves a valid batch of two).
+        for cut in HEADER_LEN + 20..batch.len() {
+            assert!(
+                matches!(
+                    Message::decode(batch.slice(..cut)),
+                    Err(MessageError::Truncated { .. })
+                ),
+                "cut at {cut}"
+            );
+        }
+        // A length that runs past the end.
+        let mut long = batch.to_vec();
+        long[HEADER_LEN + 19] = 6;
+        assert!(matches!(
+            Message::decode(long.into()),
+            Err(MessageError::Truncated { .. })
+        ));
+        // No token, at least 2 frames, at most MAX_BATCH_FRAMES.
+        let mut token = batch.to_vec();
+        token[8] = 1;
+        assert_eq!(
+            Message::decode(token.into()),
+            Err(MessageError::Malformed("token set on BATCH"))
+        );
+        for count in [0, 1, MAX_BATCH_FRAMES + 1] {
+            assert!(
+                matches!(
+                    Message::decode(batch_of(count).into()),
+                    Err(MessageError::Malformed(_))
+                ),
+                "{count} frames"
+            );
+        }
+        assert!(Message::decode(batch_of(MAX_BATCH_FRAMES).into()).is_ok());
+    }
+
+    #[test]
+    fn encode_into_writes_what_encode_returns() {
+        for message in all() {
+            let mut slot = vec![0xee; message.encoded_len() + 8];
+            let len = message.encode_into(&mut slot);
+            assert_eq!(len, message.encoded_len());
+            assert_eq!(&slot[..len], &message.encode()[..]);
+            assert_eq!(&slot[len..], &[0xee; 8]);
+        }
     }
 
     #[test]

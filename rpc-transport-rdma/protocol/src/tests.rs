@@ -351,11 +351,13 @@ fn held_credits_stop_the_peer_and_release_resumes_it() {
     let mut pair = Pair::symmetric(8, 256);
     pair.b.protocol.set_hold_credits(true);
     for i in 0..50 {
-        pair.a.send(frame(10, i), pair.now);
+        pair.a.send(frame(100, i), pair.now);
     }
     pair.run().unwrap();
-    // a spent its credits down to the reserve and stopped.
-    assert_eq!(pair.b.delivered.len(), 7);
+    // a spent its credits down to the reserve and stopped: 7 messages, each
+    // a BATCH of the two 100-byte frames that fill a 256-byte slot.
+    assert_eq!(pair.a.messages_sent, 7);
+    assert_eq!(pair.b.delivered.len(), 14);
     assert_eq!(pair.a.protocol.send_credits(), 1);
     pair.b.protocol.set_hold_credits(false);
     pair.run().unwrap();
@@ -1104,4 +1106,53 @@ fn forged_returns_are_errors() {
     .to_vec();
     zero[8] = 0;
     assert!(Message::decode(zero.into()).is_err());
+}
+
+#[test]
+fn eager_frames_queued_at_once_share_messages_in_order() {
+    // 10-byte frames: (256 - 16) / (4 + 10) = 17 fit one 256-byte slot.
+    let mut pair = Pair::symmetric(8, 256);
+    let frames: Vec<Bytes> = (0..100).map(|i| frame(10, i)).collect();
+    for f in &frames {
+        pair.a.send(f.clone(), pair.now);
+    }
+    pair.run().unwrap();
+    assert_eq!(pair.b.delivered, frames);
+    let data_messages = pair.a.messages_sent - pair.a.credit_messages_sent;
+    assert!(
+        (6..=8).contains(&data_messages),
+        "100 frames, 17 a slot: {data_messages} messages"
+    );
+
+    // A rendezvous frame ends a batch: what is queued after it goes after it.
+    let mut p = Protocol::new(geometry(8, 4096), geometry(8, 4096), Limits::default());
+    p.send_eager(frame(1, 1));
+    p.send_eager(frame(1, 2));
+    p.send_rendezvous(frame(3, 3), Bytes::new(), 0x1000, 8192, 7, Instant::now());
+    p.send_eager(frame(1, 4));
+    let kinds: Vec<Body> = std::iter::from_fn(|| p.poll_transmit().map(|m| m.body)).collect();
+    assert!(
+        matches!(&kinds[..], [Body::Batch(two), Body::Announce(_), Body::Data(last)]
+            if two == &[frame(1, 1), frame(1, 2)] && last == &frame(1, 4)),
+        "{kinds:?}"
+    );
+}
+
+#[test]
+fn a_batch_holds_at_most_max_batch_frames() {
+    let mut p = Protocol::new(geometry(8, 4096), geometry(8, 4096), Limits::default());
+    for i in 0..100 {
+        p.send_eager(frame(1, i));
+    }
+    let first = p.poll_transmit().expect("credits and a slot");
+    let Body::Batch(frames) = first.body else {
+        panic!("{first:?}");
+    };
+    assert_eq!(frames.len(), MAX_BATCH_FRAMES);
+    assert_eq!(frames[63], frame(1, 63));
+    // The receiver takes what a peer's batch carries, and no more.
+    let mut receiver = Protocol::new(geometry(8, 4096), geometry(8, 4096), Limits::default());
+    received(&mut receiver, 0, Body::Batch(frames)).unwrap();
+    let inbound = std::iter::from_fn(|| receiver.poll_inbound()).count();
+    assert_eq!(inbound, MAX_BATCH_FRAMES);
 }
