@@ -26,7 +26,8 @@ use bytes::Bytes;
 use libfuzzer_sys::arbitrary::{self, Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use rdma_rpc_protocol::{
-    Announce, Body, Event, Geometry, HEADER_LEN, Inbound, Limits, MAX_UNANSWERED, MIN_SLOT_LEN,
+    Announce, Body, Event, Geometry, HEADER_LEN, Inbound, Limits, MAX_BATCH_FRAMES, MAX_UNANSWERED,
+    MIN_SLOT_LEN,
     Message, Protocol, ReadRequest, Route,
 };
 
@@ -481,7 +482,11 @@ impl Pair {
             assert!(s.queued <= s.limits.max_queued);
             assert!(p.pulls() <= MAX_UNANSWERED as usize, "{} pulls", p.pulls());
             assert!(p.unanswered() <= MAX_UNANSWERED as usize);
-            let pending_bound = s.limits.max_pending as usize + s.geometry.recv_slots as usize;
+            // Grants stop once max_pending wait; the peer may still use the
+            // credits it holds, each message a BATCH of up to
+            // MAX_BATCH_FRAMES frames.
+            let pending_bound = s.limits.max_pending as usize
+                + s.geometry.recv_slots as usize * MAX_BATCH_FRAMES;
             assert!(
                 p.pending() <= pending_bound,
                 "{} messages wait for the application, bound {pending_bound}",

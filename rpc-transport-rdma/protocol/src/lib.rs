@@ -60,9 +60,10 @@
 //!
 //! **Bounds.** Everything the peer can make this side hold is bounded. Its
 //! [`Geometry`] is checked field by field ([`Geometry::validate`]). Received
-//! messages waiting for the application (frames behind a pull, pulls not
+//! frames waiting for the application (frames behind a pull, pulls not
 //! done) stop credit grants at [`Limits::max_pending`], so at most that plus
-//! our receive slots wait. Announcements awaiting our DONE are at most
+//! what our receive slots hold wait (a BATCH fills a slot with at most
+//! [`MAX_BATCH_FRAMES`] frames, all slices of that slot's one copy). Announcements awaiting our DONE are at most
 //! [`MAX_UNANSWERED`] (an honest peer has at most [`MAX_EXPOSED`] out), and
 //! an announced range must not wrap around the address space.
 
@@ -285,7 +286,7 @@ pub struct Limits {
     pub max_exposed: u32,
     /// Frames queued for sending before the application waits.
     pub max_queued: usize,
-    /// Received messages waiting for the application (eager frames behind a
+    /// Received frames waiting for the application (eager frames behind a
     /// frame still being pulled, announced frames not yet pulled) before
     /// credit grants are held back, so the peer stops sending.
     pub max_pending: u32,
@@ -946,7 +947,7 @@ impl Protocol {
     }
 
     /// Whether credit grants are held back: the driver asked (the application
-    /// is not reading), or `max_pending` messages wait for the application
+    /// is not reading), or `max_pending` frames wait for the application
     /// (frames behind a pull, pulls not done). Either way what is pending
     /// drains without the peer's help, so holding cannot deadlock; once held,
     /// the peer can add at most the credits it still has (our receive slots).
