@@ -60,6 +60,9 @@ pub enum Fault {
     ForgeRange,
     /// Announce rendezvous frames as longer than they are, by this many bytes.
     ForgeLength(u64),
+    /// Send every BATCH with its first frame's length prefix set to
+    /// `u32::MAX` (running past the end of the message).
+    ForgeBatch,
 }
 
 /// Everything the RDMA transport can be told.

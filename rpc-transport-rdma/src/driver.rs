@@ -49,7 +49,7 @@ use tokio::sync::{Notify, mpsc};
 use crate::config::{Fault, PollMode, RdmaConfig};
 use crate::device::{Device, SharedPools};
 use crate::pool::{LargePool, PooledBuffer};
-use crate::protocol::{Event, Inbound, Protocol, Route};
+use crate::protocol::{Body, Event, HEADER_LEN, Inbound, Message, Protocol, Route};
 use crate::setup_socket::{SetupSocket, SocketRead};
 use crate::spin::SpinPolicy;
 use crate::verbs::{
@@ -756,7 +756,7 @@ impl Driver {
             Some(Fault::ForgeRkey) => rkey ^= 0x5a5a_0000,
             Some(Fault::ForgeRange) => addr += 1 << 30,
             Some(Fault::ForgeLength(extra)) => len += extra,
-            None => {}
+            Some(Fault::ForgeBatch) | None => {}
         }
         (addr, len, rkey)
     }
@@ -992,10 +992,13 @@ impl Driver {
                 break;
             };
             progressed = true;
-            let sge = self
-                .pools
-                .send
-                .fill(slot, |buffer| message.encode_into(buffer));
+            let sge = self.pools.send.fill(slot, |buffer| {
+                let len = message.encode_into(buffer);
+                if self.fault == Some(Fault::ForgeBatch) {
+                    forge_batch(&message, buffer);
+                }
+                len
+            });
             let inline = sge.length as usize <= self.max_inline;
             self.sends
                 .send_shared(sge, wr_id(TAG_SEND, slot as u64), inline);
@@ -1173,6 +1176,13 @@ const IN: &str = "in";
 fn rendezvous_gauge(direction: &'static str, delta: f64) {
     if delta != 0.0 && rpc_core::metrics::enabled() {
         metrics::gauge!("rdma_rendezvous_in_flight", "direction" => direction).increment(delta);
+    }
+}
+
+/// [`Fault::ForgeBatch`]: a BATCH whose first frame runs past its end.
+fn forge_batch(message: &Message, slot: &mut [u8]) {
+    if matches!(message.body, Body::Batch(_)) {
+        slot[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&u32::MAX.to_le_bytes());
     }
 }
 

@@ -114,6 +114,48 @@ async fn forged_rendezvous_descriptors_fail_the_call_with_a_clear_status() {
     assert!(echo(&fresh, payload.clone()).await == payload);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_batch_ends_only_its_connection_with_the_reason() {
+    crate::require_device!();
+    let server = start_with(&RdmaBed, |s| s).await;
+    let healthy = Channel::connect(server.endpoint.clone()).await.unwrap();
+
+    let mut config = strict_config();
+    config.fault = Some(Fault::ForgeBatch);
+    register_scheme("rdmaforgedbatch", config);
+    let endpoint = server
+        .endpoint
+        .to_string()
+        .replacen("rdma://", "rdmaforgedbatch://", 1);
+    let forged = Channel::connect(endpoint.as_str()).await.unwrap();
+    // One call at a time goes as DATA: unaffected.
+    assert_echoes(&forged, "alone is fine").await;
+    // Calls issued together are batched, and the server refuses the batch.
+    let calls = (0..32u64).map(|i| forged.unary(probe("Echo", pattern(64, i))));
+    let results = tokio::time::timeout(
+        Duration::from_secs(5),
+        futures_util::future::join_all(calls),
+    )
+    .await
+    .expect("the calls end");
+    let failed: Vec<_> = results.into_iter().filter_map(Result::err).collect();
+    assert!(!failed.is_empty(), "no call met a batch");
+    for status in &failed {
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    assert!(
+        failed
+            .iter()
+            .any(|status| status.message().contains("truncated")),
+        "the server's reason reaches the client: {failed:?}"
+    );
+
+    // The server and its other connections are unharmed.
+    assert_echoes(&healthy, "still here").await;
+    let fresh = Channel::connect(server.endpoint.clone()).await.unwrap();
+    assert_echoes(&fresh, "new connections too").await;
+}
+
 const CHILD_ENV: &str = "RDMA_TEST_CHILD_SERVER";
 
 /// Not a test by itself: the server half of
