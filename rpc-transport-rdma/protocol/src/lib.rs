@@ -63,9 +63,10 @@
 //! frames waiting for the application (frames behind a pull, pulls not
 //! done) stop credit grants at [`Limits::max_pending`], so at most that plus
 //! what our receive slots hold wait (a BATCH fills a slot with at most
-//! [`MAX_BATCH_FRAMES`] frames, all slices of that slot's one copy). Announcements awaiting our DONE are at most
-//! [`MAX_UNANSWERED`] (an honest peer has at most [`MAX_EXPOSED`] out), and
-//! an announced range must not wrap around the address space.
+//! [`MAX_BATCH_FRAMES`] frames, all slices of that slot's one copy).
+//! Announcements awaiting our DONE are at most [`MAX_UNANSWERED`] (an honest
+//! peer has at most [`MAX_EXPOSED`] out), and an announced range must not
+//! wrap around the address space.
 
 pub mod message;
 
