@@ -767,6 +767,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_fuzz_seeds_are_hellos_of_this_version() {
+        // The first byte picks the decoder in the setup_hello target.
+        let seeds: [&[u8]; 2] = [
+            include_bytes!("../fuzz/seeds/setup_hello/transport"),
+            include_bytes!("../fuzz/seeds/setup_hello/transport_cm"),
+        ];
+        for seed in seeds {
+            let hello = TransportHello::decode(&seed[1..]).expect("a seed of this version");
+            assert_eq!(hello.encode(), &seed[1..]);
+        }
+        assert!(TransportHello::decode(&seeds[1][1..]).unwrap().requires_cm);
+    }
+
+    #[test]
     fn hello_payload_round_trips_and_checks_version_and_host() {
         let geometry = Geometry {
             recv_slots: 64,

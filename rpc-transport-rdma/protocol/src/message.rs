@@ -480,6 +480,33 @@ mod tests {
     }
 
     #[test]
+    fn the_fuzz_seeds_are_messages_of_this_version() {
+        macro_rules! seed {
+            ($name:literal) => {
+                (
+                    $name,
+                    &include_bytes!(concat!("../../fuzz/seeds/protocol_message/", $name))[..],
+                )
+            };
+        }
+        let seeds = [
+            seed!("data"),
+            seed!("announce"),
+            seed!("done"),
+            seed!("credit"),
+            seed!("close"),
+            seed!("return"),
+            seed!("batch"),
+        ];
+        for (name, bytes) in seeds {
+            let bytes = Bytes::from_static(bytes);
+            let message = Message::decode(bytes.clone())
+                .unwrap_or_else(|error| panic!("seed {name}: {error}"));
+            assert_eq!(message.encode(), bytes, "seed {name} is canonical");
+        }
+    }
+
+    #[test]
     fn encode_into_writes_what_encode_returns() {
         for message in all() {
             let mut slot = vec![0xee; message.encoded_len() + 8];
