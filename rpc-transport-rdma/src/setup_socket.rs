@@ -40,12 +40,7 @@ impl SetupSocket {
     ) -> Poll<SocketRead> {
         let mut buffer = [0u8; 1024];
         let mut read = ReadBuf::new(&mut buffer);
-        let polled = match self {
-            SetupSocket::Plain(stream) => Pin::new(stream).poll_read(cx, &mut read),
-            #[cfg(feature = "tls")]
-            SetupSocket::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, &mut read),
-        };
-        match polled {
+        match Pin::new(&mut *self).poll_read(cx, &mut read) {
             Poll::Pending => Poll::Pending,
             // TLS reports a peer that closed without a close_notify (any
             // process that exits) this way: for the liveness signal it is
@@ -55,12 +50,7 @@ impl SetupSocket {
             }
             Poll::Ready(Err(error)) => Poll::Ready(SocketRead::Failed(error)),
             Poll::Ready(Ok(())) if read.filled().is_empty() => Poll::Ready(SocketRead::Eof),
-            Poll::Ready(Ok(())) => {
-                let room = limit.saturating_sub(into.len());
-                let filled = read.filled();
-                into.extend_from_slice(&filled[..filled.len().min(room)]);
-                Poll::Ready(SocketRead::Data)
-            }
+            Poll::Ready(Ok(())) => Poll::Ready(append_bounded(into, read.filled(), limit)),
         }
     }
 
@@ -86,11 +76,7 @@ impl SetupSocket {
         let mut buffer = [0u8; 1024];
         match stream.try_read(&mut buffer) {
             Ok(0) => Some(SocketRead::Eof),
-            Ok(n) => {
-                let room = limit.saturating_sub(into.len());
-                into.extend_from_slice(&buffer[..n.min(room)]);
-                Some(SocketRead::Data)
-            }
+            Ok(n) => Some(append_bounded(into, &buffer[..n], limit)),
             Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => None,
             Err(error) => Some(SocketRead::Failed(error)),
         }
@@ -117,6 +103,14 @@ impl SetupSocket {
             }
         }
     }
+}
+
+/// Appends what fits of `bytes` to `into` under `limit` bytes in all (a
+/// close reason is bounded; the rest is dropped).
+fn append_bounded(into: &mut Vec<u8>, bytes: &[u8], limit: usize) -> SocketRead {
+    let room = limit.saturating_sub(into.len());
+    into.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    SocketRead::Data
 }
 
 impl From<TcpStream> for SetupSocket {

@@ -153,19 +153,9 @@ impl TlsTransport {
                 reason: "the host is neither a DNS name nor an IP address a certificate can name",
             }
         })?;
-        let timeout = self.handshake_timeout;
         let handshake = TlsConnector::from(client).connect(name, tcp);
-        match tokio::time::timeout(timeout, handshake).await {
-            Ok(Ok(stream)) => Ok(stream),
-            Ok(Err(error)) => Err(handshake_failed(&format!("with {endpoint}"), error)),
-            Err(_) => Err(handshake_failed(
-                &format!("with {endpoint}"),
-                io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("no answer within {timeout:?}"),
-                ),
-            )),
-        }
+        self.bounded(handshake, &format!("with {endpoint}"), "no answer")
+            .await
     }
 
     /// Runs the server side of a handshake on an accepted `tcp` (from
@@ -183,15 +173,28 @@ impl TlsTransport {
         let peer = tcp
             .peer_addr()
             .map_or_else(|_| "a peer".to_owned(), |peer| peer.to_string());
+        let handshake = TlsAcceptor::from(server).accept(tcp);
+        self.bounded(handshake, &format!("from {peer}"), "no ClientHello")
+            .await
+    }
+
+    /// A handshake with `what` (`with host:port`, `from peer`), bounded by
+    /// the handshake time-out; `silence` says what did not come in time.
+    async fn bounded<S>(
+        &self,
+        handshake: impl std::future::Future<Output = io::Result<S>>,
+        what: &str,
+        silence: &str,
+    ) -> Result<S, TransportError> {
         let timeout = self.handshake_timeout;
-        match tokio::time::timeout(timeout, TlsAcceptor::from(server).accept(tcp)).await {
+        match tokio::time::timeout(timeout, handshake).await {
             Ok(Ok(stream)) => Ok(stream),
-            Ok(Err(error)) => Err(handshake_failed(&format!("from {peer}"), error)),
+            Ok(Err(error)) => Err(handshake_failed(what, error)),
             Err(_) => Err(handshake_failed(
-                &format!("from {peer}"),
+                what,
                 io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("no ClientHello within {timeout:?}"),
+                    format!("{silence} within {timeout:?}"),
                 ),
             )),
         }

@@ -25,6 +25,7 @@
 //! handed to another connection.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -203,7 +204,7 @@ pub struct LargePool {
     config: LargePoolConfig,
     free: Mutex<FreeLists>,
     /// Buffers this pool registered so far.
-    registrations: std::sync::atomic::AtomicU64,
+    registrations: AtomicU64,
 }
 
 impl std::fmt::Debug for LargePool {
@@ -225,7 +226,7 @@ impl LargePool {
             pd,
             config,
             free: Mutex::new(FreeLists::default()),
-            registrations: std::sync::atomic::AtomicU64::new(0),
+            registrations: AtomicU64::new(0),
         });
         let mut class = MIN_CLASS;
         while class <= MIB {
@@ -250,8 +251,7 @@ impl LargePool {
         // Where the device binds memory windows, a READ window over a
         // buffer (a copied frame, or a received one sent on) is bound over
         // its registration instead of registering it again.
-        self.registrations
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.registrations.fetch_add(1, Ordering::Relaxed);
         let access = if self.pd.window_cache().is_some() {
             AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND
         } else {
@@ -368,8 +368,7 @@ impl LargePool {
 
     /// Buffers this pool registered so far (misses and growth ahead of them).
     pub fn registrations(&self) -> u64 {
-        self.registrations
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.registrations.load(Ordering::Relaxed)
     }
 
     /// Bytes of free buffers held for reuse.
