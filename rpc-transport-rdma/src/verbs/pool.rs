@@ -28,6 +28,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -164,12 +165,42 @@ impl Default for LargePoolConfig {
 /// [`LargePool::take`]); larger ones register exactly what is asked.
 const GROW_AHEAD_UP_TO: usize = 2 * MIB;
 
+/// A miss this soon after the previous one of its class continues a
+/// streak: the load is still rising (see [`LargePool::take`]).
+const MISS_STREAK_WITHIN: Duration = Duration::from_millis(250);
+
+/// A class's recent misses.
+#[derive(Debug, Clone, Copy)]
+struct MissStreak {
+    last: Instant,
+    /// Misses in a row, each within [`MISS_STREAK_WITHIN`] of the last.
+    len: u32,
+}
+
+impl MissStreak {
+    /// Counts a miss at `now`; how many buffers to register ahead of it
+    /// with `out` of the class out: none for the first miss of a streak,
+    /// then 1, 3, 7, ... (doubling), never more than half of `out` (at
+    /// least 1).
+    fn miss(streak: &mut Option<MissStreak>, now: Instant, out: usize) -> usize {
+        let len = match *streak {
+            Some(last) if now.duration_since(last.last) <= MISS_STREAK_WITHIN => last.len + 1,
+            _ => 1,
+        };
+        *streak = Some(MissStreak { last: now, len });
+        let doubling = (1usize << (len - 1).min(20)) - 1;
+        doubling.min((out / 2).max(1))
+    }
+}
+
 #[derive(Default)]
 struct FreeLists {
     /// Free buffers by class, each with the sequence number of its return.
     by_class: HashMap<usize, Vec<(RegisteredBuffer, u64)>>,
     /// Buffers of each class taken and not returned yet.
     out: HashMap<usize, usize>,
+    /// Each class's latest misses.
+    misses: HashMap<usize, Option<MissStreak>>,
     cached_bytes: usize,
     returns: u64,
 }
@@ -290,13 +321,17 @@ impl LargePool {
     /// its size class, else a free one of a larger class up to
     /// 4 times as large.
     ///
-    /// A miss means the class's buffers did not cover this peak. For classes
-    /// up to 2 MiB it registers, besides the buffer asked for,
-    /// half as many again as the class has out (at least one, within
-    /// `max_cached_bytes`), kept free: a load that keeps rising registers
-    /// a logarithmic number of times, not once per new peak, and each
+    /// A miss means the class's buffers did not cover this peak. A lone
+    /// miss registers the buffer asked for. For classes up to 2 MiB, misses
+    /// in a row (each within 250 ms of the last) mean the load is still
+    /// rising: each registers, besides the buffer asked for, 1, 3, 7, ...
+    /// more, at most half as many again as the class has out (within
+    /// `max_cached_bytes`), kept free. A load that keeps rising registers a
+    /// logarithmic number of times, not once per new peak, and each
     /// registration (pinning pages on hardware) stays off the data path for
-    /// longer. Larger classes register exactly what is asked.
+    /// longer; a rare peak a little above the last one, late in a long run,
+    /// registers about what it needs instead of half its class again.
+    /// Larger classes register exactly what is asked.
     pub fn take(self: &Arc<Self>, len: usize) -> Result<PooledBuffer, VerbsError> {
         let class = size_class(len);
         let (cached, ahead) = {
@@ -315,7 +350,8 @@ impl LargePool {
                         .config
                         .max_cached_bytes
                         .saturating_sub(lists.cached_bytes);
-                    (out_before / 2).max(1).min(room / class)
+                    let streak = lists.misses.entry(class).or_default();
+                    MissStreak::miss(streak, Instant::now(), out_before).min(room / class)
                 }
                 None => 0,
             };
@@ -525,7 +561,10 @@ mod tests {
         for len in (1..(20 << 20)).step_by(4093) {
             let class = size_class(len);
             assert!(class >= len, "{len}");
-            assert!(class == MIN_CLASS || (class - len) * 4 < len, "{len} in {class}");
+            assert!(
+                class == MIN_CLASS || (class - len) * 4 < len,
+                "{len} in {class}"
+            );
             assert_eq!(class % (16 << 10), 0, "{len}");
         }
     }
@@ -594,6 +633,13 @@ mod tests {
         let held: Vec<_> = (0..100).map(|_| pool.take(1 << 20).unwrap()).collect();
         assert_eq!(pool.registrations(), first);
         drop(held);
+        // A lone peak one above all it has, later, registers one buffer, not
+        // half the class again.
+        std::thread::sleep(MISS_STREAK_WITHIN + Duration::from_millis(50));
+        let held: Vec<_> = (0..=first).map(|_| pool.take(1 << 20).unwrap()).collect();
+        assert_eq!(pool.registrations(), first + 1);
+        drop(held);
+        let first = first + 1;
         // A class above the grow-ahead limit registers exactly what is asked.
         let large: Vec<_> = (0..3).map(|_| pool.take(3 << 20).unwrap()).collect();
         assert_eq!(pool.registrations(), first + 3);
