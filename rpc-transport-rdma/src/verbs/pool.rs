@@ -179,16 +179,17 @@ struct MissStreak {
 
 impl MissStreak {
     /// Counts a miss at `now`; how many buffers to register ahead of it
-    /// with `out` of the class out: none for the first miss of a streak,
-    /// then 1, 3, 7, ... (doubling), never more than half of `out` (at
-    /// least 1).
+    /// with `out` of the class out: 1 for the first miss of a streak (a
+    /// spare: a buffer freed a moment late, such as a window the peer has
+    /// not released yet, is no new peak), then 3, 7, 15, ... (doubling),
+    /// never more than half of `out` (at least 1).
     fn miss(streak: &mut Option<MissStreak>, now: Instant, out: usize) -> usize {
         let len = match *streak {
             Some(last) if now.duration_since(last.last) <= MISS_STREAK_WITHIN => last.len + 1,
             _ => 1,
         };
         *streak = Some(MissStreak { last: now, len });
-        let doubling = (1usize << (len - 1).min(20)) - 1;
+        let doubling = (1usize << len.min(20)) - 1;
         doubling.min((out / 2).max(1))
     }
 }
@@ -321,12 +322,12 @@ impl LargePool {
     /// its size class, else a free one of a larger class up to
     /// 4 times as large.
     ///
-    /// A miss means the class's buffers did not cover this peak. A lone
-    /// miss registers the buffer asked for. For classes up to 2 MiB, misses
-    /// in a row (each within 250 ms of the last) mean the load is still
-    /// rising: each registers, besides the buffer asked for, 1, 3, 7, ...
-    /// more, at most half as many again as the class has out (within
-    /// `max_cached_bytes`), kept free. A load that keeps rising registers a
+    /// A miss means the class's buffers did not cover this peak. For
+    /// classes up to 2 MiB a lone miss registers the buffer asked for and
+    /// one spare; misses in a row (each within 250 ms of the last) mean the
+    /// load is still rising: each registers, besides the buffer asked for,
+    /// 3, 7, 15, ... more, at most half as many again as the class has out
+    /// (within `max_cached_bytes`), kept free. A load that keeps rising registers a
     /// logarithmic number of times, not once per new peak, and each
     /// registration (pinning pages on hardware) stays off the data path for
     /// longer; a rare peak a little above the last one, late in a long run,
@@ -633,13 +634,19 @@ mod tests {
         let held: Vec<_> = (0..100).map(|_| pool.take(1 << 20).unwrap()).collect();
         assert_eq!(pool.registrations(), first);
         drop(held);
-        // A lone peak one above all it has, later, registers one buffer, not
-        // half the class again.
+        // A lone peak one above all it has, later, registers that buffer and
+        // one spare, not half the class again.
         std::thread::sleep(MISS_STREAK_WITHIN + Duration::from_millis(50));
-        let held: Vec<_> = (0..=first).map(|_| pool.take(1 << 20).unwrap()).collect();
-        assert_eq!(pool.registrations(), first + 1);
-        drop(held);
-        let first = first + 1;
+        let in_class = first as usize;
+        let held: Vec<_> = (0..=in_class)
+            .map(|_| pool.take(1 << 20).unwrap())
+            .collect();
+        assert_eq!(pool.registrations(), first + 2);
+        // The spare covers the next one above.
+        let spare = pool.take(1 << 20).unwrap();
+        assert_eq!(pool.registrations(), first + 2);
+        drop((held, spare));
+        let first = first + 2;
         // A class above the grow-ahead limit registers exactly what is asked.
         let large: Vec<_> = (0..3).map(|_| pool.take(3 << 20).unwrap()).collect();
         assert_eq!(pool.registrations(), first + 3);
