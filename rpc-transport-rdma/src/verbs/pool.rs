@@ -6,11 +6,11 @@
 //! - [`LargePool`]: registered buffers for rendezvous frames, shared by the
 //!   connections of one device. Buffers come in size classes (from 64 KiB
 //!   in quarter steps of powers of two to 8 MiB, then whole MiB: see
-//!   [`size_class`]); a set is registered when the
-//!   device opens, a miss registers a new buffer once, and a returned buffer
-//!   is kept for the next frame of its class up to a byte cap. After warm-up
-//!   the hot path registers nothing (the transport's tests check
-//!   [`crate::verbs::registrations`]).
+//!   [`size_class`]); a set is registered when the device opens, a miss
+//!   registers what the peak needs and a little ahead of it
+//!   ([`LargePool::take`]), and a returned buffer is kept for the next frame
+//!   of its class up to a byte cap. After warm-up the hot path registers
+//!   nothing (the transport's tests check [`crate::verbs::registrations`]).
 //! - [`PooledBuffer::into_bytes`]: a pulled frame handed up as [`Bytes`] over
 //!   its registered destination, back in the pool when the last clone drops.
 //!
@@ -141,8 +141,8 @@ pub fn size_class(len: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LargePoolConfig {
     /// Buffers of each power-of-two class from 64 KiB to 1 MiB registered
-    /// when the device opens (default 1: 1.9 MiB, resident from the start as pinning makes
-    /// it on hardware). Every process that opens the device pays this, most
+    /// when the device opens (default 1: 1.9 MiB, resident from the start
+    /// as pinning makes it on hardware). Every process that opens the device pays this, most
     /// of which (clients) never send a large payload; a burst beyond it
     /// grows its class ahead of demand (see [`LargePool::take`]).
     pub prealloc_per_class: usize,
@@ -184,7 +184,7 @@ impl MissStreak {
     /// not released yet, is no new peak), then 3, 7, 15, ... (doubling),
     /// never more than half of `out` (at least 1).
     fn miss(streak: &mut Option<MissStreak>, now: Instant, out: usize) -> usize {
-        let len = match *streak {
+        let len = match streak {
             Some(last) if now.duration_since(last.last) <= MISS_STREAK_WITHIN => last.len + 1,
             _ => 1,
         };
@@ -327,10 +327,10 @@ impl LargePool {
     /// one spare; misses in a row (each within 250 ms of the last) mean the
     /// load is still rising: each registers, besides the buffer asked for,
     /// 3, 7, 15, ... more, at most half as many again as the class has out
-    /// (within `max_cached_bytes`), kept free. A load that keeps rising registers a
-    /// logarithmic number of times, not once per new peak, and each
-    /// registration (pinning pages on hardware) stays off the data path for
-    /// longer; a rare peak a little above the last one, late in a long run,
+    /// (within `max_cached_bytes`), kept free. A load that keeps rising
+    /// registers a logarithmic number of times, not once per new peak, and
+    /// each registration (pinning pages on hardware) stays off the data path
+    /// for longer; a rare peak a little above the last one, late in a long run,
     /// registers about what it needs instead of half its class again.
     /// Larger classes register exactly what is asked.
     pub fn take(self: &Arc<Self>, len: usize) -> Result<PooledBuffer, VerbsError> {
