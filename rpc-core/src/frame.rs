@@ -63,6 +63,16 @@ pub enum FrameKind {
     Ping = 4,
     /// Either way: the sender takes no new calls on this connection.
     GoAway = 5,
+    /// Either way: one message of a streaming call. With
+    /// [`FrameFlags::END_STREAM`], the sender's last message.
+    Message = 6,
+    /// Server → client: a streaming call's response metadata, before its
+    /// first message. Client → server, with [`FrameFlags::END_STREAM`] and
+    /// nothing else: the client sends no more messages (half-close).
+    Headers = 7,
+    /// Either way: the receiver of a stream lets the sender send this many
+    /// more messages (a `u32` in the payload).
+    Window = 8,
 }
 
 impl FrameKind {
@@ -73,6 +83,9 @@ impl FrameKind {
             3 => FrameKind::Cancel,
             4 => FrameKind::Ping,
             5 => FrameKind::GoAway,
+            6 => FrameKind::Message,
+            7 => FrameKind::Headers,
+            8 => FrameKind::Window,
             _ => return None,
         })
     }
@@ -89,7 +102,16 @@ impl FrameFlags {
     pub const END_STREAM: FrameFlags = FrameFlags(0x1);
     /// A ping that answers a ping.
     pub const ACK: FrameFlags = FrameFlags(0x2);
-    const KNOWN: u16 = 0x3;
+    /// A request that opens a streaming call: its messages follow as
+    /// [`FrameKind::Message`] frames, and so do the server's.
+    pub const STREAMING: FrameFlags = FrameFlags(0x4);
+    /// With [`STREAMING`](Self::STREAMING), on a request: the sender does
+    /// not know whether the method is unary or streaming (a gateway from
+    /// gRPC, whose wire does not say). A unary method takes one message
+    /// and answers with one final response that carries its message
+    /// (docs/wire-format.md, "Kind unknown").
+    pub const KIND_UNKNOWN: FrameFlags = FrameFlags(0x8);
+    const KNOWN: u16 = 0xf;
 
     /// The raw bits.
     pub fn bits(self) -> u16 {
@@ -160,6 +182,15 @@ pub enum FrameError {
     /// The metadata block is malformed.
     #[error(transparent)]
     Metadata(#[from] InvalidMetadata),
+    /// A section or flag this kind of frame never carries is present, or a
+    /// field has a value its kind forbids.
+    #[error("malformed {kind:?} frame: {reason}")]
+    Malformed {
+        /// The frame's kind.
+        kind: FrameKind,
+        /// What is wrong.
+        reason: &'static str,
+    },
 }
 
 /// Payloads shorter than this are copied behind the head by
@@ -280,6 +311,85 @@ impl Frame {
             metadata,
             payload: payload.into(),
         }
+    }
+
+    /// The request that opens a streaming call: no message (those follow as
+    /// [`FrameKind::Message`] frames).
+    pub fn stream_request(
+        call_id: u64,
+        path: impl Into<String>,
+        deadline: Option<Duration>,
+        metadata: Metadata,
+    ) -> Frame {
+        Frame {
+            kind: FrameKind::Request,
+            flags: FrameFlags::STREAMING,
+            call_id,
+            status: Code::Ok,
+            deadline,
+            path: path.into(),
+            metadata,
+            payload: Payload::new(),
+        }
+    }
+
+    /// A message frame that carries one message of a streaming call; `last`
+    /// sets [`FrameFlags::END_STREAM`].
+    pub fn message(call_id: u64, message: impl Into<Payload>, last: bool) -> Frame {
+        Frame::messages(call_id, crate::stream::single_message(message.into()), last)
+    }
+
+    /// A message frame whose payload is one or more messages, each a `u32`
+    /// length and that many bytes (see docs/wire-format.md).
+    pub(crate) fn messages(call_id: u64, payload: Payload, last: bool) -> Frame {
+        let flags = if last {
+            FrameFlags::END_STREAM
+        } else {
+            FrameFlags::EMPTY
+        };
+        let mut frame = Frame::control(FrameKind::Message, flags, call_id);
+        frame.payload = payload;
+        frame
+    }
+
+    /// A streaming call's response metadata (server → client).
+    pub fn headers(call_id: u64, metadata: Metadata) -> Frame {
+        let mut frame = Frame::control(FrameKind::Headers, FrameFlags::EMPTY, call_id);
+        frame.metadata = metadata;
+        frame
+    }
+
+    /// The client's half-close of a streaming call: it sends no more messages.
+    pub fn half_close(call_id: u64) -> Frame {
+        Frame::control(FrameKind::Headers, FrameFlags::END_STREAM, call_id)
+    }
+
+    /// Lets the peer send `grant` (at least 1) more messages on a stream.
+    pub fn window(call_id: u64, grant: u32) -> Frame {
+        let mut frame = Frame::control(FrameKind::Window, FrameFlags::EMPTY, call_id);
+        frame.payload = Payload::from(Bytes::copy_from_slice(&grant.to_le_bytes()));
+        frame
+    }
+
+    /// The grant of a [`FrameKind::Window`] frame (decoded frames always have one).
+    pub fn window_grant(&self) -> Option<u32> {
+        if self.kind != FrameKind::Window {
+            return None;
+        }
+        let bytes: [u8; 4] = self.payload.clone().into_contiguous()[..].try_into().ok()?;
+        Some(u32::from_le_bytes(bytes))
+    }
+
+    /// True for the request of a streaming call.
+    pub fn is_streaming(&self) -> bool {
+        self.flags.contains(FrameFlags::STREAMING)
+    }
+
+    /// True for a streaming request whose sender does not know the
+    /// method's kind ([`FrameFlags::KIND_UNKNOWN`]).
+    pub fn is_kind_unknown(&self) -> bool {
+        self.flags
+            .contains(FrameFlags::STREAMING | FrameFlags::KIND_UNKNOWN)
     }
 
     /// A frame with no path, metadata or payload.
@@ -449,6 +559,33 @@ impl Frame {
             }
             _ => String::new(),
         };
+        let streaming = flags & FrameFlags::STREAMING.0 != 0;
+        let kind_unknown = flags & FrameFlags::KIND_UNKNOWN.0 != 0;
+        let malformed = |reason| Err(FrameError::Malformed { kind, reason });
+        match kind {
+            FrameKind::Request if streaming && payload_len != 0 => {
+                return malformed("a streaming request carries no message");
+            }
+            FrameKind::Request if kind_unknown && !streaming => {
+                return malformed("KIND_UNKNOWN is only for a streaming request");
+            }
+            FrameKind::Request => {}
+            _ if streaming => return malformed("only a request may be flagged STREAMING"),
+            _ if kind_unknown => return malformed("only a request may be flagged KIND_UNKNOWN"),
+            FrameKind::Message if metadata_len != 0 => {
+                return malformed("a message frame carries no metadata");
+            }
+            FrameKind::Headers if payload_len != 0 => {
+                return malformed("a headers frame carries no payload");
+            }
+            FrameKind::Window if metadata_len != 0 || payload_len != 4 => {
+                return malformed("a window frame carries a 4-byte grant and nothing else");
+            }
+            FrameKind::Window if message[metadata_len..].iter().all(|&b| b == 0) => {
+                return malformed("a window grant is at least 1");
+            }
+            _ => {}
+        }
         let metadata = Metadata::decode(message.split_to(metadata_len))?;
         Ok(Frame {
             kind,
@@ -519,6 +656,16 @@ mod tests {
             Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, 9),
             Frame::control(FrameKind::Ping, FrameFlags::ACK, 0),
             Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, 41),
+            Frame::stream_request(11, "/echo.Echo/Chat", None, Metadata::new()),
+            Frame::message(11, Bytes::from_static(b"one"), false),
+            Frame::message(11, Bytes::new(), true),
+            Frame::headers(11, {
+                let mut metadata = Metadata::new();
+                metadata.insert("x-served-by", "a").unwrap();
+                metadata
+            }),
+            Frame::half_close(11),
+            Frame::window(11, 16),
         ];
         for frame in frames {
             let bytes = frame.encode();
@@ -572,6 +719,29 @@ mod tests {
         assert_eq!(&frame.encode()[..], &expected[..]);
     }
 
+    /// The stream frames in docs/wire-format.md, byte for byte.
+    #[test]
+    fn documented_stream_bytes() {
+        let mut window = vec![0x01, 0x08, 0, 0, 0, 0, 0, 0, 0x07, 0, 0, 0, 0, 0, 0, 0];
+        window.extend_from_slice(&[0; 16]); // deadline, path_len, reserved, metadata_len
+        window.extend_from_slice(&[0x04, 0, 0, 0, 0, 0, 0, 0, 0x10, 0, 0, 0]);
+        assert_eq!(&Frame::window(7, 16).encode()[..], &window[..]);
+        let mut half_close = vec![
+            0x01, 0x07, 0x01, 0x00, 0, 0, 0, 0, 0x07, 0, 0, 0, 0, 0, 0, 0,
+        ];
+        half_close.extend_from_slice(&[0; 24]);
+        assert_eq!(&Frame::half_close(7).encode()[..], &half_close[..]);
+        let two = Payload::from(Bytes::from_static(&[2, 0, 0, 0, b'h', b'i', 0, 0, 0, 0]));
+        let frame = Frame::messages(7, two, false).encode();
+        assert_eq!(frame[1], 0x06);
+        assert_eq!(u32::from_le_bytes(frame[32..36].try_into().unwrap()), 10);
+        assert_eq!(&frame[HEADER_LEN..], &[2, 0, 0, 0, b'h', b'i', 0, 0, 0, 0]);
+        assert_eq!(
+            &Frame::message(7, Bytes::from_static(b"hi"), false).encode()[HEADER_LEN..],
+            &[2, 0, 0, 0, b'h', b'i']
+        );
+    }
+
     #[test]
     fn rejects_bad_version_kind_flags_and_reserved() {
         let good = sample().encode();
@@ -584,6 +754,7 @@ mod tests {
         assert_eq!(patch(1, 0), Err(FrameError::UnknownKind(0)));
         assert_eq!(patch(1, 99), Err(FrameError::UnknownKind(99)));
         assert_eq!(patch(3, 0x80), Err(FrameError::UnknownFlags(0x8001)));
+        assert_eq!(patch(2, 0x11), Err(FrameError::UnknownFlags(0x0011)));
         assert_eq!(patch(26, 1), Err(FrameError::ReservedNotZero));
         assert_eq!(patch(39, 1), Err(FrameError::ReservedNotZero));
     }
@@ -642,6 +813,47 @@ mod tests {
             Frame::decode(raw.freeze(), DEFAULT_MAX_FRAME_LEN),
             Err(FrameError::InvalidPath(_))
         ));
+    }
+
+    #[test]
+    fn stream_frames_carry_only_what_their_kind_allows() {
+        let reject = |frame: Frame, what: &str| {
+            let decoded = Frame::decode(frame.encode(), DEFAULT_MAX_FRAME_LEN);
+            assert!(
+                matches!(decoded, Err(FrameError::Malformed { .. })),
+                "{what}: {decoded:?}"
+            );
+        };
+        let mut with_message = Frame::stream_request(1, "/a.B/C", None, Metadata::new());
+        with_message.payload = Payload::from(Bytes::from_static(b"x"));
+        reject(with_message, "streaming request with a message");
+        let mut flagged = Frame::message(1, Bytes::new(), false);
+        flagged.flags = FrameFlags::STREAMING;
+        reject(flagged, "STREAMING on a message");
+        let mut unknown_unary = Frame::request(1, "/a.B/C", None, Metadata::new(), Bytes::new());
+        unknown_unary.flags = FrameFlags::END_STREAM | FrameFlags::KIND_UNKNOWN;
+        reject(unknown_unary, "KIND_UNKNOWN on a unary request");
+        let mut unknown_message = Frame::message(1, Bytes::new(), false);
+        unknown_message.flags = FrameFlags::KIND_UNKNOWN;
+        reject(unknown_message, "KIND_UNKNOWN on a message");
+        let mut unknown = Frame::stream_request(1, "/a.B/C", None, Metadata::new());
+        unknown.flags = FrameFlags::STREAMING | FrameFlags::KIND_UNKNOWN;
+        let decoded = Frame::decode(unknown.encode(), DEFAULT_MAX_FRAME_LEN).unwrap();
+        assert!(decoded.is_streaming() && decoded.is_kind_unknown());
+        let mut message_metadata = Frame::message(1, Bytes::new(), false);
+        message_metadata.metadata.insert("x-a", "b").unwrap();
+        reject(message_metadata, "metadata on a message");
+        let mut headers_payload = Frame::headers(1, Metadata::new());
+        headers_payload.payload = Payload::from(Bytes::from_static(b"x"));
+        reject(headers_payload, "payload on headers");
+        let mut zero = Frame::window(1, 1);
+        zero.payload = Payload::from(Bytes::from_static(&[0, 0, 0, 0]));
+        reject(zero, "grant of 0");
+        let mut short = Frame::window(1, 1);
+        short.payload = Payload::from(Bytes::from_static(&[1, 0, 0]));
+        reject(short, "3-byte grant");
+        let window = Frame::decode(Frame::window(3, 70_000).encode(), DEFAULT_MAX_FRAME_LEN);
+        assert_eq!(window.unwrap().window_grant(), Some(70_000));
     }
 
     #[test]

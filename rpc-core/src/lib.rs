@@ -70,6 +70,7 @@ mod request;
 mod send_buffer;
 pub mod server;
 mod status;
+pub mod stream;
 pub mod transport;
 mod wake_gate;
 
@@ -81,6 +82,7 @@ pub use request::{IntoRequest, PeerInfo, Request, Response};
 pub use send_buffer::SendBuffer;
 pub use server::Server;
 pub use status::{BoxError, Code, Status};
+pub use stream::{IntoStreamingRequest, Streaming};
 
 /// Includes the Rust code `rpc-codegen` generated for a protobuf package:
 /// `rpc_core::include_proto!("echo.v1");` inside the module that should hold it.
@@ -104,6 +106,14 @@ pub mod codegen {
     pub use crate::client::{Channel, RpcClient};
     pub use crate::codec::ProstCodec;
     pub use crate::server::NamedService;
+    pub use crate::server::streaming::{
+        client_streaming as client_streaming_handler, server_streaming as server_streaming_handler,
+        streaming as streaming_handler,
+    };
     pub use crate::server::unary::handle as unary;
-    pub use crate::{BoxError, Error, IntoRequest, Payload, Request, Response, Status};
+    pub use crate::{
+        BoxError, Error, IntoRequest, IntoStreamingRequest, Payload, Request, Response, Status,
+        Streaming,
+    };
+    pub use futures_core::Stream;
 }

@@ -154,6 +154,21 @@ impl Metadata {
         Ok(())
     }
 
+    /// Adds a binary value for `key` (which must end in `-bin`), keeping earlier values.
+    pub fn append_bin(
+        &mut self,
+        key: &str,
+        value: impl Into<Bytes>,
+    ) -> Result<(), InvalidMetadata> {
+        let key = normalize_key(key)?;
+        if !is_binary_key(&key) {
+            return Err(InvalidMetadata::WrongKind(key));
+        }
+        self.entries
+            .push((key, MetadataValue::Binary(value.into())));
+        Ok(())
+    }
+
     fn ascii_entry(key: &str, value: &str) -> Result<(String, MetadataValue), InvalidMetadata> {
         let key = normalize_key(key)?;
         if is_binary_key(&key) {
@@ -310,6 +325,10 @@ mod tests {
         assert_eq!(md.get("k"), Some("3"));
         assert_eq!(md.remove("k"), 1);
         assert!(md.is_empty());
+        md.append_bin("b-bin", vec![1u8]).unwrap();
+        md.append_bin("b-bin", vec![2u8]).unwrap();
+        assert_eq!(md.get_all("b-bin").count(), 2);
+        assert!(md.append_bin("b", vec![1u8]).is_err());
     }
 
     #[test]

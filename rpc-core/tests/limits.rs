@@ -378,6 +378,22 @@ async fn idle_channel_reconnects_transparently(bed: &dyn Bed) {
         second.metadata().get("x-peer"),
         "a new connection"
     );
+    // A streaming call, too, opens on a new connection.
+    until("the idle connection is closed", || {
+        stats.idle_closed_connections() == 2 && stats.connections() == 0
+    })
+    .await;
+    let mut counted = crate::suite::count_stream(&channel, 3, u64::MAX, 8, None)
+        .await
+        .unwrap()
+        .into_inner();
+    for n in 0..3 {
+        assert_eq!(
+            crate::suite::number_of(&counted.message().await.unwrap().unwrap()),
+            n
+        );
+    }
+    assert_eq!(counted.message().await.unwrap(), None);
     // Keepalive pings are frames: a channel that pings more often than the
     // time-out keeps its connection.
     let pinging = Channel::builder(server.endpoint.clone())

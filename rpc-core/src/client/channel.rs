@@ -18,14 +18,18 @@ use tower::retry::backoff::{
 };
 use tower::util::rng::HasherRng;
 
-use super::connection::{ClientConnection, Keepalive};
+use super::connection::{ClientConnection, Keepalive, OpenStream};
 use crate::conn_io::DEFAULT_OUTBOUND_QUEUE_BYTES;
 use crate::error::Error;
-use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame};
+use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame, FrameKind};
 use crate::metrics::{CallRecord, Side};
 use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{Code, Status};
+use crate::stream::{
+    InboundMessages, Outbound, OutboundMessages, RawCodec, SendMessages, Streaming, TakeOnce,
+    into_streaming_request, take_inbound,
+};
 use crate::transport::{self, Endpoint, TransportConfig};
 
 /// How long to wait between failed connection attempts.
@@ -86,6 +90,7 @@ pub struct ChannelBuilder {
     backoff: Backoff,
     keepalive: Option<Keepalive>,
     outbound_queue_bytes: usize,
+    fallback: Option<Endpoint>,
 }
 
 /// Attempts of one call: a call that a server provably never saw (it sent
@@ -139,6 +144,28 @@ impl ChannelBuilder {
         self
     }
 
+    /// Where to connect when the endpoint cannot be reached (opt-in;
+    /// default: nowhere). For an `rdma://` endpoint whose host or peer cannot
+    /// do RDMA (no RDMA device, the soft provider's peer on another host, a
+    /// plain gRPC server at that address), a `tcp://` or `grpc://` endpoint
+    /// of the same service. Each new connection tries the endpoint first and
+    /// the fallback after any failure to connect to it; the first fallback
+    /// is logged (a warning, with why the endpoint failed), later ones at
+    /// debug level.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), rpc_core::Error> {
+    /// let channel = rpc_core::Channel::builder("rdma://10.0.0.7:50051".parse()?)
+    ///     .fallback("grpc://10.0.0.7:50052".parse()?)
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = channel; Ok(()) }
+    /// ```
+    pub fn fallback(mut self, endpoint: Endpoint) -> Self {
+        self.fallback = Some(endpoint);
+        self
+    }
+
     /// Waits between failed connection attempts.
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
@@ -161,6 +188,7 @@ impl ChannelBuilder {
                     }
                 }),
                 config: self,
+                fell_back: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -187,6 +215,8 @@ struct ChannelInner {
     current: Mutex<Option<Arc<ClientConnection>>>,
     /// Serialises connection attempts and holds the backoff state.
     connecting: tokio::sync::Mutex<Reconnect>,
+    /// Whether a connection went to the fallback (logged once).
+    fell_back: std::sync::atomic::AtomicBool,
 }
 
 impl ChannelInner {
@@ -204,11 +234,36 @@ impl ChannelInner {
     }
 
     async fn open_connection(&self) -> Result<Arc<ClientConnection>, Error> {
+        let endpoint = &self.config.endpoint;
+        let error = match self.open_connection_to(endpoint).await {
+            Ok(connection) => return Ok(connection),
+            Err(error) => error,
+        };
+        let Some(fallback) = &self.config.fallback else {
+            return Err(error);
+        };
+        if self
+            .fell_back
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::debug!(%endpoint, %fallback, %error, "connecting to the fallback");
+        } else {
+            tracing::warn!(
+                %endpoint, %fallback, %error,
+                "cannot connect to the endpoint; falling back (logged once per channel)"
+            );
+        }
+        self.open_connection_to(fallback).await
+    }
+
+    async fn open_connection_to(
+        &self,
+        endpoint: &Endpoint,
+    ) -> Result<Arc<ClientConnection>, Error> {
         let config = TransportConfig {
             max_frame_len: self.config.max_frame_len,
             receive_budget: None,
         };
-        let endpoint = &self.config.endpoint;
         match tokio::time::timeout(
             self.config.connect_timeout,
             transport::connect(endpoint, &config),
@@ -217,7 +272,7 @@ impl ChannelInner {
         {
             Ok(Ok(connection)) => Ok(ClientConnection::start(
                 connection,
-                self.config.endpoint.scheme(),
+                endpoint.scheme(),
                 self.config.max_frame_len,
                 self.config.keepalive,
                 self.config.outbound_queue_bytes,
@@ -335,6 +390,7 @@ impl Channel {
             default_timeout: None,
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             backoff: Backoff::default(),
+            fallback: None,
             keepalive: Some(Keepalive::default()),
             outbound_queue_bytes: DEFAULT_OUTBOUND_QUEUE_BYTES,
         }
@@ -375,17 +431,46 @@ impl Channel {
     ) -> Result<Response<Bytes>, Status> {
         call(self.inner.clone(), request.map(Into::into)).await
     }
+
+    /// Performs one streaming call with encoded messages: sends each message
+    /// `request` yields (as the server's window allows), then half-closes,
+    /// and resolves once the server sent its response metadata, with its
+    /// messages. Generated clients wrap this with typed messages.
+    pub async fn streaming<S>(
+        &self,
+        request: Request<S>,
+    ) -> Result<Response<Streaming<Bytes>>, Status>
+    where
+        S: futures_core::Stream<Item = Payload> + Send + 'static,
+    {
+        let request = request.map(|messages| Outbound::many(messages, RawCodec));
+        let response = call(self.inner.clone(), into_streaming_request(request)).await?;
+        let (metadata, inbound) = take_inbound(response)?;
+        Ok(Response::from_parts(metadata, Streaming::new(inbound, Ok)))
+    }
+}
+
+fn path_of<T>(request: &Request<T>) -> Result<String, Status> {
+    request.method().map(str::to_owned).ok_or_else(|| {
+        Status::internal(
+            "request has no method path: set one with Request::set_method or use a generated client",
+        )
+    })
 }
 
 async fn call(
     inner: Arc<ChannelInner>,
     request: Request<Payload>,
 ) -> Result<Response<Bytes>, Status> {
-    let Some(path) = request.method().map(str::to_owned) else {
-        return Err(Status::internal(
-            "request has no method path: set one with Request::set_method or use a generated client",
-        ));
-    };
+    if let Some(OutboundMessages(messages)) = request.extensions().get::<OutboundMessages>() {
+        let Some(messages) = messages.take() else {
+            return Err(Status::internal(
+                "a streaming call cannot be sent twice (its messages were taken by an earlier attempt)",
+            ));
+        };
+        return call_streaming(inner, request, messages).await;
+    }
+    let path = path_of(&request)?;
     let timeout = request.timeout().or(inner.config.default_timeout);
     let record = CallRecord::start(Side::Client, &path, request.get_ref().len());
     let span = tracing::debug_span!(
@@ -448,6 +533,133 @@ async fn call(
     outcome
 }
 
+/// A streaming call: opens it, starts sending its messages, and resolves
+/// with the server's response metadata; the server's messages are in the
+/// response's extensions ([`InboundMessages`]). The deadline covers the whole
+/// stream. Once its first message is taken, a streaming call is never sent
+/// again: its messages are the application's, and may be gone.
+async fn call_streaming(
+    inner: Arc<ChannelInner>,
+    request: Request<Payload>,
+    messages: Outbound,
+) -> Result<Response<Bytes>, Status> {
+    let path = path_of(&request)?;
+    let timeout = request.timeout().or(inner.config.default_timeout);
+    let deadline = timeout.map(|timeout| (Instant::now() + timeout, timeout));
+    let kind_unknown = request
+        .extensions()
+        .get::<crate::stream::KindUnknown>()
+        .is_some();
+    let open = async {
+        // Opening is sent again on a new connection when this server never
+        // saw it (as for unary calls): no message has been taken yet.
+        let mut attempt = 1;
+        let (connection, open) = loop {
+            let connection = inner.connection().await?;
+            let remaining =
+                deadline.map(|(deadline, _)| deadline.saturating_duration_since(Instant::now()));
+            match connection
+                .start_stream(&path, remaining, request.metadata().clone(), kind_unknown)
+                .await
+            {
+                Ok(open) => break (connection, open),
+                Err(failure) if failure.unprocessed && attempt < MAX_ATTEMPTS => attempt += 1,
+                Err(failure) => return Err(failure.status),
+            }
+        };
+        let OpenStream {
+            call_id,
+            headers,
+            mut inbound,
+            mut sink,
+        } = open;
+        let pump = match messages {
+            Outbound::One(message) => {
+                if let Err(status) = sink.send_last(message).await {
+                    connection.end_call(call_id, status.clone());
+                    return Err(status);
+                }
+                None
+            }
+            Outbound::Many(messages) => Some(
+                tokio::spawn(send_messages(connection.clone(), call_id, sink, messages))
+                    .abort_handle(),
+            ),
+        };
+        inbound.set_guard(Box::new(StreamGuard {
+            connection,
+            call_id,
+            pump,
+        }));
+        if let Some((deadline, budget)) = deadline {
+            inbound.set_deadline(deadline, budget);
+        }
+        let headers = match headers.await {
+            Ok(Ok(frame)) => frame,
+            Ok(Err(failure)) => return Err(failure.status),
+            Err(_) => return Err(Status::unavailable("connection closed")),
+        };
+        if headers.kind == FrameKind::Response && headers.status != Code::Ok {
+            return Err(super::connection::status_of(&headers));
+        }
+        // Headers, or a final OK response (whose metadata is the trailers).
+        let metadata = if headers.kind == FrameKind::Headers {
+            headers.metadata
+        } else {
+            crate::Metadata::new()
+        };
+        let mut response = Response::from_parts(metadata, Bytes::new());
+        response
+            .extensions_mut()
+            .insert(InboundMessages(TakeOnce::new(inbound)));
+        Ok(response)
+    };
+    match deadline {
+        Some((deadline, budget)) => tokio::time::timeout_at(deadline, open)
+            .await
+            .unwrap_or_else(|_| Err(deadline_exceeded(Some(budget)))),
+        None => open.await,
+    }
+}
+
+/// Held by the application's end of a client stream: dropping it cancels
+/// the call (a no-op once it has ended) and stops sending its messages.
+struct StreamGuard {
+    connection: Arc<ClientConnection>,
+    call_id: u64,
+    pump: Option<tokio::task::AbortHandle>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if let Some(pump) = &self.pump {
+            pump.abort();
+        }
+        self.connection.end_call(
+            self.call_id,
+            Status::cancelled("call cancelled by the client"),
+        );
+    }
+}
+
+/// Sends a client stream's messages as its window allows, then half-closes.
+/// A message that cannot be sent (too large, or the stream yielded an
+/// error) ends the call with that error.
+async fn send_messages(
+    connection: Arc<ClientConnection>,
+    call_id: u64,
+    sink: crate::stream::MessageSink,
+    messages: SendMessages,
+) {
+    let (sink, result) = messages(sink).await;
+    // A call that already ended needs no further word.
+    if let Err(failure) = result {
+        if sink.call_ended().is_none() {
+            connection.end_call(call_id, failure);
+        }
+    }
+}
+
 fn deadline_exceeded(timeout: Option<Duration>) -> Status {
     let budget = timeout.unwrap_or_default();
     Status::deadline_exceeded(format!("deadline of {budget:?} exceeded"))
@@ -460,9 +672,7 @@ fn into_response(frame: Frame) -> Result<Response<Bytes>, Status> {
             frame.payload.into_contiguous(),
         ))
     } else {
-        let payload = frame.payload.into_contiguous();
-        let message = String::from_utf8_lossy(&payload).into_owned();
-        Err(Status::with_metadata(frame.status, message, frame.metadata))
+        Err(super::connection::status_of(&frame))
     }
 }
 

@@ -33,6 +33,7 @@ use crate::metadata::Metadata;
 use crate::metrics::{ConnectionRecord, Side};
 use crate::payload::Payload;
 use crate::status::{Code, Status};
+use crate::stream::{FeedError, InboundFeed, MessageSink, RawInbound, SendCredits};
 use crate::transport::{Connection, FrameStream, TransportError};
 use crate::wake_gate::WakeGated;
 
@@ -68,9 +69,48 @@ impl From<Status> for CallFailure {
 
 type CallResult = Result<Frame, CallFailure>;
 
+/// Who waits for a call's frames.
+enum Waiter {
+    /// A unary call: its response.
+    Unary(oneshot::Sender<CallResult>),
+    /// A streaming call: its headers, then its messages and end.
+    Stream(StreamWaiter),
+}
+
+struct StreamWaiter {
+    /// Until the server's headers (or its final response) arrive.
+    headers: Option<oneshot::Sender<CallResult>>,
+    feed: InboundFeed,
+    credits: Arc<SendCredits>,
+    /// Opened with `KIND_UNKNOWN`: a unary method may answer with one final
+    /// response that carries its message.
+    kind_unknown: bool,
+}
+
+impl StreamWaiter {
+    fn fail(self, failure: CallFailure) {
+        self.credits.close(failure.status.clone());
+        self.feed.finish(Err(failure.status.clone()));
+        if let Some(headers) = self.headers {
+            let _ = headers.send(Err(failure));
+        }
+    }
+}
+
+impl Waiter {
+    fn fail(self, failure: CallFailure) {
+        match self {
+            Waiter::Unary(waiter) => {
+                let _ = waiter.send(Err(failure));
+            }
+            Waiter::Stream(stream) => stream.fail(failure),
+        }
+    }
+}
+
 #[derive(Default)]
 struct CallTable {
-    pending: HashMap<u64, oneshot::Sender<CallResult>>,
+    pending: HashMap<u64, Waiter>,
     /// Set once the connection is closed: why, as the status new calls get.
     closed: Option<Status>,
     /// Set by a graceful GOAWAY: the highest call id the server saw.
@@ -108,7 +148,7 @@ impl Shared {
             tracing::debug!(peer = %self.peer, calls = pending.len(), "failing pending calls: {}", status.message());
         }
         for (_, waiter) in pending {
-            let _ = waiter.send(Err(CallFailure::processed(status.clone())));
+            waiter.fail(CallFailure::processed(status.clone()));
         }
         self.closed.store(true, Ordering::Release);
         self.shutdown.cancel();
@@ -197,11 +237,65 @@ impl ClientConnection {
         metadata: Metadata,
         payload: Payload,
     ) -> Result<PendingCall, CallFailure> {
-        if path.len() > crate::frame::MAX_PATH_LEN {
-            return Err(Status::invalid_argument("method path longer than 65535 bytes").into());
-        }
+        check_path(path)?;
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
         let frame = Frame::request(call_id, path, deadline, metadata, payload);
+        let (sender, receiver) = oneshot::channel();
+        self.queue_request(frame, Waiter::Unary(sender)).await?;
+        Ok(PendingCall {
+            connection: self.clone(),
+            call_id,
+            receiver,
+            finished: false,
+        })
+    }
+
+    /// Opens a streaming call: registers it and queues its request frame.
+    /// Its messages go through the returned sink; the server's headers
+    /// arrive on `headers`, its messages and end on `inbound`.
+    pub(crate) async fn start_stream(
+        self: &Arc<Self>,
+        path: &str,
+        deadline: Option<Duration>,
+        metadata: Metadata,
+        kind_unknown: bool,
+    ) -> Result<OpenStream, CallFailure> {
+        check_path(path)?;
+        let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
+        let mut frame = Frame::stream_request(call_id, path, deadline, metadata);
+        if kind_unknown {
+            frame.flags = frame.flags | FrameFlags::KIND_UNKNOWN;
+        }
+        let (sender, headers) = oneshot::channel();
+        let feed = InboundFeed::new();
+        let credits = SendCredits::new();
+        let waiter = StreamWaiter {
+            headers: Some(sender),
+            feed: feed.clone(),
+            credits: credits.clone(),
+            kind_unknown,
+        };
+        self.queue_request(frame, Waiter::Stream(waiter)).await?;
+        Ok(OpenStream {
+            call_id,
+            headers,
+            inbound: RawInbound::new(&feed, call_id, self.outbound.clone()),
+            sink: MessageSink::new(
+                call_id,
+                self.outbound.clone(),
+                credits,
+                self.max_frame_len,
+                false,
+            ),
+        })
+    }
+
+    /// Registers `waiter` for the call of `frame` and queues the frame.
+    async fn queue_request(
+        self: &Arc<Self>,
+        frame: Frame,
+        waiter: Waiter,
+    ) -> Result<(), CallFailure> {
         let len = frame.encoded_len();
         if len > self.max_frame_len {
             return Err(Status::resource_exhausted(format!(
@@ -210,6 +304,7 @@ impl ClientConnection {
             ))
             .into());
         }
+        let call_id = frame.call_id;
         let encoded = frame.encode_parts();
         let closed = || {
             let status = self
@@ -228,7 +323,6 @@ impl ClientConnection {
                 .await
                 .map_err(|_| closed())?,
         };
-        let (sender, receiver) = oneshot::channel();
         {
             let mut table = self.shared.table();
             if let Some(status) = &table.closed {
@@ -239,28 +333,45 @@ impl ClientConnection {
                     "the server sent GOAWAY; retry on a new connection",
                 )));
             }
-            table.pending.insert(call_id, sender);
+            table.pending.insert(call_id, waiter);
         }
         if self.outbound.send_reserved(encoded, space).is_err() {
             self.shared.table().pending.remove(&call_id);
             return Err(closed());
         }
-        Ok(PendingCall {
-            connection: self.clone(),
-            call_id,
-            receiver,
-            finished: false,
-        })
+        Ok(())
     }
 
     fn abandon(&self, call_id: u64) {
-        let was_pending = self.shared.table().pending.remove(&call_id).is_some();
-        if was_pending {
+        self.end_call(call_id, Status::cancelled("call cancelled by the client"));
+    }
+
+    /// Ends a call the server may still be working on: a cancel frame tells
+    /// it to stop, and a stream's ends fail with `why`.
+    pub(crate) fn end_call(&self, call_id: u64, why: Status) {
+        let waiter = self.shared.table().pending.remove(&call_id);
+        if let Some(waiter) = waiter {
             // At most one per call: bounded without taking room from requests.
             let cancel = Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
             let _ = self.outbound.send_unbounded(cancel.encode_parts());
+            waiter.fail(CallFailure::processed(why));
         }
     }
+}
+
+fn check_path(path: &str) -> Result<(), CallFailure> {
+    if path.len() > crate::frame::MAX_PATH_LEN {
+        return Err(Status::invalid_argument("method path longer than 65535 bytes").into());
+    }
+    Ok(())
+}
+
+/// A streaming call just opened (see [`ClientConnection::start_stream`]).
+pub(crate) struct OpenStream {
+    pub(crate) call_id: u64,
+    pub(crate) headers: oneshot::Receiver<CallResult>,
+    pub(crate) inbound: RawInbound,
+    pub(crate) sink: MessageSink,
 }
 
 impl Drop for ClientConnection {
@@ -401,12 +512,18 @@ async fn read_frames(
             Err((head, len, max)) => {
                 // A response over our limit fails its call alone.
                 match Frame::peek_header(&head) {
-                    Some((FrameKind::Response, call_id)) => {
+                    Some((FrameKind::Response | FrameKind::Message, call_id)) => {
                         let waiter = shared.table().pending.remove(&call_id);
                         if let Some(waiter) = waiter {
-                            let _ = waiter.send(Err(CallFailure::processed(Status::resource_exhausted(
+                            if matches!(waiter, Waiter::Stream(_)) {
+                                // The server still runs the call: stop it.
+                                let cancel =
+                                    Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
+                                let _ = outbound.send_unbounded(cancel.encode_parts());
+                            }
+                            waiter.fail(CallFailure::processed(Status::resource_exhausted(
                                 format!("response of {len} bytes exceeds this channel's limit of {max} bytes (Channel::builder().max_frame_len)"),
-                            ))));
+                            )));
                         }
                         continue;
                     }
@@ -426,11 +543,40 @@ async fn read_frames(
                     (waiter, table.goaway.is_some() && table.pending.is_empty())
                 };
                 // No waiter: the call was cancelled or timed out; drop the late response.
-                if let Some(waiter) = waiter {
-                    let _ = waiter.send(Ok(frame));
+                match waiter {
+                    Some(Waiter::Unary(waiter)) => {
+                        let _ = waiter.send(Ok(frame));
+                    }
+                    Some(Waiter::Stream(stream))
+                        if stream.kind_unknown
+                            && stream.headers.is_some()
+                            && frame.status == Code::Ok =>
+                    {
+                        unary_answer(stream, frame);
+                    }
+                    Some(Waiter::Stream(stream)) => {
+                        if frame.status == Code::Ok && !frame.payload.is_empty() {
+                            stream.fail(CallFailure::processed(Status::internal("protocol error from server: a streaming call ended with a message in its final response")));
+                            break "protocol error from server: a streaming call's final response carries a message".to_owned();
+                        }
+                        stream
+                            .credits
+                            .close(Status::cancelled("the call has ended"));
+                        stream.feed.finish(stream_end(&frame));
+                        if let Some(headers) = stream.headers {
+                            let _ = headers.send(Ok(frame));
+                        }
+                    }
+                    None => {}
                 }
                 if drained {
                     break "the server sent GOAWAY and no call is left".to_owned();
+                }
+            }
+            FrameKind::Headers | FrameKind::Message | FrameKind::Window => {
+                if let Err(error) = stream_frame(&shared, frame) {
+                    tracing::warn!(peer = %shared.peer, %error, "closing connection: bad stream frame from server");
+                    break format!("protocol error from server: {error}");
                 }
             }
             FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
@@ -466,9 +612,9 @@ async fn read_frames(
                     (unprocessed, table.pending.is_empty())
                 };
                 for waiter in unprocessed {
-                    let _ = waiter.send(Err(CallFailure::unprocessed(Status::unavailable(
+                    waiter.fail(CallFailure::unprocessed(Status::unavailable(
                         "the server sent GOAWAY before it saw this call",
-                    ))));
+                    )));
                 }
                 if drained {
                     break "the server sent GOAWAY and no call is left".to_owned();
@@ -484,4 +630,80 @@ async fn read_frames(
         }
     };
     shared.close(Status::unavailable(reason));
+}
+
+/// How the final response of a streaming call ends its stream of messages.
+fn stream_end(frame: &Frame) -> Result<Metadata, Status> {
+    if frame.status == Code::Ok {
+        Ok(frame.metadata.clone())
+    } else {
+        Err(status_of(frame))
+    }
+}
+
+/// The error status a non-OK response frame carries.
+pub(crate) fn status_of(frame: &Frame) -> Status {
+    let payload = frame.payload.clone().into_contiguous();
+    let message = String::from_utf8_lossy(&payload).into_owned();
+    Status::with_metadata(frame.status, message, frame.metadata.clone())
+}
+
+/// A unary method's answer to a call of unknown kind: its response
+/// metadata, its one message and the end, all in one final response (see
+/// docs/wire-format.md, "Kind unknown").
+fn unary_answer(stream: StreamWaiter, frame: Frame) {
+    stream
+        .credits
+        .close(Status::cancelled("the call has ended"));
+    let message = crate::stream::single_message(frame.payload).into_contiguous();
+    // The feed is new and its window whole: one message always fits.
+    let _ = stream.feed.push(message);
+    stream.feed.finish(Ok(Metadata::new()));
+    if let Some(headers) = stream.headers {
+        let _ = headers.send(Ok(Frame::headers(frame.call_id, frame.metadata)));
+    }
+}
+
+/// Delivers a HEADERS, MESSAGE or WINDOW frame of a streaming call. A frame
+/// for a call no longer pending is dropped (it crossed a cancel); one that
+/// breaks the stream's rules is a protocol error, described in `Err`.
+fn stream_frame(shared: &Shared, frame: Frame) -> Result<(), String> {
+    let mut table = shared.table();
+    let stream = match table.pending.get_mut(&frame.call_id) {
+        None => return Ok(()),
+        Some(Waiter::Unary(_)) => {
+            return Err(format!(
+                "{:?} frame for unary call {}",
+                frame.kind, frame.call_id
+            ));
+        }
+        Some(Waiter::Stream(stream)) => stream,
+    };
+    match frame.kind {
+        FrameKind::Headers if frame.flags.contains(FrameFlags::END_STREAM) => {
+            Err("a server ends a stream with its final response, not END_STREAM headers".into())
+        }
+        FrameKind::Headers => match stream.headers.take() {
+            Some(headers) => {
+                let _ = headers.send(Ok(frame));
+                Ok(())
+            }
+            None => Err(format!("second headers frame for call {}", frame.call_id)),
+        },
+        FrameKind::Message if stream.headers.is_some() => {
+            Err(format!("message before headers on call {}", frame.call_id))
+        }
+        FrameKind::Message if frame.flags.contains(FrameFlags::END_STREAM) => {
+            Err("a server ends a stream with its final response, not an END_STREAM message".into())
+        }
+        FrameKind::Message => stream
+            .feed
+            .push(frame.payload.into_contiguous())
+            .map_err(|error: FeedError| format!("{} (call {})", error.describe(), frame.call_id)),
+        FrameKind::Window => {
+            stream.credits.grant(frame.window_grant().unwrap_or(0));
+            Ok(())
+        }
+        _ => unreachable!("only stream frames come here"),
+    }
 }

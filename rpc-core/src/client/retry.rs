@@ -113,7 +113,12 @@ where
         Some(Box::pin(async move { tokio::time::sleep(wait).await }))
     }
 
+    /// A streaming call is never retried: its messages are the
+    /// application's stream, which the first attempt consumes.
     fn clone_request(&mut self, request: &Request<Payload>) -> Option<Request<Payload>> {
+        if crate::stream::is_streaming(request) {
+            return None;
+        }
         Some(request.clone())
     }
 }
@@ -185,6 +190,20 @@ mod tests {
         assert!(
             broke.retry(&mut get, &mut unavailable()).is_none(),
             "budget spent"
+        );
+    }
+
+    #[test]
+    fn streaming_calls_are_never_cloned_for_a_retry() {
+        use tower::retry::Policy;
+        let mut policy = RetryPolicy::idempotent(["/kv.Kv/Watch"]);
+        let unary = request("/kv.Kv/Watch");
+        assert!(Policy::<_, Response<Bytes>, Status>::clone_request(&mut policy, &unary).is_some());
+        let messages = crate::stream::Outbound::One(Payload::new());
+        let mut streaming = crate::stream::into_streaming_request(Request::new(messages));
+        streaming.set_method("/kv.Kv/Watch");
+        assert!(
+            Policy::<_, Response<Bytes>, Status>::clone_request(&mut policy, &streaming).is_none()
         );
     }
 }

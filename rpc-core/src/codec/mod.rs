@@ -49,6 +49,18 @@ pub trait Codec: Default + Send + 'static {
         recycle::encode_to_bytes(self, item).map(Payload::from)
     }
 
+    /// Appends the encoding of `item` to `dst`, where a stream gathers the
+    /// messages of one frame. By default through [`Codec::encode_payload`]
+    /// (its parts are kept or copied as [`PayloadBuf`] does);
+    /// [`ProstCodec`] writes in place.
+    fn encode_into(&mut self, item: Self::Encode, dst: &mut PayloadBuf) -> Result<(), Status> {
+        let payload = self.encode_payload(item)?;
+        for part in payload.parts() {
+            bytes::BufMut::put(dst, part.clone());
+        }
+        Ok(())
+    }
+
     /// Decodes one message from a whole payload. A failure is [`crate::Code::Internal`].
     fn decode(&mut self, src: Bytes) -> Result<Self::Decode, Status>;
 }

@@ -48,6 +48,11 @@ where
         Ok(buf.finish())
     }
 
+    fn encode_into(&mut self, item: E, dst: &mut PayloadBuf) -> Result<(), Status> {
+        item.encode(dst)
+            .map_err(|error| Status::internal(format!("failed to encode message: {error}")))
+    }
+
     fn decode(&mut self, src: Bytes) -> Result<D, Status> {
         D::decode(src)
             .map_err(|error| Status::internal(format!("failed to decode message: {error}")))

@@ -33,6 +33,10 @@ use crate::metrics::{CallRecord, ConnectionRecord, Side};
 use crate::payload::Payload;
 use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
+use crate::stream::{
+    FeedError, InboundFeed, KindUnknown, MessageSink, RawInbound, SendCredits, ServerStream,
+    ServerStreamSlot, Streaming, TakeOnce, UnaryAnswer,
+};
 use crate::transport::{Connection, TransportError};
 use crate::wake_gate::WakeGated;
 
@@ -123,6 +127,8 @@ pub(crate) async fn serve_connection(
     let mut writer_done = false;
     let mut calls: JoinSet<u64> = JoinSet::new();
     let mut in_flight: HashMap<u64, AbortHandle> = HashMap::new();
+    // The streaming calls among them: where their client messages go.
+    let mut streams: HashMap<u64, StreamEntry> = HashMap::new();
     let mut draining = false;
     let mut last_call_id = 0;
     let mut blocked: Option<Blocked> = None;
@@ -150,6 +156,9 @@ pub(crate) async fn serve_connection(
             Some(done) = calls.join_next(), if !calls.is_empty() => {
                 if let Ok(call_id) = done {
                     in_flight.remove(&call_id);
+                    if let Some(stream) = streams.remove(&call_id) {
+                        stream.close(Status::cancelled("the call has ended"));
+                    }
                 }
                 if in_flight.is_empty() {
                     last_activity = Instant::now();
@@ -218,6 +227,16 @@ pub(crate) async fn serve_connection(
                         // A request over the limit fails alone; the
                         // connection and its other calls go on.
                         match Frame::peek_header(&head) {
+                            Some((FrameKind::Message, call_id)) => {
+                                // A stream message over the limit ends that
+                                // stream with the error; its handler decides.
+                                if let Some(stream) = streams.get(&call_id) {
+                                    stream.feed.finish(Err(Status::resource_exhausted(format!(
+                                        "stream message of {len} bytes exceeds the server's limit of {max} bytes"
+                                    ))));
+                                }
+                                continue;
+                            }
                             Some((FrameKind::Request, call_id)) if !in_flight.contains_key(&call_id) => {
                                 last_activity = Instant::now();
                                 last_call_id = last_call_id.max(call_id);
@@ -261,10 +280,25 @@ pub(crate) async fn serve_connection(
                             queue_or_block(&outbound, &stats, &mut blocked, refusal);
                             continue;
                         }
-                        let call = run_call(frame, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len, config.access_log);
+                        let stream = frame.is_streaming().then(|| {
+                            let entry = StreamEntry { feed: InboundFeed::new(), credits: SendCredits::new() };
+                            let call_stream = ServerStream {
+                                messages: Streaming::new(
+                                    RawInbound::new(&entry.feed, call_id, outbound.clone()),
+                                    Ok,
+                                ),
+                                sink: MessageSink::new(call_id, outbound.clone(), entry.credits.clone(), config.max_frame_len, true),
+                            };
+                            streams.insert(call_id, entry);
+                            ServerStreamSlot(TakeOnce::new(call_stream))
+                        });
+                        let call = run_call(frame, stream, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len, config.access_log);
                         in_flight.insert(call_id, calls.spawn(call));
                     }
                     FrameKind::Cancel => {
+                        if let Some(stream) = streams.remove(&frame.call_id) {
+                            stream.close(Status::cancelled("call cancelled by the client"));
+                        }
                         if let Some(handle) = in_flight.remove(&frame.call_id) {
                             tracing::debug!(%peer, call_id = frame.call_id, "call cancelled by client");
                             handle.abort();
@@ -280,6 +314,13 @@ pub(crate) async fn serve_connection(
                     FrameKind::Ping | FrameKind::GoAway => {}
                     FrameKind::Response => {
                         break Ending::ProtocolError("client sent a response frame".to_owned());
+                    }
+                    FrameKind::Message | FrameKind::Headers | FrameKind::Window => {
+                        // Frames of a call that ended (they crossed its end) are dropped.
+                        let Some(stream) = streams.get(&frame.call_id) else { continue };
+                        if let Err(reason) = stream.deliver(frame) {
+                            break Ending::ProtocolError(reason);
+                        }
                     }
                 }
             }
@@ -320,6 +361,9 @@ pub(crate) async fn serve_connection(
         }
     }
     drop(blocked);
+    for (_, stream) in streams.drain() {
+        stream.close(Status::unavailable("connection to the client lost"));
+    }
     // Handlers of a connection that is gone can deliver nothing: abort them.
     calls.shutdown().await;
     drop(outbound);
@@ -342,6 +386,54 @@ pub(crate) async fn serve_connection(
     }
 }
 
+/// The connection's end of a streaming call: where the client's messages
+/// and grants go.
+struct StreamEntry {
+    feed: InboundFeed,
+    credits: Arc<SendCredits>,
+}
+
+impl StreamEntry {
+    /// Delivers a MESSAGE, HEADERS or WINDOW frame from the client; `Err`
+    /// (the reason) when it breaks the stream's rules.
+    fn deliver(&self, frame: Frame) -> Result<(), String> {
+        let call_id = frame.call_id;
+        let end = frame.flags.contains(FrameFlags::END_STREAM);
+        match frame.kind {
+            FrameKind::Message => {
+                let broken =
+                    |error: FeedError| format!("client sent {} (call {call_id})", error.describe());
+                self.feed
+                    .push(frame.payload.into_contiguous())
+                    .map_err(broken)?;
+                if end {
+                    self.feed.peer_end(Metadata::new()).map_err(broken)?;
+                }
+                Ok(())
+            }
+            FrameKind::Headers if end && frame.metadata.is_empty() => self
+                .feed
+                .peer_end(Metadata::new())
+                .map_err(|_| format!("client ended stream {call_id} twice")),
+            FrameKind::Headers => Err(format!(
+                "client sent headers on stream {call_id} (only END_STREAM headers, without metadata, are a client's)"
+            )),
+            FrameKind::Window => {
+                self.credits.grant(frame.window_grant().unwrap_or(0));
+                Ok(())
+            }
+            _ => unreachable!("only stream frames come here"),
+        }
+    }
+
+    /// The call ended: its handler's sends fail with `why`, and so does a
+    /// read of messages the client never sent.
+    fn close(self, why: Status) {
+        self.credits.close(why.clone());
+        self.feed.finish(Err(why));
+    }
+}
+
 fn status_frame(call_id: u64, status: Status) -> Frame {
     let code = if status.code() == Code::Ok {
         Code::Unknown
@@ -354,6 +446,7 @@ fn status_frame(call_id: u64, status: Status) -> Frame {
 
 async fn run_call(
     frame: Frame,
+    stream: Option<ServerStreamSlot>,
     service: ServerService,
     peer: String,
     outbound: OutboundQueue,
@@ -368,13 +461,22 @@ async fn run_call(
     // Only a call someone traces or logs reads the clock for its duration.
     let started = (!span.is_disabled() || access_log).then(Instant::now);
     let deadline = frame.deadline;
+    let kind_unknown = frame.is_kind_unknown();
     let mut request = Request::new(frame.payload.into_contiguous());
     *request.metadata_mut() = frame.metadata;
     if let Some(deadline) = deadline {
         request.set_timeout(deadline);
     }
+    // Named in the refusal of a streaming call no service took.
+    let method = stream.as_ref().map(|_| frame.path.clone());
+    if kind_unknown {
+        request.extensions_mut().insert(KindUnknown);
+    }
     request.set_method(frame.path);
     request.extensions_mut().insert(PeerInfo { addr: peer });
+    if let Some(stream) = &stream {
+        request.extensions_mut().insert(stream.clone());
+    }
 
     let handler = AssertUnwindSafe(service.oneshot(request)).catch_unwind();
     let outcome = match deadline {
@@ -389,8 +491,24 @@ async fn run_call(
         None => handler.instrument(span.clone()).await,
     };
     let response = match outcome {
+        // A service that took no stream from a streaming call cannot serve it.
+        Ok(Ok(_)) if stream.as_ref().is_some_and(|slot| !slot.0.is_taken()) => status_frame(
+            call_id,
+            Status::unimplemented(format!(
+                "{} is not a streaming method: call it as a unary one",
+                method.as_deref().unwrap_or_default()
+            )),
+        ),
         Ok(Ok(response)) => {
+            let unary_answer = kind_unknown && response.extensions().get::<UnaryAnswer>().is_some();
             let (metadata, payload): (Metadata, Payload) = response.into_parts();
+            // A stream's messages went before; its end carries none (but a
+            // unary method's answer to a call of unknown kind).
+            let payload = if stream.is_some() && !unary_answer {
+                Payload::new()
+            } else {
+                payload
+            };
             Frame::response(call_id, Code::Ok, metadata, payload)
         }
         Ok(Err(status)) => status_frame(call_id, status),

@@ -53,6 +53,7 @@
 mod connection;
 mod routes;
 mod stats;
+pub mod streaming;
 pub mod unary;
 
 use std::future::Future;

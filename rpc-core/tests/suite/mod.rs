@@ -59,7 +59,14 @@ pub enum Event {
     HangStarted,
     /// A `Hang` handler was dropped (aborted).
     HangDropped,
+    /// A handler of `test.Streams` started.
+    StreamStarted,
+    /// A handler of `test.Streams` ended or was dropped.
+    StreamDropped,
 }
+
+mod streams;
+pub use streams::*;
 
 /// The service under test: `/test.Probe/{Echo,Big,Hang,Sleep,Fail,Panic,Timeout}`.
 #[derive(Clone)]
@@ -71,10 +78,11 @@ impl NamedService for Probe {
     const NAME: &'static str = "test.Probe";
 }
 
-struct DropReporter(mpsc::UnboundedSender<Event>);
+/// Sends its event when dropped: when a handler ends, however it ends.
+struct DropReporter(mpsc::UnboundedSender<Event>, Event);
 impl Drop for DropReporter {
     fn drop(&mut self) {
-        let _ = self.0.send(Event::HangDropped);
+        let _ = self.0.send(self.1.clone());
     }
 }
 
@@ -90,13 +98,7 @@ impl tower::Service<Request<Bytes>> for Probe {
     fn call(&mut self, request: Request<Bytes>) -> Self::Future {
         let events = self.events.clone();
         Box::pin(async move {
-            let method = request
-                .method()
-                .unwrap_or_default()
-                .rsplit('/')
-                .next()
-                .unwrap_or_default()
-                .to_owned();
+            let method = method_name(&request);
             match method.as_str() {
                 "Echo" => {
                     let mut metadata = request.metadata().clone();
@@ -105,7 +107,7 @@ impl tower::Service<Request<Bytes>> for Probe {
                     Ok(Response::from_parts(metadata, request.into_inner()))
                 }
                 "Hang" => {
-                    let _reporter = DropReporter(events.clone());
+                    let _reporter = DropReporter(events.clone(), Event::HangDropped);
                     let _ = events.send(Event::HangStarted);
                     std::future::pending::<()>().await;
                     unreachable!()
@@ -144,10 +146,18 @@ impl tower::Service<Request<Bytes>> for Probe {
     }
 }
 
+/// The method of `/package.Service/Method`.
+pub fn method_name<T>(request: &Request<T>) -> String {
+    let path = request.method().unwrap_or_default();
+    path.rsplit('/').next().unwrap_or_default().to_owned()
+}
+
 /// A running server; dropping it shuts the server down.
 pub struct RunningServer {
     pub endpoint: Endpoint,
     pub events: mpsc::UnboundedReceiver<Event>,
+    /// Messages the `test.Streams` handlers have sent.
+    pub streamed: std::sync::Arc<AtomicU64>,
     /// The server's gauges and counters.
     pub stats: rpc_core::server::ServerStats,
     shutdown: Option<oneshot::Sender<()>>,
@@ -193,8 +203,12 @@ where
     <L::Service as tower::Service<Request<Bytes>>>::Future: Send + 'static,
 {
     let (events_tx, events) = mpsc::unbounded_channel();
+    let streamed = std::sync::Arc::new(AtomicU64::new(0));
     let listening = server
-        .add_service(Probe { events: events_tx })
+        .add_service(Probe {
+            events: events_tx.clone(),
+        })
+        .add_service(Streams::new(events_tx, streamed.clone()))
         .listen(bed.listen_endpoint().as_str())
         .await
         .expect("bind");
@@ -207,6 +221,7 @@ where
     RunningServer {
         endpoint,
         events,
+        streamed,
         stats,
         shutdown: Some(shutdown),
         task,
@@ -250,11 +265,17 @@ pub async fn assert_all_unavailable_within_a_second(
     since: Instant,
 ) {
     for call in calls {
-        let status = tokio::time::timeout(Duration::from_secs(1), call)
+        let status = match tokio::time::timeout(Duration::from_secs(1), call)
             .await
             .expect("no hang")
             .unwrap()
-            .unwrap_err();
+        {
+            Ok(response) => panic!(
+                "a call succeeded after the kill ({} bytes)",
+                response.get_ref().len()
+            ),
+            Err(status) => status,
+        };
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     }
     assert!(
@@ -721,33 +742,60 @@ pub async fn graceful_shutdown_finishes_in_flight_calls(bed: &dyn Bed) {
     assert!(status.is_err(), "server still accepts after shutdown");
 }
 
+/// The probe and streams services on a runtime and thread of their own:
+/// [`KillableServer::kill`] shuts that runtime down at once, which kills
+/// every task of the server, as a crash would.
+pub struct KillableServer {
+    pub endpoint: Endpoint,
+    kill: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl KillableServer {
+    pub fn start(bed: &dyn Bed) -> KillableServer {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (kill, kill_rx) = std::sync::mpsc::channel::<()>();
+        let listen = bed.listen_endpoint();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            let (events_tx, events) = mpsc::unbounded_channel();
+            let listening = runtime
+                .block_on(
+                    Server::builder()
+                        .add_service(Probe {
+                            events: events_tx.clone(),
+                        })
+                        .add_service(Streams::new(events_tx, std::sync::Arc::default()))
+                        .listen(listen.as_str()),
+                )
+                .unwrap();
+            ready_tx.send(listening.local_endpoint()).unwrap();
+            runtime.spawn(listening.serve());
+            let _ = kill_rx.recv();
+            drop(events);
+            runtime.shutdown_background();
+        });
+        KillableServer {
+            endpoint: ready_rx.recv().unwrap(),
+            kill,
+            thread,
+        }
+    }
+
+    /// Kills the server now; join the returned thread to wait for it.
+    pub fn kill(self) -> std::thread::JoinHandle<()> {
+        let _ = self.kill.send(());
+        self.thread
+    }
+}
+
 pub async fn server_gone_fails_pending_calls_with_unavailable_and_reconnects(bed: &dyn Bed) {
-    // The server runs on its own runtime; shutting that runtime down kills
-    // every task of the server at once, as a crash would.
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    let (kill_tx, kill_rx) = std::sync::mpsc::channel::<()>();
-    let listen = bed.listen_endpoint();
-    let server_thread = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (events_tx, events) = mpsc::unbounded_channel();
-        let listening = runtime
-            .block_on(
-                Server::builder()
-                    .add_service(Probe { events: events_tx })
-                    .listen(listen.as_str()),
-            )
-            .unwrap();
-        ready_tx.send(listening.local_endpoint()).unwrap();
-        runtime.spawn(listening.serve());
-        kill_rx.recv().unwrap();
-        drop(events);
-        runtime.shutdown_background();
-    });
-    let endpoint = ready_rx.recv().unwrap();
+    let server = KillableServer::start(bed);
+    let endpoint = server.endpoint.clone();
     let channel = Channel::builder(endpoint.clone())
         .backoff(rpc_core::client::Backoff {
             initial: Duration::from_millis(20),
@@ -759,9 +807,9 @@ pub async fn server_gone_fails_pending_calls_with_unavailable_and_reconnects(bed
     let pending = spawn_hanging_calls(&channel, 8);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let killed = Instant::now();
-    kill_tx.send(()).unwrap();
+    let gone = server.kill();
     assert_all_unavailable_within_a_second(pending, killed).await;
-    server_thread.join().unwrap();
+    gone.join().unwrap();
 
     // Nothing there: calls fail fast with Unavailable.
     let status = channel.unary(probe("Echo", "x")).await.unwrap_err();
@@ -992,6 +1040,17 @@ macro_rules! transport_suite {
             server_gone_fails_pending_calls_with_unavailable_and_reconnects,
             malformed_frames_close_only_that_connection,
             silent_server_is_detected_by_keepalive,
+            stream_of_a_million_messages_arrives_in_order,
+            client_stream_and_half_closed_bidi_stream,
+            slow_consumer_bounds_the_producer_to_the_window,
+            dropping_a_stream_cancels_its_handler,
+            stream_deadline_covers_the_whole_stream,
+            stream_error_after_messages_arrives_after_them,
+            stream_peer_killed_ends_both_sides_within_a_second,
+            hundred_streams_interleaved_with_unary_calls,
+            large_stream_messages_and_one_over_the_limit,
+            stream_and_unary_methods_called_the_wrong_way,
+            hostile_stream_frames_close_only_that_connection,
         );
     };
     (@tests $bed:expr; $($name:ident,)*) => {
