@@ -26,13 +26,6 @@ impl ServiceGenerator {
 
 impl prost_build::ServiceGenerator for ServiceGenerator {
     fn generate(&mut self, service: Service, buf: &mut String) {
-        for method in streaming_methods(&service) {
-            println!(
-                "cargo:warning=rpc-codegen: skipping streaming rpc {}/{}: streaming rpcs are not supported yet",
-                full_service_name(&service),
-                method.proto_name
-            );
-        }
         let mut tokens = TokenStream::new();
         if self.build_client {
             tokens.extend(client_module(&service));
@@ -45,18 +38,28 @@ impl prost_build::ServiceGenerator for ServiceGenerator {
     }
 }
 
-fn streaming_methods(service: &Service) -> impl Iterator<Item = &Method> {
-    service
-        .methods
-        .iter()
-        .filter(|m| m.client_streaming || m.server_streaming)
+/// The four kinds of rpc.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Unary,
+    ServerStreaming,
+    ClientStreaming,
+    Bidi,
 }
 
-fn unary_methods(service: &Service) -> impl Iterator<Item = &Method> {
-    service
-        .methods
-        .iter()
-        .filter(|m| !m.client_streaming && !m.server_streaming)
+fn kind(method: &Method) -> Kind {
+    match (method.client_streaming, method.server_streaming) {
+        (false, false) => Kind::Unary,
+        (false, true) => Kind::ServerStreaming,
+        (true, false) => Kind::ClientStreaming,
+        (true, true) => Kind::Bidi,
+    }
+}
+
+/// The associated type of the server trait for a method's response stream
+/// (`WatchStream` for `Watch`), as tonic names it.
+fn stream_type(method: &Method) -> Ident {
+    format_ident!("{}Stream", method.proto_name)
 }
 
 /// `package.Service`, or `Service` without a package.
@@ -117,7 +120,10 @@ pub fn client_module(service: &Service) -> TokenStream {
     let client = format_ident!("{}Client", service.name);
     let service_doc = doc_attrs(&service.comments);
     let module_doc = format!(" Client for the `{}` service.", full_service_name(service));
-    let methods = unary_methods(service).map(|method| client_method(service, method));
+    let methods = service
+        .methods
+        .iter()
+        .map(|method| client_method(service, method));
     quote! {
         #[doc = #module_doc]
         pub mod #module {
@@ -174,16 +180,77 @@ fn client_method(service: &Service, method: &Method) -> TokenStream {
         .deprecated
         .unwrap_or(false)
         .then(|| quote!(#[deprecated]));
+    let codec = quote!(let codec: ProstCodec<#input, #output> = ProstCodec::default(););
+    let (request, response, body) = match kind(method) {
+        Kind::Unary => (
+            quote!(impl IntoRequest<#input>),
+            quote!(Response<#output>),
+            quote!(self.inner.unary(request.into_request(), #path, codec).await),
+        ),
+        Kind::ServerStreaming => (
+            quote!(impl IntoRequest<#input>),
+            quote!(Response<Streaming<#output>>),
+            quote!(self.inner.server_streaming(request.into_request(), #path, codec).await),
+        ),
+        Kind::ClientStreaming => (
+            quote!(impl IntoStreamingRequest<Message = #input>),
+            quote!(Response<#output>),
+            quote!(self.inner.client_streaming(request.into_streaming_request(), #path, codec).await),
+        ),
+        Kind::Bidi => (
+            quote!(impl IntoStreamingRequest<Message = #input>),
+            quote!(Response<Streaming<#output>>),
+            quote!(self.inner.streaming(request.into_streaming_request(), #path, codec).await),
+        ),
+    };
     quote! {
         #docs
         #deprecated
         pub async fn #name(
             &mut self,
-            request: impl IntoRequest<#input>,
-        ) -> Result<Response<#output>, Status> {
-            let codec: ProstCodec<#input, #output> = ProstCodec::default();
-            self.inner.unary(request.into_request(), #path, codec).await
+            request: #request,
+        ) -> Result<#response, Status> {
+            #codec
+            #body
         }
+    }
+}
+
+/// A method of the server trait, with the associated type of its response
+/// stream for server- and bidirectional-streaming rpcs.
+fn server_trait_method(method: &Method) -> TokenStream {
+    let name = ident(&method.name);
+    let input = message_type(&method.input_type);
+    let output = message_type(&method.output_type);
+    let docs = doc_attrs(&method.comments);
+    let request = match kind(method) {
+        Kind::Unary | Kind::ServerStreaming => quote!(Request<#input>),
+        Kind::ClientStreaming | Kind::Bidi => quote!(Request<Streaming<#input>>),
+    };
+    let (stream_item, response) = match kind(method) {
+        Kind::Unary | Kind::ClientStreaming => (None, quote!(Response<#output>)),
+        Kind::ServerStreaming | Kind::Bidi => {
+            let stream = stream_type(method);
+            let doc = format!(
+                " The stream of responses [`Self::{}`] returns: any `Stream` (a boxed one, or your own type).",
+                method.name
+            );
+            (
+                Some(quote! {
+                    #[doc = #doc]
+                    type #stream: Stream<Item = Result<#output, Status>> + Send + 'static;
+                }),
+                quote!(Response<Self::#stream>),
+            )
+        }
+    };
+    quote! {
+        #stream_item
+        #docs
+        fn #name(
+            &self,
+            request: #request,
+        ) -> impl Future<Output = Result<#response, Status>> + Send;
     }
 }
 
@@ -195,28 +262,22 @@ pub fn server_module(service: &Service) -> TokenStream {
     let service_doc = doc_attrs(&service.comments);
     let module_doc = format!(" Server for the `{}` service.", full_service_name(service));
     let full_name = full_service_name(service);
-    let trait_methods = unary_methods(service).map(|method| {
-        let name = ident(&method.name);
-        let input = message_type(&method.input_type);
-        let output = message_type(&method.output_type);
-        let docs = doc_attrs(&method.comments);
-        quote! {
-            #docs
-            fn #name(
-                &self,
-                request: Request<#input>,
-            ) -> impl Future<Output = Result<Response<#output>, Status>> + Send;
-        }
-    });
-    let arms = unary_methods(service).map(|method| {
+    let trait_methods = service.methods.iter().map(server_trait_method);
+    let arms = service.methods.iter().map(|method| {
         let name = ident(&method.name);
         let input = message_type(&method.input_type);
         let output = message_type(&method.output_type);
         let path = method_path(service, method);
+        let glue = match kind(method) {
+            Kind::Unary => quote!(unary),
+            Kind::ServerStreaming => quote!(server_streaming_handler),
+            Kind::ClientStreaming => quote!(client_streaming_handler),
+            Kind::Bidi => quote!(streaming_handler),
+        };
         quote! {
             #path => Box::pin(async move {
                 let codec: ProstCodec<#output, #input> = ProstCodec::default();
-                unary(codec, request, |request| async move { inner.#name(request).await }).await
+                #glue(codec, request, |request| async move { inner.#name(request).await }).await
             }),
         }
     });
@@ -312,6 +373,11 @@ mod tests {
         say.comments.leading = vec![" Says hello [politely].".into(), "    indented".into()];
         let mut watch = method("watch", "Watch", "HelloRequest", "HelloReply");
         watch.server_streaming = true;
+        let mut upload = method("upload", "Upload", "HelloRequest", "HelloReply");
+        upload.client_streaming = true;
+        let mut chat = method("chat", "Chat", "HelloRequest", "HelloReply");
+        chat.client_streaming = true;
+        chat.server_streaming = true;
         Service {
             name: "Greeter".into(),
             proto_name: "Greeter".into(),
@@ -321,6 +387,8 @@ mod tests {
                 say,
                 watch,
                 method("r#type", "Type", "()", "::prost_types::Timestamp"),
+                upload,
+                chat,
             ],
             options: Default::default(),
         }
@@ -367,7 +435,93 @@ mod tests {
     }
 
     #[test]
-    fn server_trait_and_routing_skip_streaming_methods() {
+    fn client_methods_of_the_streaming_kinds() {
+        let service = service();
+        same(
+            client_method(&service, &service.methods[1]),
+            quote! {
+                pub async fn watch(
+                    &mut self,
+                    request: impl IntoRequest<super::HelloRequest>,
+                ) -> Result<Response<Streaming<super::HelloReply>>, Status> {
+                    let codec: ProstCodec<super::HelloRequest, super::HelloReply> = ProstCodec::default();
+                    self.inner.server_streaming(request.into_request(), "/helloworld.v1.Greeter/Watch", codec).await
+                }
+            },
+        );
+        same(
+            client_method(&service, &service.methods[3]),
+            quote! {
+                pub async fn upload(
+                    &mut self,
+                    request: impl IntoStreamingRequest<Message = super::HelloRequest>,
+                ) -> Result<Response<super::HelloReply>, Status> {
+                    let codec: ProstCodec<super::HelloRequest, super::HelloReply> = ProstCodec::default();
+                    self.inner.client_streaming(request.into_streaming_request(), "/helloworld.v1.Greeter/Upload", codec).await
+                }
+            },
+        );
+        same(
+            client_method(&service, &service.methods[4]),
+            quote! {
+                pub async fn chat(
+                    &mut self,
+                    request: impl IntoStreamingRequest<Message = super::HelloRequest>,
+                ) -> Result<Response<Streaming<super::HelloReply>>, Status> {
+                    let codec: ProstCodec<super::HelloRequest, super::HelloReply> = ProstCodec::default();
+                    self.inner.streaming(request.into_streaming_request(), "/helloworld.v1.Greeter/Chat", codec).await
+                }
+            },
+        );
+    }
+
+    #[test]
+    fn server_trait_methods_of_every_kind() {
+        let service = service();
+        same(
+            server_trait_method(&service.methods[1]),
+            quote! {
+                #[doc = " The stream of responses [`Self::watch`] returns: any `Stream` (a boxed one, or your own type)."]
+                type WatchStream: Stream<Item = Result<super::HelloReply, Status>> + Send + 'static;
+                fn watch(
+                    &self,
+                    request: Request<super::HelloRequest>,
+                ) -> impl Future<Output = Result<Response<Self::WatchStream>, Status>> + Send;
+            },
+        );
+        same(
+            server_trait_method(&service.methods[3]),
+            quote! {
+                fn upload(
+                    &self,
+                    request: Request<Streaming<super::HelloRequest>>,
+                ) -> impl Future<Output = Result<Response<super::HelloReply>, Status>> + Send;
+            },
+        );
+        let chat = server_trait_method(&service.methods[4]).to_string();
+        assert!(
+            chat.contains(
+                &quote!(
+                    type ChatStream: Stream<Item = Result<super::HelloReply, Status>>
+                        + Send
+                        + 'static;
+                )
+                .to_string()
+            ),
+            "{chat}"
+        );
+        assert!(
+            chat.contains(&quote!(request: Request<Streaming<super::HelloRequest>>,).to_string()),
+            "{chat}"
+        );
+        assert!(
+            chat.contains(&quote!(Result<Response<Self::ChatStream>, Status>).to_string()),
+            "{chat}"
+        );
+    }
+
+    #[test]
+    fn server_trait_and_routing_cover_every_rpc() {
         let service = service();
         let server = server_module(&service).to_string();
         let trait_method = quote! {
@@ -387,15 +541,31 @@ mod tests {
                 .to_string()
             )
         );
-        assert!(server.contains("\"/helloworld.v1.Greeter/SayHello\" =>"));
-        assert!(
-            !server.contains("Watch") && !server.contains("watch"),
-            "streaming rpc generated"
-        );
+        for (path, glue) in [
+            ("SayHello", "unary"),
+            ("Watch", "server_streaming_handler"),
+            ("Upload", "client_streaming_handler"),
+            ("Chat", "streaming_handler"),
+        ] {
+            let arm = format!("\"/helloworld.v1.Greeter/{path}\" =>");
+            let at = server
+                .find(&arm)
+                .unwrap_or_else(|| panic!("no arm for {path}: {server}"));
+            let glue_call = format!("{glue} (codec , request");
+            assert!(
+                server[at..].find(&glue_call).is_some_and(|i| i < 200),
+                "{path} is routed through {glue}: {server}"
+            );
+        }
         let client = client_module(&service).to_string();
         assert!(client.contains(&quote!(pub mod greeter_client).to_string()));
         assert!(client.contains(&quote!(pub struct GreeterClient<T>).to_string()));
-        assert!(!client.contains("watch"));
+        for name in ["say_hello", "watch", "upload", "chat", "r#type"] {
+            assert!(
+                client.contains(&format!("pub async fn {name}")),
+                "{name}: {client}"
+            );
+        }
     }
 
     #[test]

@@ -18,8 +18,12 @@
 //! ```
 //! and in the crate: `mod echo { rpc_core::include_proto!("echo.v1"); }`.
 //!
-//! Streaming rpcs are not generated yet: each one is skipped with a
-//! `cargo:warning` that names it.
+//! Every rpc is generated, shaped like tonic's: a server-streaming handler
+//! returns `Response<Self::MethodStream>` (an associated type: any `Stream`
+//! of `Result<Msg, Status>`), client- and bidirectional-streaming handlers
+//! take `Request<rpc_core::Streaming<Msg>>`; clients take
+//! `impl IntoStreamingRequest` (any `Stream` of messages) and return
+//! `rpc_core::Streaming<Msg>` for streamed responses.
 
 mod generator;
 
@@ -49,6 +53,7 @@ pub fn configure() -> Builder {
         build_server: true,
         emit_rerun_if_changed: true,
         bytes_fields_as_vec: false,
+        file_descriptor_set_path: None,
     }
 }
 
@@ -60,6 +65,7 @@ pub struct Builder {
     build_server: bool,
     emit_rerun_if_changed: bool,
     bytes_fields_as_vec: bool,
+    file_descriptor_set_path: Option<PathBuf>,
 }
 
 /// A prost-build configuration for rpc-core: generated messages refer to
@@ -116,6 +122,16 @@ impl Builder {
         self
     }
 
+    /// Also write the compiled files, with every file they import, as an
+    /// encoded `google.protobuf.FileDescriptorSet` to `path` (what server
+    /// reflection serves: `rpc_grpc::reflection`). Typically
+    /// `PathBuf::from(env::var("OUT_DIR")?).join("descriptors.bin")`, read
+    /// back with `include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"))`.
+    pub fn file_descriptor_set_path(mut self, path: impl Into<PathBuf>) -> Self {
+        self.file_descriptor_set_path = Some(path.into());
+        self
+    }
+
     /// Compiles `protos`, resolving imports against `includes`.
     pub fn compile(
         self,
@@ -166,6 +182,9 @@ impl Builder {
                 })?,
         };
         std::fs::create_dir_all(&out_dir)?;
+        if let Some(path) = &self.file_descriptor_set_path {
+            std::fs::write(path, prost::Message::encode_to_vec(&descriptors))?;
+        }
         config.out_dir(out_dir);
         config.service_generator(Box::new(ServiceGenerator::new(
             self.build_client,
@@ -198,6 +217,21 @@ mod tests {
         let generated = std::fs::read_to_string(dir.join("blob.v1.rs")).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         generated
+    }
+
+    #[test]
+    fn the_descriptor_set_holds_the_files_and_their_imports() {
+        let path = std::env::temp_dir().join(format!("rpc-codegen-fds-{}.bin", std::process::id()));
+        generate(configure().file_descriptor_set_path(&path), "fds");
+        let encoded = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let set: prost_types::FileDescriptorSet = prost::Message::decode(&encoded[..]).unwrap();
+        let names: Vec<_> = set.file.iter().map(|file| file.name()).collect();
+        assert!(names.contains(&"blob.proto"), "{names:?}");
+        assert!(
+            names.contains(&"google/protobuf/timestamp.proto"),
+            "{names:?}"
+        );
     }
 
     #[test]

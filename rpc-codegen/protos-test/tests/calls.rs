@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use rpc_codegen_protos_test::acme::common::v1::{Availability, Item, Money, item};
 use rpc_codegen_protos_test::acme::inventory::v1::{
     AddItemRequest, GetItemRequest, ItemList, SearchRequest,
@@ -35,6 +36,63 @@ impl Store {
 }
 
 impl Inventory for Store {
+    type WatchItemsStream = futures_util::stream::Iter<std::vec::IntoIter<Result<Item, Status>>>;
+    type RepriceStream =
+        std::pin::Pin<Box<dyn futures_core::Stream<Item = Result<Item, Status>> + Send>>;
+
+    async fn watch_items(
+        &self,
+        request: Request<GetItemRequest>,
+    ) -> Result<Response<Self::WatchItemsStream>, Status> {
+        let prefix = request.into_inner().sku;
+        let mut matching: Vec<Result<Item, Status>> = self
+            .items
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|item| item.sku.starts_with(&prefix))
+            .cloned()
+            .map(Ok)
+            .collect();
+        if prefix == "fail" {
+            matching.push(Err(Status::data_loss("watch broke after the items")));
+        }
+        Ok(Response::new(futures_util::stream::iter(matching)))
+    }
+
+    async fn upload(
+        &self,
+        request: Request<rpc_core::Streaming<Item>>,
+    ) -> Result<Response<ItemList>, Status> {
+        let mut items = request.into_inner();
+        let mut added = Vec::new();
+        while let Some(item) = items.message().await? {
+            self.items
+                .lock()
+                .unwrap()
+                .insert(item.sku.clone(), item.clone());
+            added.push(item);
+        }
+        self.touch();
+        Ok(Response::new(ItemList { items: added }))
+    }
+
+    async fn reprice(
+        &self,
+        request: Request<rpc_core::Streaming<Item>>,
+    ) -> Result<Response<Self::RepriceStream>, Status> {
+        let repriced = request.into_inner().map(|item| {
+            let mut item = item?;
+            item.pricing = Some(item::Pricing::FixedPrice(Money {
+                currency_code: "EUR".into(),
+                units: item.sku.len() as i64,
+                nanos: 0,
+            }));
+            Ok(item)
+        });
+        Ok(Response::new(Box::pin(repriced)))
+    }
+
     async fn add_item(&self, request: Request<AddItemRequest>) -> Result<Response<Item>, Status> {
         let item = request
             .into_inner()
@@ -208,6 +266,66 @@ async fn exercise(endpoint: rpc_core::transport::Endpoint) {
         inventory.last_change(()).await.unwrap().into_inner().nanos,
         5
     );
+    // Server streaming: the items of a prefix, then the end.
+    let mut watched = inventory
+        .watch_items(GetItemRequest { sku: "A".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(watched.message().await.unwrap().unwrap().sku, "A-1");
+    assert_eq!(watched.message().await.unwrap(), None);
+    // An error after the messages arrives after them.
+    let mut failing = inventory
+        .watch_items(GetItemRequest { sku: "fail".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(failing.message().await.unwrap_err().code(), Code::DataLoss);
+    // Client streaming: any Stream of messages.
+    let uploaded = inventory
+        .upload(futures_util::stream::iter([
+            sample_item("C-3"),
+            sample_item("D-4"),
+        ]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(uploaded.items.len(), 2);
+    assert_eq!(
+        inventory
+            .list_items(())
+            .await
+            .unwrap()
+            .into_inner()
+            .items
+            .len(),
+        4
+    );
+    // Bidirectional: each answer comes while the request stream is open.
+    let (sender, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+    let mut repriced = inventory
+        .reprice(Request::new(futures_util::stream::poll_fn(move |cx| {
+            receiver.poll_recv(cx)
+        })))
+        .await
+        .unwrap()
+        .into_inner();
+    for sku in ["E", "FF", "GGG"] {
+        sender.send(sample_item(sku)).unwrap();
+        let item = repriced.message().await.unwrap().unwrap();
+        assert_eq!(item.sku, sku);
+        assert_eq!(
+            item.pricing,
+            Some(item::Pricing::FixedPrice(Money {
+                currency_code: "EUR".into(),
+                units: sku.len() as i64,
+                nanos: 0,
+            }))
+        );
+    }
+    drop(sender);
+    assert_eq!(repriced.message().await.unwrap(), None);
+
     inventory.clear(()).await.unwrap();
     assert!(
         inventory
@@ -271,7 +389,7 @@ fn clients_are_clone_when_their_service_is() {
 }
 
 #[test]
-fn proto_comments_become_docs_and_streaming_rpcs_are_skipped() {
+fn proto_comments_become_docs_and_every_rpc_is_generated() {
     let generated =
         std::fs::read_to_string(concat!(env!("OUT_DIR"), "/acme.inventory.v1.rs")).unwrap();
     assert!(
@@ -281,7 +399,14 @@ fn proto_comments_become_docs_and_streaming_rpcs_are_skipped() {
     assert!(generated.contains("/// Keeps track of items."));
     assert!(generated.contains("/// Items are identified by SKU."));
     assert!(generated.contains("\"/acme.inventory.v1.Inventory/AddItem\""));
-    assert!(!generated.contains("watch_items") && !generated.contains("fn upload"));
+    for rpc in [
+        "fn watch_items",
+        "fn upload",
+        "fn reprice",
+        "type WatchItemsStream",
+    ] {
+        assert!(generated.contains(rpc), "{rpc}: {generated}");
+    }
     let plain = std::fs::read_to_string(concat!(env!("OUT_DIR"), "/_.rs")).unwrap();
     assert!(plain.contains("\"/Pinger/Ping\""));
 }
