@@ -1,0 +1,77 @@
+//! Hostile HTTP/2 peers of the grpc:// server: what they can make it hold
+//! stays bounded, and other clients are served meanwhile.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// Streams that announce large messages and send most of them: the server
+/// takes only what its receive budget (plus HTTP/2's windows) allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announced_large_messages_are_held_within_the_receive_budget() {
+    let server = common::rdma_server().await;
+    let budget = server
+        .stats
+        .as_ref()
+        .expect("rdma-rpc's server")
+        .receive_budget()
+        .capacity();
+    let mut client = common::raw_http2_client(&server.addr).await;
+    let announced = common::LIMIT - 1024;
+    let streams = 2 * budget / announced + 2;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let payload = Bytes::from(vec![1u8; announced]);
+    let mut senders = Vec::new();
+    for _ in 0..streams {
+        client = client.ready().await.unwrap();
+        let (_response, mut body) = client
+            .send_request(common::grpc_request(&server.addr, "Unary"), false)
+            .unwrap();
+        let payload = payload.clone();
+        senders.push(tokio::spawn(async move {
+            let mut prefix = BytesMut::new();
+            prefix.put_u8(0);
+            prefix.put_u32(announced as u32);
+            let mut sent = 0usize;
+            let mut data = vec![prefix.freeze(), payload.slice(..announced - 1)];
+            for piece in data.drain(..) {
+                let mut piece = piece;
+                while !piece.is_empty() {
+                    body.reserve_capacity(piece.len());
+                    let capacity = tokio::time::timeout_at(
+                        deadline.into(),
+                        std::future::poll_fn(|cx| body.poll_capacity(cx)),
+                    )
+                    .await;
+                    let Ok(Some(Ok(capacity))) = capacity else {
+                        return (sent, body);
+                    };
+                    let chunk = piece.split_to(capacity.min(piece.len()));
+                    sent += chunk.len();
+                    if body.send_data(chunk, false).is_err() {
+                        return (sent, body);
+                    }
+                }
+            }
+            (sent, body)
+        }));
+    }
+    let mut total = 0;
+    let mut held = Vec::new();
+    for sender in senders {
+        let (sent, body) = sender.await.unwrap();
+        total += sent;
+        held.push(body);
+    }
+    // Without the reservation each stream could make the server assemble
+    // a whole message: `streams` × 32 MiB, twice the budget.
+    let bound = budget + 16 * (1 << 20);
+    assert!(
+        total <= bound,
+        "the server took {total} bytes of incomplete messages; budget {budget}"
+    );
+    common::still_answers(&server).await;
+    drop(held);
+}

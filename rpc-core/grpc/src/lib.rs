@@ -1,0 +1,156 @@
+//! gRPC for rdma-rpc: the `grpc://` transport.
+//!
+//! ```no_run
+//! # async fn demo<S: rpc_core::server::RoutableService>(service: S) -> Result<(), rpc_core::Error> {
+//! rpc_grpc::register(); // once, at start-up
+//! // A server that standard gRPC clients (grpcio, grpc-go, tonic) can call:
+//! rpc_core::Server::builder()
+//!     .add_service(service)
+//!     .serve("grpc://0.0.0.0:50051")
+//!     .await?;
+//! // A client of any gRPC server:
+//! let channel = rpc_core::Channel::connect("grpc://127.0.0.1:50051").await?;
+//! # let _ = channel; Ok(()) }
+//! ```
+//!
+//! It is a transport like `tcp://` or `rdma://`, registered under the
+//! scheme `grpc`: the same [`rpc_core::Server`] (with its layers, limits and
+//! generated services) serves it, and the same [`rpc_core::Channel`] and
+//! generated clients call through it. Underneath, each connection is
+//! HTTP/2 (cleartext, with prior knowledge, as gRPC's `insecure` channels
+//! speak it) through the `h2` crate, and a gateway translates between gRPC's
+//! HTTP/2 streams and rdma-rpc's frames:
+//!
+//! | gRPC over HTTP/2 | rdma-rpc frames |
+//! |---|---|
+//! | request headers: `:path`, metadata, `grpc-timeout` | REQUEST: path, metadata, deadline |
+//! | length-prefixed messages in DATA | MESSAGE frames (unary: the request's payload) |
+//! | END_STREAM from the client | half-close |
+//! | response headers | HEADERS (unary: the response's metadata) |
+//! | trailers: `grpc-status`, `grpc-message`, metadata | RESPONSE: status, message, trailers |
+//! | RST_STREAM from the client | CANCEL |
+//! | HTTP/2 flow control | each stream's window ([`rpc_core::stream::SendWindow`]) |
+//!
+//! `-bin` metadata travels base64-encoded on HTTP/2 and as bytes in
+//! rdma-rpc; `grpc-message` is percent-encoded. A message over the frame
+//! limit (`max_frame_len` of the server or channel) fails its call with
+//! `RESOURCE_EXHAUSTED`, as gRPC's message size limits do.
+//!
+//! gRPC's wire does not say whether a method is unary or streaming, so the
+//! server side opens every call as a stream of unknown kind
+//! ([`rpc_core::frame::FrameFlags::KIND_UNKNOWN`]); generated servers serve a
+//! unary method's call as one message each way. A hand-written service
+//! sees it as a streaming call ([`rpc_core::stream::ServerStream::take`]).
+//!
+//! Not supported: TLS on `grpc://` (use a TLS-terminating proxy), message
+//! compression (calls that ask for it get `UNIMPLEMENTED`, and the server
+//! advertises `grpc-accept-encoding: identity`).
+
+mod client;
+mod data;
+pub mod health;
+mod link;
+pub mod reflection;
+mod server;
+#[cfg(feature = "tonic")]
+pub mod tonic;
+mod wire;
+
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use rpc_core::transport::{
+    Connection, Endpoint, Listener, Transport, TransportConfig, TransportError,
+};
+
+/// The scheme `grpc://` endpoints name.
+pub const SCHEME: &str = "grpc";
+
+/// Registers the `grpc` scheme with rpc-core's transports. Call it once at
+/// start-up, before a server binds or a channel connects to `grpc://`.
+pub fn register() {
+    rpc_core::transport::register(SCHEME, Arc::new(GrpcTransport));
+}
+
+/// gRPC over HTTP/2 as an rdma-rpc transport (see the crate docs).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GrpcTransport;
+
+impl Transport for GrpcTransport {
+    fn connect(
+        &self,
+        endpoint: &Endpoint,
+        config: &TransportConfig,
+    ) -> BoxFuture<'static, Result<Connection, TransportError>> {
+        let endpoint = endpoint.clone();
+        let settings = H2Settings::for_frame_limit(config.max_frame_len);
+        async move { client::connect(&endpoint, settings).await }.boxed()
+    }
+
+    fn bind(
+        &self,
+        endpoint: &Endpoint,
+        config: &TransportConfig,
+    ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>> {
+        let endpoint = endpoint.clone();
+        let max_frame_len = config.max_frame_len;
+        let budget = config.receive_budget.clone();
+        async move {
+            let listener = server::bind(&endpoint, max_frame_len, budget).await?;
+            Ok(Box::new(listener) as Box<dyn Listener>)
+        }
+        .boxed()
+    }
+}
+
+/// HTTP/2 settings of both sides.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct H2Settings {
+    /// Largest gRPC message taken from the peer.
+    pub(crate) max_message: usize,
+}
+
+/// Each stream's HTTP/2 receive window.
+pub(crate) const STREAM_WINDOW: u32 = 1 << 20;
+/// The connection's HTTP/2 receive window.
+const CONNECTION_WINDOW: u32 = 8 << 20;
+/// Largest header block taken (metadata included).
+const MAX_HEADER_LIST: u32 = 16 << 10;
+/// Streams a client may open at once on one connection.
+const MAX_CONCURRENT_STREAMS: u32 = 1024;
+/// Bytes h2 buffers per stream beyond what the peer's window let go.
+const SEND_BUFFER: usize = 64 << 10;
+/// Largest DATA frame.
+const MAX_FRAME_SIZE: u32 = 64 << 10;
+
+impl H2Settings {
+    fn for_frame_limit(max_frame_len: usize) -> H2Settings {
+        H2Settings {
+            max_message: server::max_message_for(max_frame_len),
+        }
+    }
+
+    fn server(&self) -> h2::server::Builder {
+        let mut builder = h2::server::Builder::new();
+        builder
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_header_list_size(MAX_HEADER_LIST)
+            .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+            .max_frame_size(MAX_FRAME_SIZE)
+            .max_send_buffer_size(SEND_BUFFER);
+        builder
+    }
+
+    fn client(&self) -> h2::client::Builder {
+        let mut builder = h2::client::Builder::new();
+        builder
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_header_list_size(MAX_HEADER_LIST)
+            .max_frame_size(MAX_FRAME_SIZE)
+            .max_send_buffer_size(SEND_BUFFER);
+        builder
+    }
+}

@@ -1,0 +1,267 @@
+//! The rdma-rpc side of a translated connection: the [`Connection`] rpc-core
+//! reads frames from and writes frames to, and the gateway's handles on it.
+
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use futures_util::SinkExt;
+use rpc_core::Payload;
+use rpc_core::frame::{EncodedFrame, Frame, FrameError, FrameFlags, FrameKind};
+use rpc_core::stream::{BATCH_BYTES, SendWindow};
+use rpc_core::transport::{Connection, ConnectionBudget, Reservation, TransportError};
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::{CancellationToken, PollSender};
+
+/// Frames queued towards rpc-core before a sender waits.
+const TO_CORE_QUEUE: usize = 64;
+/// Frames queued from rpc-core before rpc-core waits.
+const FROM_CORE_QUEUE: usize = 64;
+
+/// Where the gateway hands frames to rpc-core. Cloned into every call's
+/// tasks; a frame reserves its bytes in the server's receive budget (when
+/// there is one) before it is queued, as every transport's frames do.
+#[derive(Clone)]
+pub(crate) struct ToCore {
+    frames: mpsc::Sender<Result<Bytes, TransportError>>,
+    budget: Option<Arc<tokio::sync::Mutex<ConnectionBudget>>>,
+}
+
+/// rpc-core no longer reads this connection.
+#[derive(Debug)]
+pub(crate) struct CoreGone;
+
+impl ToCore {
+    /// Hands `frame` to rpc-core, waiting while its queue or the receive
+    /// budget is full.
+    pub(crate) async fn send(&self, frame: Frame) -> Result<(), CoreGone> {
+        let mut bytes = frame.encode();
+        if let Some(budget) = &self.budget {
+            let reservation = budget
+                .lock()
+                .await
+                .reserve(bytes.len())
+                .await
+                .map_err(|_| CoreGone)?;
+            bytes = reservation.attach(bytes);
+        }
+        self.frames.send(Ok(bytes)).await.map_err(|_| CoreGone)
+    }
+}
+
+impl ToCore {
+    /// Reserves `len` bytes of the server's receive budget (none on a
+    /// client) for a message the gateway is assembling: what a peer makes
+    /// the gateway hold stays within the budget, as on every transport.
+    pub(crate) async fn reserve(&self, len: usize) -> Result<Option<Reservation>, CoreGone> {
+        match &self.budget {
+            None => Ok(None),
+            Some(budget) => budget
+                .lock()
+                .await
+                .reserve(len)
+                .await
+                .map(Some)
+                .map_err(|_| CoreGone),
+        }
+    }
+}
+
+/// A new translated connection: what rpc-core gets, where the gateway puts
+/// frames for it, where it takes rpc-core's frames from, and the token that
+/// ends rpc-core's frame stream once the gateway's connection is over.
+pub(crate) fn new_connection(
+    peer: String,
+    budget: Option<ConnectionBudget>,
+) -> (
+    Connection,
+    ToCore,
+    mpsc::Receiver<EncodedFrame>,
+    CancellationToken,
+) {
+    let (to_core, mut core_reads) = mpsc::channel(TO_CORE_QUEUE);
+    let (core_writes, from_core) = mpsc::channel(FROM_CORE_QUEUE);
+    let ended = CancellationToken::new();
+    let mut ended_wait = Box::pin(ended.clone().cancelled_owned());
+    let stream = futures_util::stream::poll_fn(move |cx| match core_reads.poll_recv(cx) {
+        Poll::Ready(Some(frame)) => Poll::Ready(Some(frame)),
+        Poll::Ready(None) => Poll::Ready(None),
+        // Call tasks may still hold senders: the connection's end ends the stream.
+        Poll::Pending => ended_wait.as_mut().poll(cx).map(|()| None),
+    });
+    let sink = PollSender::new(core_writes).sink_map_err(|_| TransportError::Closed);
+    let connection = Connection {
+        sink: Box::pin(sink),
+        stream: Box::pin(stream),
+        peer,
+    };
+    let to_core = ToCore {
+        frames: to_core,
+        budget: budget.map(|budget| Arc::new(tokio::sync::Mutex::new(budget))),
+    };
+    (connection, to_core, from_core, ended)
+}
+
+/// A frame rpc-core sent, decoded. rpc-core's own frames are valid; an
+/// error here is a bug, and ends the connection.
+pub(crate) fn decode(frame: EncodedFrame) -> Result<Frame, FrameError> {
+    Frame::decode(frame.into_contiguous(), usize::MAX)
+}
+
+/// Messages for one MESSAGE frame towards rpc-core: as many as are ready,
+/// up to [`BATCH_BYTES`], so that a stream of small messages costs a frame
+/// per batch, not per message (as rdma-rpc's own senders do).
+#[derive(Debug, Default)]
+pub(crate) struct MessageBatch {
+    payload: BytesMut,
+}
+
+impl MessageBatch {
+    /// Whether `message` still fits the batch (an empty batch takes any).
+    pub(crate) fn has_room_for(&self, message: &[u8]) -> bool {
+        self.payload.is_empty() || self.payload.len() + 4 + message.len() <= BATCH_BYTES
+    }
+
+    pub(crate) fn push(&mut self, message: &[u8]) {
+        self.payload.reserve(4 + message.len());
+        self.payload.put_u32_le(message.len() as u32);
+        self.payload.put_slice(message);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.payload.is_empty()
+    }
+
+    /// The batch as a MESSAGE frame (`last`: the sender's last), leaving it empty.
+    pub(crate) fn take_frame(&mut self, call_id: u64, last: bool) -> Frame {
+        let flags = if last {
+            FrameFlags::END_STREAM
+        } else {
+            FrameFlags::EMPTY
+        };
+        let mut frame = Frame::control(FrameKind::Message, flags, call_id);
+        frame.payload = Payload::from(self.payload.split().freeze());
+        frame
+    }
+}
+
+/// The messages of a MESSAGE frame's payload (`u32` LE length, bytes, …).
+pub(crate) fn split_messages(mut payload: Bytes) -> Vec<Bytes> {
+    let mut messages = Vec::new();
+    while payload.len() >= 4 {
+        let len = payload.get_u32_le() as usize;
+        if len > payload.len() {
+            break;
+        }
+        messages.push(payload.split_to(len));
+    }
+    messages
+}
+
+/// One stream direction's window towards rpc-core: the gateway waits in
+/// [`acquire`](StreamWindow::acquire) before it hands rpc-core a message,
+/// and rpc-core's WINDOW frames [`grant`](StreamWindow::grant) more.
+#[derive(Debug, Default)]
+pub(crate) struct StreamWindow {
+    window: Mutex<SendWindow>,
+    room: Notify,
+}
+
+impl StreamWindow {
+    pub(crate) fn grant(&self, grant: u32) {
+        self.lock().grant(grant);
+        self.room.notify_one();
+    }
+
+    /// Counts a message of `len` bytes if it may go now.
+    pub(crate) fn try_acquire(&self, len: usize) -> bool {
+        let cost = SendWindow::cost(len);
+        let mut window = self.lock();
+        let fits = window.fits(cost);
+        if fits {
+            window.consume(cost);
+        }
+        fits
+    }
+
+    /// Waits until a message of `len` bytes may go, and counts it.
+    pub(crate) async fn acquire(&self, len: usize) {
+        let cost = SendWindow::cost(len);
+        loop {
+            {
+                let mut window = self.lock();
+                if window.fits(cost) {
+                    window.consume(cost);
+                    return;
+                }
+            }
+            // `notify_one` keeps a permit when no one waits: no lost grant.
+            self.room.notified().await;
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SendWindow> {
+        self.window
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rpc_core::stream::{GRANT_AT, INITIAL_WINDOW};
+    use std::time::Duration;
+
+    #[test]
+    fn message_frames_split_into_their_messages() {
+        let frame = Frame::message(3, Bytes::from_static(b"abc"), false);
+        let payload = frame.payload.clone().into_contiguous();
+        assert_eq!(split_messages(payload), vec![Bytes::from_static(b"abc")]);
+        let mut two = Vec::new();
+        for message in [&b"x"[..], b""] {
+            two.extend_from_slice(&(message.len() as u32).to_le_bytes());
+            two.extend_from_slice(message);
+        }
+        assert_eq!(split_messages(Bytes::from(two)).len(), 2);
+    }
+
+    #[test]
+    fn a_batch_is_one_message_frame_of_several_messages_up_to_its_size() {
+        let mut batch = MessageBatch::default();
+        batch.push(b"one");
+        batch.push(b"");
+        assert!(batch.has_room_for(&[0u8; 1000]));
+        assert!(!batch.has_room_for(&vec![0u8; BATCH_BYTES]));
+        let frame = batch.take_frame(9, true);
+        assert!(batch.is_empty());
+        assert_eq!(frame.kind, FrameKind::Message);
+        assert!(frame.flags.contains(FrameFlags::END_STREAM));
+        // What rpc-core decodes from it.
+        let decoded = Frame::decode(frame.encode(), usize::MAX).unwrap();
+        let messages = split_messages(decoded.payload.into_contiguous());
+        assert_eq!(messages, [Bytes::from_static(b"one"), Bytes::new()]);
+        // An empty batch takes even a message larger than a batch.
+        assert!(batch.has_room_for(&vec![0u8; 2 * BATCH_BYTES]));
+    }
+
+    #[tokio::test]
+    async fn a_window_holds_messages_back_until_rpc_core_grants_more() {
+        let window = Arc::new(StreamWindow::default());
+        let big = (INITIAL_WINDOW / 2) as usize;
+        window.acquire(big).await;
+        window.acquire(big - 1000).await;
+        // Over the window, with more than GRANT_AT outstanding: it waits.
+        let waiting = tokio::spawn({
+            let window = window.clone();
+            async move { window.acquire(2000).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished());
+        window.grant(GRANT_AT);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the grant lets it go")
+            .unwrap();
+    }
+}

@@ -1,0 +1,651 @@
+//! The listening side: standard gRPC clients over HTTP/2 in, rdma-rpc calls
+//! out to the [`rpc_core::Server`] that bound the endpoint.
+//!
+//! Each HTTP/2 connection becomes one rpc-core [`Connection`]; each HTTP/2
+//! stream becomes one call, opened as a stream of unknown kind
+//! ([`FrameFlags::KIND_UNKNOWN`]) because gRPC's wire does not say whether a
+//! method is unary. Per call, a reader task turns the request body into
+//! MESSAGE frames under the call's window and a writer task turns rpc-core's
+//! HEADERS, MESSAGE and RESPONSE frames into the HTTP/2 response, granting
+//! window back as HTTP/2's own flow control takes the bytes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use h2::{RecvStream, SendStream};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use rpc_core::frame::{EncodedFrame, Frame, FrameFlags, FrameKind, HEADER_LEN};
+use rpc_core::metadata::Metadata;
+use rpc_core::stream::SendWindow;
+use rpc_core::transport::{Connection, Endpoint, Listener, TransportError};
+use rpc_core::{Code, Status};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinSet;
+
+use crate::link::{self, MessageBatch, StreamWindow, ToCore};
+use crate::wire::{self, Deframer};
+use crate::{H2Settings, data};
+
+/// Accepted connections waiting for the server to take them.
+const ACCEPT_QUEUE: usize = 64;
+/// How long a new connection has to finish the HTTP/2 handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a closing connection waits for its streams to finish.
+const CLOSE_LINGER: Duration = Duration::from_secs(1);
+/// Bytes of rpc-core's messages a connection's writers hold at once, not
+/// yet taken by HTTP/2 (whose peer may not read): beyond it, the gateway
+/// takes no more frames from rpc-core, whose own outbound queue then fills
+/// and holds the handlers back, as on every transport.
+const QUEUED_BYTES: usize = 8 << 20;
+
+/// Window given back to rpc-core once this much is owed: less than
+/// rpc-core's `GRANT_AT` outstanding never holds a sender back.
+pub(crate) const GRANT_BATCH: u64 = 64 << 10;
+/// A message being assembled that is longer than this reserves its bytes
+/// from the receive budget first (shorter ones are bounded by HTTP/2's
+/// stream window, which is released only after they are accounted for).
+const RESERVE_ABOVE: usize = crate::STREAM_WINDOW as usize;
+const _: () = assert!(GRANT_BATCH < rpc_core::stream::GRANT_AT as u64);
+
+/// A bound `grpc://` endpoint.
+pub(crate) struct GrpcListener {
+    accepted: mpsc::Receiver<Result<Connection, TransportError>>,
+    local: Endpoint,
+    accept_task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for GrpcListener {
+    fn drop(&mut self) {
+        self.accept_task.abort();
+    }
+}
+
+impl futures_core::Stream for GrpcListener {
+    type Item = Result<Connection, TransportError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.accepted.poll_recv(cx)
+    }
+}
+
+impl Listener for GrpcListener {
+    fn local_endpoint(&self) -> Endpoint {
+        self.local.clone()
+    }
+}
+
+/// Listens on `endpoint`; every accepted TCP connection speaks HTTP/2.
+pub(crate) async fn bind(
+    endpoint: &Endpoint,
+    max_frame_len: usize,
+    budget: Option<rpc_core::transport::ReceiveBudget>,
+) -> Result<GrpcListener, TransportError> {
+    let listener =
+        tokio::net::TcpListener::bind((endpoint.host(), endpoint.port().unwrap_or(0))).await?;
+    let local_addr = listener.local_addr()?;
+    let local = Endpoint::new(endpoint.scheme(), &local_addr.to_string())?;
+    let (queue, accepted) = mpsc::channel(ACCEPT_QUEUE);
+    let settings = H2Settings::for_frame_limit(max_frame_len);
+    let accept_task = tokio::spawn(async move {
+        loop {
+            let accepted = listener.accept().await;
+            let item = match accepted {
+                Ok((socket, peer)) => {
+                    let _ = socket.set_nodelay(true);
+                    let (connection, to_core, from_core, ended) = link::new_connection(
+                        format!("grpc://{peer}"),
+                        budget.as_ref().map(|budget| budget.connection()),
+                    );
+                    tokio::spawn(async move {
+                        serve_connection(socket, settings, to_core, from_core).await;
+                        ended.cancel();
+                    });
+                    Ok(connection)
+                }
+                Err(error) => Err(TransportError::Io(error)),
+            };
+            if queue.send(item).await.is_err() {
+                return;
+            }
+        }
+    });
+    Ok(GrpcListener {
+        accepted,
+        local,
+        accept_task,
+    })
+}
+
+/// What the gateway keeps of one call in flight.
+struct Call {
+    /// The client's messages towards rpc-core wait on this window.
+    window: Arc<StreamWindow>,
+    /// rpc-core's frames for the call, to its writer task.
+    out: mpsc::UnboundedSender<Out>,
+}
+
+/// What a call's writer task carries out.
+enum Out {
+    Headers(Metadata),
+    /// Messages, and their bytes of the connection's queue (see [`QUEUED_BYTES`]).
+    Messages(Bytes, OwnedSemaphorePermit),
+    End(Frame),
+    /// The gateway ends the call itself (the client broke a rule).
+    Fail(Status),
+}
+
+/// Serves one HTTP/2 connection until the client or rpc-core ends it.
+async fn serve_connection(
+    socket: TcpStream,
+    settings: H2Settings,
+    to_core: ToCore,
+    mut from_core: mpsc::Receiver<EncodedFrame>,
+) {
+    let handshake = settings.server().handshake::<_, Bytes>(socket);
+    let mut h2 = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+        Ok(Ok(h2)) => h2,
+        Ok(Err(error)) => {
+            tracing::debug!(%error, "grpc: HTTP/2 handshake failed");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!("grpc: HTTP/2 handshake timed out");
+            return;
+        }
+    };
+    let mut calls: HashMap<u64, Call> = HashMap::new();
+    let mut tasks = JoinSet::new();
+    let (finished_tx, mut finished) = mpsc::unbounded_channel::<u64>();
+    let mut next_call_id = 1u64;
+    let mut going_away = false;
+    let queued = Arc::new(Semaphore::new(QUEUED_BYTES));
+    // A message frame waiting for room in the queue.
+    let mut stashed: Option<(u64, Bytes, u32)> = None;
+    loop {
+        tokio::select! {
+            room = queued.clone().acquire_many_owned(stashed.as_ref().map_or(0, |s| s.2)), if stashed.is_some() => {
+                let (call_id, payload, _) = stashed.take().expect("checked");
+                let Ok(room) = room else { break };
+                route(&calls, call_id, Out::Messages(payload, room));
+            }
+            accepted = h2.accept() => match accepted {
+                Some(Ok((request, mut respond))) => {
+                    let call_id = next_call_id;
+                    next_call_id += 1;
+                    let Some(opening) = open_call(call_id, &request, &mut respond) else {
+                        continue;
+                    };
+                    if to_core.send(opening).await.is_err() {
+                        break;
+                    }
+                    let window = Arc::new(StreamWindow::default());
+                    let (out, out_rx) = mpsc::unbounded_channel();
+                    let body = request.into_body();
+                    tasks.spawn(read_requests(body, to_core.clone(), window.clone(), out.clone(), call_id, settings.max_message));
+                    let finished_tx = finished_tx.clone();
+                    let writer_core = to_core.clone();
+                    tasks.spawn(async move {
+                        write_responses(respond, out_rx, writer_core, call_id).await;
+                        let _ = finished_tx.send(call_id);
+                    });
+                    calls.insert(call_id, Call { window, out });
+                }
+                Some(Err(error)) => {
+                    tracing::debug!(%error, "grpc: HTTP/2 connection failed");
+                    break;
+                }
+                None => break,
+            },
+            frame = from_core.recv(), if stashed.is_none() => {
+                let Some(frame) = frame else {
+                    // rpc-core closed the connection: let streams finish, briefly.
+                    h2.graceful_shutdown();
+                    let _ = tokio::time::timeout(CLOSE_LINGER, async {
+                        while let Some(Ok(_)) = h2.accept().await {}
+                    }).await;
+                    break;
+                };
+                let frame = match link::decode(frame) {
+                    Ok(frame) => frame,
+                    Err(error) => {
+                        tracing::error!(%error, "grpc: rpc-core sent a frame it could not decode");
+                        break;
+                    }
+                };
+                match frame.kind {
+                    FrameKind::Headers => route(&calls, frame.call_id, Out::Headers(frame.metadata)),
+                    FrameKind::Message => {
+                        let payload = frame.payload.into_contiguous();
+                        let needed = payload.len().clamp(1, QUEUED_BYTES) as u32;
+                        match queued.clone().try_acquire_many_owned(needed) {
+                            Ok(room) => route(&calls, frame.call_id, Out::Messages(payload, room)),
+                            Err(_) => stashed = Some((frame.call_id, payload, needed)),
+                        }
+                    }
+                    FrameKind::Response => {
+                        if let Some(call) = calls.remove(&frame.call_id) {
+                            let _ = call.out.send(Out::End(frame));
+                        }
+                    }
+                    FrameKind::Window => {
+                        if let (Some(call), Some(grant)) = (calls.get(&frame.call_id), frame.window_grant()) {
+                            call.window.grant(grant);
+                        }
+                    }
+                    FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
+                        let pong = Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id);
+                        if to_core.send(pong).await.is_err() {
+                            break;
+                        }
+                    }
+                    FrameKind::GoAway if !going_away => {
+                        going_away = true;
+                        h2.graceful_shutdown();
+                    }
+                    _ => {}
+                }
+            }
+            Some(call_id) = finished.recv() => {
+                calls.remove(&call_id);
+            }
+        }
+    }
+    // Dropping the tasks ends every call's reader and writer.
+    tasks.abort_all();
+}
+
+fn route(calls: &HashMap<u64, Call>, call_id: u64, out: Out) {
+    if let Some(call) = calls.get(&call_id) {
+        let _ = call.out.send(out);
+    }
+}
+
+/// Answers a request with `status` alone (a trailers-only response).
+fn refuse(respond: &mut SendResponse<Bytes>, status: &Status) {
+    let response = trailers_only(status.code(), status.message(), status.metadata());
+    let _ = respond.send_response(response, true);
+}
+
+/// Answers a request that is not gRPC with a bare HTTP status.
+fn refuse_http(respond: &mut SendResponse<Bytes>, status: StatusCode) {
+    let mut response = Response::new(());
+    *response.status_mut() = status;
+    let _ = respond.send_response(response, true);
+}
+
+/// Checks a new HTTP/2 request and makes the frame that opens its call in
+/// rpc-core; answers it here (and returns `None`) when it cannot be one.
+fn open_call(
+    call_id: u64,
+    request: &Request<RecvStream>,
+    respond: &mut SendResponse<Bytes>,
+) -> Option<Frame> {
+    if request.method() != http::Method::POST {
+        refuse_http(respond, StatusCode::METHOD_NOT_ALLOWED);
+        return None;
+    }
+    let headers = request.headers();
+    if !wire::is_grpc_content_type(headers.get(http::header::CONTENT_TYPE)) {
+        refuse_http(respond, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        return None;
+    }
+    if let Some(encoding) = headers.get("grpc-encoding") {
+        if encoding != "identity" {
+            refuse(
+                respond,
+                &Status::unimplemented(format!(
+                    "grpc-encoding {encoding:?} is not supported: send uncompressed messages (identity)"
+                )),
+            );
+            return None;
+        }
+    }
+    let path = request.uri().path();
+    if !is_method_path(path) {
+        refuse(
+            respond,
+            &Status::unimplemented(format!(
+                "{path:?} is not a method path (/package.Service/Method)"
+            )),
+        );
+        return None;
+    }
+    let deadline = match headers.get("grpc-timeout") {
+        None => None,
+        Some(value) => match wire::parse_timeout(value) {
+            Some(timeout) => Some(timeout),
+            None => {
+                refuse(
+                    respond,
+                    &Status::invalid_argument(format!(
+                        "grpc-timeout {value:?} is not 1 to 8 digits and a unit (H M S m u n)"
+                    )),
+                );
+                return None;
+            }
+        },
+    };
+    let metadata = wire::metadata_from_headers(headers);
+    let mut opening = Frame::stream_request(call_id, path, deadline, metadata);
+    opening.flags = FrameFlags::STREAMING | FrameFlags::KIND_UNKNOWN;
+    Some(opening)
+}
+
+/// `/service/method`, both non-empty, within rpc-core's path limit.
+fn is_method_path(path: &str) -> bool {
+    let Some(rest) = path.strip_prefix('/') else {
+        return false;
+    };
+    let mut parts = rest.split('/');
+    let (Some(service), Some(method), None) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    !service.is_empty() && !method.is_empty() && path.len() <= rpc_core::frame::MAX_PATH_LEN
+}
+
+/// The client's request body → MESSAGE frames (the messages ready together
+/// in one), under the call's window; the end of the body → the half-close
+/// (on the last message frame when it came with it); a reset → a cancel.
+async fn read_requests(
+    mut body: RecvStream,
+    to_core: ToCore,
+    window: Arc<StreamWindow>,
+    fail: mpsc::UnboundedSender<Out>,
+    call_id: u64,
+    max_message: usize,
+) {
+    let mut deframer = Deframer::new(max_message);
+    let mut batch = MessageBatch::default();
+    // Held while a message larger than what HTTP/2's window bounds is
+    // assembled: its bytes, from the server's receive budget.
+    let mut assembling: Option<(usize, Option<rpc_core::transport::Reservation>)> = None;
+    loop {
+        match body.data().await {
+            Some(Ok(chunk)) => {
+                let chunk_len = chunk.len();
+                deframer.push(chunk);
+                if let Some(len) = deframer
+                    .pending_len()
+                    .filter(|&len| len > max_message.min(RESERVE_ABOVE))
+                {
+                    if len <= max_message
+                        && assembling.as_ref().is_none_or(|(held, _)| *held != len)
+                    {
+                        match to_core.reserve(len).await {
+                            Ok(reservation) => assembling = Some((len, reservation)),
+                            Err(_) => return,
+                        }
+                    }
+                }
+                // Only once the bytes are accounted for may the peer send more.
+                let _ = body.flow_control().release_capacity(chunk_len);
+                loop {
+                    let message = match deframer.next_message() {
+                        Ok(Some(message)) => message,
+                        Ok(None) => break,
+                        Err(error) => {
+                            let _ = fail.send(Out::Fail(deframe_status(error)));
+                            return;
+                        }
+                    };
+                    // Whole: its frame reserves its own bytes on the way in.
+                    assembling = None;
+                    if !batch.has_room_for(&message) || !window.try_acquire(message.len()) {
+                        if !batch.is_empty()
+                            && to_core
+                                .send(batch.take_frame(call_id, false))
+                                .await
+                                .is_err()
+                        {
+                            return;
+                        }
+                        window.acquire(message.len()).await;
+                    }
+                    batch.push(&message);
+                }
+                // The body's end came with this data: it rides on the batch.
+                let ended = body.is_end_stream();
+                if ended && deframer.finish().is_err() {
+                    continue;
+                }
+                if !batch.is_empty() {
+                    if to_core
+                        .send(batch.take_frame(call_id, ended))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    if ended {
+                        return;
+                    }
+                }
+            }
+            Some(Err(error)) => {
+                tracing::debug!(call_id, %error, "grpc: request stream ended by an error");
+                let _ = to_core
+                    .send(Frame::control(
+                        FrameKind::Cancel,
+                        FrameFlags::EMPTY,
+                        call_id,
+                    ))
+                    .await;
+                return;
+            }
+            None => {
+                if let Err(error) = deframer.finish() {
+                    let _ = fail.send(Out::Fail(deframe_status(error)));
+                    return;
+                }
+                let _ = to_core.send(Frame::half_close(call_id)).await;
+                return;
+            }
+        }
+    }
+}
+
+fn deframe_status(error: wire::DeframeError) -> Status {
+    match error {
+        wire::DeframeError::TooLarge { .. } => {
+            Status::resource_exhausted(format!("request {error} (the server's max_frame_len)"))
+        }
+        wire::DeframeError::Compressed => Status::unimplemented(error.to_string()),
+        _ => Status::internal(error.to_string()),
+    }
+}
+
+/// rpc-core's frames for one call → its HTTP/2 response. A reset from the
+/// client cancels the call in rpc-core.
+async fn write_responses(
+    mut respond: SendResponse<Bytes>,
+    mut out: mpsc::UnboundedReceiver<Out>,
+    to_core: ToCore,
+    call_id: u64,
+) {
+    let cancel = || Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
+    let mut body: Option<SendStream<Bytes>> = None;
+    let mut ungranted = 0u64;
+    loop {
+        let next = tokio::select! {
+            next = out.recv() => next,
+            reset = reset_of(&mut respond, &mut body) => {
+                tracing::debug!(call_id, ?reset, "grpc: client reset the stream");
+                let _ = to_core.send(cancel()).await;
+                return;
+            }
+        };
+        let result = match next {
+            // rpc-core dropped the call without an end: its connection ended.
+            None => {
+                send_reset(&mut respond, &mut body, h2::Reason::INTERNAL_ERROR);
+                return;
+            }
+            Some(Out::Headers(metadata)) => start_body(&mut respond, &mut body, &metadata),
+            Some(Out::Messages(payload, room)) => {
+                let messages = link::split_messages(payload);
+                let cost: u64 = messages.iter().map(|m| SendWindow::cost(m.len())).sum();
+                let sent = match start_body(&mut respond, &mut body, &Metadata::new()) {
+                    Ok(()) => match body.as_mut() {
+                        Some(stream) => data::write_messages(stream, &messages).await,
+                        None => Ok(()),
+                    },
+                    Err(error) => Err(error),
+                };
+                // HTTP/2 took them (or the stream failed): their room is free.
+                drop(room);
+                ungranted += cost;
+                // Less than rpc-core's GRANT_AT ungranted never holds its
+                // sender back, so grants go in batches (none for a unary call).
+                if sent.is_ok() && ungranted >= GRANT_BATCH {
+                    let grant = ungranted.min(u64::from(u32::MAX)) as u32;
+                    ungranted -= u64::from(grant);
+                    if grant > 0 && to_core.send(Frame::window(call_id, grant)).await.is_err() {
+                        return;
+                    }
+                }
+                sent
+            }
+            Some(Out::End(frame)) => {
+                finish(&mut respond, &mut body, frame).await;
+                return;
+            }
+            Some(Out::Fail(status)) => {
+                let _ = to_core.send(cancel()).await;
+                finish_with(&mut respond, &mut body, &status);
+                return;
+            }
+        };
+        if let Err(error) = result {
+            tracing::debug!(call_id, %error, "grpc: response stream failed");
+            let _ = to_core.send(cancel()).await;
+            return;
+        }
+    }
+}
+
+/// Waits for the client to reset the stream.
+async fn reset_of(
+    respond: &mut SendResponse<Bytes>,
+    body: &mut Option<SendStream<Bytes>>,
+) -> Result<h2::Reason, h2::Error> {
+    std::future::poll_fn(|cx| match body {
+        Some(stream) => stream.poll_reset(cx),
+        None => respond.poll_reset(cx),
+    })
+    .await
+}
+
+fn send_reset(
+    respond: &mut SendResponse<Bytes>,
+    body: &mut Option<SendStream<Bytes>>,
+    reason: h2::Reason,
+) {
+    match body {
+        Some(stream) => stream.send_reset(reason),
+        None => respond.send_reset(reason),
+    }
+}
+
+/// Sends the response headers (with `metadata`) unless they went already.
+fn start_body(
+    respond: &mut SendResponse<Bytes>,
+    body: &mut Option<SendStream<Bytes>>,
+    metadata: &Metadata,
+) -> Result<(), h2::Error> {
+    if body.is_none() {
+        let mut response = Response::new(());
+        grpc_headers(response.headers_mut());
+        wire::metadata_into_headers(metadata, response.headers_mut());
+        *body = Some(respond.send_response(response, false)?);
+    }
+    Ok(())
+}
+
+fn grpc_headers(headers: &mut HeaderMap) {
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(wire::CONTENT_TYPE),
+    );
+    headers.insert("grpc-accept-encoding", HeaderValue::from_static("identity"));
+}
+
+/// Ends the response with rpc-core's final frame for the call. An OK end
+/// with no headers before it is a unary method's answer (every call here is
+/// of unknown kind): its metadata and message, then the trailers.
+async fn finish(
+    respond: &mut SendResponse<Bytes>,
+    body: &mut Option<SendStream<Bytes>>,
+    frame: Frame,
+) {
+    if frame.status != Code::Ok {
+        let message = String::from_utf8_lossy(&frame.payload.into_contiguous()).into_owned();
+        let status = Status::with_metadata(frame.status, message, frame.metadata);
+        return finish_with(respond, body, &status);
+    }
+    if body.is_none() {
+        let message = frame.payload.into_contiguous();
+        let sent = match start_body(respond, body, &frame.metadata) {
+            Ok(()) => match body.as_mut() {
+                Some(stream) => data::write_messages(stream, &[message]).await,
+                None => Ok(()),
+            },
+            Err(error) => Err(error),
+        };
+        if let Err(error) = sent {
+            tracing::debug!(%error, "grpc: could not send the answer");
+            return;
+        }
+        return finish_with(respond, body, &Status::new(Code::Ok, ""));
+    }
+    finish_with(
+        respond,
+        body,
+        &Status::with_metadata(Code::Ok, "", frame.metadata),
+    );
+}
+
+fn finish_with(
+    respond: &mut SendResponse<Bytes>,
+    body: &mut Option<SendStream<Bytes>>,
+    status: &Status,
+) {
+    let result = match body {
+        Some(stream) => stream.send_trailers(wire::trailers(
+            status.code(),
+            status.message(),
+            status.metadata(),
+        )),
+        None => respond
+            .send_response(
+                trailers_only(status.code(), status.message(), status.metadata()),
+                true,
+            )
+            .map(drop),
+    };
+    if let Err(error) = result {
+        tracing::debug!(%error, "grpc: could not end the response");
+    }
+}
+
+/// A response that is only headers, with the status in them.
+fn trailers_only(code: Code, message: &str, metadata: &Metadata) -> Response<()> {
+    let mut response = Response::new(());
+    grpc_headers(response.headers_mut());
+    response
+        .headers_mut()
+        .extend(wire::trailers(code, message, metadata));
+    response
+}
+
+/// Bytes of one gRPC message the gateway takes, for a frame limit: what
+/// fits a MESSAGE frame with its header and length.
+pub(crate) fn max_message_for(max_frame_len: usize) -> usize {
+    max_frame_len.saturating_sub(HEADER_LEN + 4)
+}

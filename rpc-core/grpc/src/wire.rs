@@ -1,0 +1,579 @@
+//! gRPC over HTTP/2 as bytes and headers, without I/O: length-prefixed
+//! messages, `grpc-timeout`, `grpc-message`, metadata ↔ HTTP/2 headers, and
+//! how HTTP statuses and stream resets map to status codes. Everything here
+//! follows the gRPC over HTTP/2 specification (PROTOCOL-HTTP2.md).
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD_NO_PAD;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue};
+use rpc_core::metadata::{Metadata, MetadataValue};
+use rpc_core::{Code, Status};
+
+/// Bytes before each message: a compressed flag and a big-endian `u32` length.
+pub(crate) const MESSAGE_PREFIX: usize = 5;
+
+/// The content type of every gRPC request and response.
+pub(crate) const CONTENT_TYPE: &str = "application/grpc";
+
+/// Headers that are gRPC's or HTTP/2's own, never metadata.
+fn is_reserved(name: &str) -> bool {
+    matches!(
+        name,
+        "content-type"
+            | "te"
+            | "host"
+            | "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "upgrade"
+            | "content-length"
+            | "grpc-timeout"
+            | "grpc-encoding"
+            | "grpc-accept-encoding"
+            | "grpc-message-type"
+            | "grpc-status"
+            | "grpc-message"
+            | "grpc-status-details-bin"
+    )
+}
+
+/// True for a `content-type` that names gRPC (`application/grpc`,
+/// `application/grpc+proto`, `application/grpc;…`).
+pub(crate) fn is_grpc_content_type(value: Option<&HeaderValue>) -> bool {
+    let Some(value) = value.and_then(|value| value.to_str().ok()) else {
+        return false;
+    };
+    let value = value.to_ascii_lowercase();
+    value == CONTENT_TYPE
+        || value.starts_with("application/grpc+")
+        || value.starts_with("application/grpc;")
+}
+
+/// The metadata in `headers`: every header that is not reserved and that
+/// rdma-rpc's metadata can hold; `-bin` values are base64 (padded or not).
+/// A header that cannot be metadata (a key or value rdma-rpc refuses, a
+/// `-bin` value that is not base64) is left out and named in the log.
+pub(crate) fn metadata_from_headers(headers: &HeaderMap) -> Metadata {
+    let mut metadata = Metadata::new();
+    for (name, value) in headers {
+        let key = name.as_str();
+        if is_reserved(key) || key.starts_with(':') {
+            continue;
+        }
+        let added = if key.ends_with("-bin") {
+            let text = value.as_bytes();
+            let decoded = STANDARD_NO_PAD.decode(
+                text.strip_suffix(b"==")
+                    .or(text.strip_suffix(b"="))
+                    .unwrap_or(text),
+            );
+            match decoded {
+                Ok(bytes) => metadata.append_bin(key, bytes).is_ok(),
+                Err(_) => false,
+            }
+        } else {
+            value
+                .to_str()
+                .ok()
+                .is_some_and(|text| metadata.append(key, text).is_ok())
+        };
+        if !added {
+            tracing::debug!(
+                header = key,
+                "header left out of the metadata: not valid metadata"
+            );
+        }
+    }
+    metadata
+}
+
+/// Adds `metadata` to `headers`: `-bin` values base64 without padding. An
+/// entry whose key HTTP/2 cannot carry is left out (rdma-rpc's keys are a
+/// subset of HTTP/2's, so this does not happen with validated metadata).
+pub(crate) fn metadata_into_headers(metadata: &Metadata, headers: &mut HeaderMap) {
+    for (key, value) in metadata.iter() {
+        if is_reserved(key) {
+            continue;
+        }
+        let Ok(name) = HeaderName::from_bytes(key.as_bytes()) else {
+            continue;
+        };
+        let value = match value {
+            MetadataValue::Ascii(bytes) => HeaderValue::from_maybe_shared(bytes.clone()),
+            MetadataValue::Binary(bytes) => HeaderValue::from_str(&STANDARD_NO_PAD.encode(bytes)),
+        };
+        if let Ok(value) = value {
+            headers.append(name, value);
+        }
+    }
+}
+
+/// `grpc-timeout`'s value for `timeout`: at most 8 digits, in the finest
+/// unit that holds it (rounded up, so a deadline never grows).
+pub(crate) fn encode_timeout(timeout: Duration) -> String {
+    const MAX: u128 = 99_999_999;
+    let nanos = timeout.as_nanos().max(1);
+    let units: [(u128, char); 6] = [
+        (1, 'n'),
+        (1_000, 'u'),
+        (1_000_000, 'm'),
+        (1_000_000_000, 'S'),
+        (60_000_000_000, 'M'),
+        (3_600_000_000_000, 'H'),
+    ];
+    for (size, unit) in units {
+        let value = nanos.div_ceil(size);
+        if value <= MAX {
+            return format!("{value}{unit}");
+        }
+    }
+    format!("{MAX}H")
+}
+
+/// Parses a `grpc-timeout` value (`1`–`8` digits and a unit of `H M S m u n`).
+pub(crate) fn parse_timeout(value: &HeaderValue) -> Option<Duration> {
+    let text = value.to_str().ok()?;
+    if text.len() < 2 || text.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = text.split_at(text.len() - 1);
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let value: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(value * 3600),
+        "M" => Duration::from_secs(value * 60),
+        "S" => Duration::from_secs(value),
+        "m" => Duration::from_millis(value),
+        "u" => Duration::from_micros(value),
+        "n" => Duration::from_nanos(value),
+        _ => return None,
+    })
+}
+
+/// `grpc-message`'s value: percent-encoded UTF-8 (bytes outside printable
+/// ASCII, and `%`, as `%XX`).
+pub(crate) fn encode_message(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for byte in message.bytes() {
+        if (0x20..0x7f).contains(&byte) && byte != b'%' {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// Decodes a `grpc-message` value; a malformed escape is kept as it is,
+/// and bytes that are not UTF-8 become U+FFFD, as the specification asks.
+pub(crate) fn decode_message(value: &[u8]) -> String {
+    let mut out = Vec::with_capacity(value.len());
+    let mut i = 0;
+    while i < value.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if value[i] == b'%' && i + 2 < value.len() {
+            if let (Some(high), Some(low)) = (hex(value[i + 1]), hex(value[i + 2])) {
+                out.push((high * 16 + low) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(value[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The status in `grpc-status` / `grpc-message` of `headers` (a response's
+/// trailers, or its headers when it is trailers-only), with the rest of
+/// them as the status's metadata; `None` without `grpc-status`.
+pub(crate) fn status_from_trailers(headers: &HeaderMap) -> Option<Status> {
+    let code = headers.get("grpc-status")?;
+    let code = code
+        .to_str()
+        .ok()
+        .and_then(|text| text.parse::<i32>().ok())
+        .map(Code::from)
+        .unwrap_or(Code::Unknown);
+    let message = headers
+        .get("grpc-message")
+        .map(|value| decode_message(value.as_bytes()))
+        .unwrap_or_default();
+    Some(Status::with_metadata(
+        code,
+        message,
+        metadata_from_headers(headers),
+    ))
+}
+
+/// The trailers that end a response with `status` (and `metadata`).
+pub(crate) fn trailers(code: Code, message: &str, metadata: &Metadata) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    metadata_into_headers(metadata, &mut headers);
+    headers.insert("grpc-status", HeaderValue::from(code as i32));
+    if !message.is_empty() {
+        if let Ok(value) = HeaderValue::from_str(&encode_message(message)) {
+            headers.insert("grpc-message", value);
+        }
+    }
+    headers
+}
+
+/// The status of a response whose HTTP status is not 200, as the
+/// specification maps it.
+pub(crate) fn status_from_http(status: http::StatusCode) -> Status {
+    let code = match status.as_u16() {
+        400 => Code::Internal,
+        401 => Code::Unauthenticated,
+        403 => Code::PermissionDenied,
+        404 => Code::Unimplemented,
+        429 | 502 | 503 | 504 => Code::Unavailable,
+        _ => Code::Unknown,
+    };
+    Status::new(
+        code,
+        format!("the server answered HTTP {status}, not a gRPC response"),
+    )
+}
+
+/// The status of a call whose stream the peer reset with `reason`.
+pub(crate) fn status_from_reset(reason: h2::Reason) -> Status {
+    let code = match reason {
+        h2::Reason::REFUSED_STREAM => Code::Unavailable,
+        h2::Reason::CANCEL => Code::Cancelled,
+        h2::Reason::ENHANCE_YOUR_CALM => Code::ResourceExhausted,
+        h2::Reason::INADEQUATE_SECURITY => Code::PermissionDenied,
+        _ => Code::Internal,
+    };
+    Status::new(code, format!("the peer reset the stream ({reason})"))
+}
+
+/// A message with its gRPC prefix (not compressed).
+pub(crate) fn frame_message(message: &[u8], dst: &mut BytesMut) {
+    dst.reserve(MESSAGE_PREFIX + message.len());
+    dst.put_u8(0);
+    dst.put_u32(message.len() as u32);
+    dst.put_slice(message);
+}
+
+/// Why the bytes of a stream are not a sequence of gRPC messages.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum DeframeError {
+    /// A message longer than the receiver's limit.
+    #[error("message of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A compressed message: no `grpc-encoding` is accepted.
+    #[error("compressed message, but no grpc-encoding was agreed (only identity is accepted)")]
+    Compressed,
+    /// A compressed flag other than 0 or 1.
+    #[error("message flag {0} is not 0 or 1")]
+    BadFlag(u8),
+    /// The stream ended inside a message.
+    #[error("the stream ended inside a message ({0} bytes of it)")]
+    Truncated(usize),
+}
+
+/// Splits the DATA of one HTTP/2 stream into gRPC messages. It holds at
+/// most one message being assembled (up to `max` bytes) and never copies
+/// a message that arrives in one piece.
+#[derive(Debug)]
+pub(crate) struct Deframer {
+    buffer: BytesMut,
+    max: usize,
+}
+
+impl Deframer {
+    /// A deframer that refuses messages over `max` bytes.
+    pub(crate) fn new(max: usize) -> Deframer {
+        Deframer {
+            buffer: BytesMut::new(),
+            max,
+        }
+    }
+
+    /// Adds bytes the peer sent.
+    pub(crate) fn push(&mut self, data: Bytes) {
+        if self.buffer.is_empty() {
+            // `BytesMut::from(Bytes)` reuses the allocation when it is unique.
+            self.buffer = BytesMut::from(data);
+        } else {
+            self.buffer.extend_from_slice(&data);
+        }
+    }
+
+    /// The next whole message, if one is buffered.
+    pub(crate) fn next_message(&mut self) -> Result<Option<Bytes>, DeframeError> {
+        if self.buffer.len() < MESSAGE_PREFIX {
+            return Ok(None);
+        }
+        let flag = self.buffer[0];
+        let len = u32::from_be_bytes([
+            self.buffer[1],
+            self.buffer[2],
+            self.buffer[3],
+            self.buffer[4],
+        ]) as usize;
+        match flag {
+            0 => {}
+            1 => return Err(DeframeError::Compressed),
+            other => return Err(DeframeError::BadFlag(other)),
+        }
+        if len > self.max {
+            return Err(DeframeError::TooLarge { len, max: self.max });
+        }
+        if self.buffer.len() < MESSAGE_PREFIX + len {
+            self.buffer
+                .reserve(MESSAGE_PREFIX + len - self.buffer.len());
+            return Ok(None);
+        }
+        self.buffer.advance(MESSAGE_PREFIX);
+        Ok(Some(self.buffer.split_to(len).freeze()))
+    }
+
+    /// The length the message being assembled announced, once its prefix
+    /// is in (and it is incomplete): what the receiver is about to hold.
+    pub(crate) fn pending_len(&self) -> Option<usize> {
+        if self.buffer.len() < MESSAGE_PREFIX {
+            return None;
+        }
+        let len = u32::from_be_bytes([
+            self.buffer[1],
+            self.buffer[2],
+            self.buffer[3],
+            self.buffer[4],
+        ]) as usize;
+        (self.buffer.len() < MESSAGE_PREFIX + len).then_some(len)
+    }
+
+    /// The stream ended: `Err` when a message was cut short.
+    pub(crate) fn finish(&self) -> Result<(), DeframeError> {
+        if self.buffer.is_empty() {
+            Ok(())
+        } else {
+            Err(DeframeError::Truncated(self.buffer.len()))
+        }
+    }
+}
+
+/// Base64 as the specification lets a sender write it (padded).
+#[cfg(test)]
+fn padded(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_round_trip_in_the_finest_unit_that_fits() {
+        assert_eq!(encode_timeout(Duration::from_millis(1500)), "1500000u");
+        assert_eq!(encode_timeout(Duration::from_nanos(5)), "5n");
+        assert_eq!(encode_timeout(Duration::from_secs(200)), "200000m");
+        assert_eq!(encode_timeout(Duration::from_secs(1_000_000)), "1000000S");
+        assert_eq!(encode_timeout(Duration::ZERO), "1n");
+        assert_eq!(encode_timeout(Duration::from_secs(u64::MAX)), "99999999H");
+        for text in ["1H", "2M", "3S", "4m", "5u", "6n", "12345678S"] {
+            let parsed = parse_timeout(&HeaderValue::from_static(text)).unwrap();
+            let again = parse_timeout(&HeaderValue::from_str(&encode_timeout(parsed)).unwrap());
+            assert_eq!(again, Some(parsed), "{text}");
+        }
+        for bad in ["", "S", "1", "123456789S", "1x", "-1S", "1.5S", " 1S"] {
+            assert_eq!(
+                parse_timeout(&HeaderValue::from_str(bad).unwrap()),
+                None,
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn status_messages_are_percent_encoded_and_decoded_leniently() {
+        let text = "bad: 100% \"wrong\" — ünïcode\n";
+        let encoded = encode_message(text);
+        assert!(encoded.bytes().all(|b| (0x20..0x7f).contains(&b)));
+        assert!(encoded.contains("100%25"));
+        assert_eq!(decode_message(encoded.as_bytes()), text);
+        assert_eq!(decode_message(b"50%"), "50%");
+        assert_eq!(decode_message(b"%zz%4"), "%zz%4");
+        assert_eq!(decode_message(b"%FF"), "\u{fffd}");
+    }
+
+    #[test]
+    fn metadata_maps_to_headers_and_back_with_binary_values_in_base64() {
+        let mut metadata = Metadata::new();
+        metadata.insert("x-user", "ada").unwrap();
+        metadata.append("x-multi", "1").unwrap();
+        metadata.append("x-multi", "2").unwrap();
+        metadata
+            .insert_bin("trace-bin", vec![0u8, 1, 2, 255])
+            .unwrap();
+        let mut headers = HeaderMap::new();
+        metadata_into_headers(&metadata, &mut headers);
+        assert_eq!(headers.get("trace-bin").unwrap(), "AAEC/w");
+        headers.insert("content-type", HeaderValue::from_static(CONTENT_TYPE));
+        headers.insert("grpc-timeout", HeaderValue::from_static("1S"));
+        headers.insert(
+            "x-padded-bin",
+            HeaderValue::from_str(&padded(b"ab")).unwrap(),
+        );
+        headers.insert("x-broken-bin", HeaderValue::from_static("!!!"));
+        headers.insert(
+            "x-bad-value",
+            HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+        );
+        let back = metadata_from_headers(&headers);
+        assert_eq!(back.get("x-user"), Some("ada"));
+        assert_eq!(
+            back.get_all("x-multi")
+                .filter_map(|v| v.to_str())
+                .collect::<Vec<_>>(),
+            ["1", "2"]
+        );
+        assert_eq!(back.get_bin("trace-bin").unwrap().as_ref(), &[0, 1, 2, 255]);
+        assert_eq!(back.get_bin("x-padded-bin").unwrap().as_ref(), b"ab");
+        for left_out in [
+            "content-type",
+            "grpc-timeout",
+            "x-broken-bin",
+            "x-bad-value",
+        ] {
+            assert!(back.get_value(left_out).is_none(), "{left_out}");
+        }
+    }
+
+    #[test]
+    fn trailers_carry_the_status_and_read_back() {
+        let mut metadata = Metadata::new();
+        metadata.insert("x-why", "quota").unwrap();
+        let headers = trailers(Code::ResourceExhausted, "over 100%", &metadata);
+        let status = status_from_trailers(&headers).unwrap();
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(status.message(), "over 100%");
+        assert_eq!(status.metadata().get("x-why"), Some("quota"));
+        assert!(status_from_trailers(&HeaderMap::new()).is_none());
+        let mut odd = HeaderMap::new();
+        odd.insert("grpc-status", HeaderValue::from_static("banana"));
+        assert_eq!(status_from_trailers(&odd).unwrap().code(), Code::Unknown);
+    }
+
+    #[test]
+    fn http_statuses_and_resets_map_as_the_specification_says() {
+        let code =
+            |status: u16| status_from_http(http::StatusCode::from_u16(status).unwrap()).code();
+        assert_eq!(code(400), Code::Internal);
+        assert_eq!(code(401), Code::Unauthenticated);
+        assert_eq!(code(403), Code::PermissionDenied);
+        assert_eq!(code(404), Code::Unimplemented);
+        for unavailable in [429, 502, 503, 504] {
+            assert_eq!(code(unavailable), Code::Unavailable);
+        }
+        assert_eq!(code(500), Code::Unknown);
+        assert_eq!(
+            status_from_reset(h2::Reason::CANCEL).code(),
+            Code::Cancelled
+        );
+        assert_eq!(
+            status_from_reset(h2::Reason::REFUSED_STREAM).code(),
+            Code::Unavailable
+        );
+        assert_eq!(
+            status_from_reset(h2::Reason::ENHANCE_YOUR_CALM).code(),
+            Code::ResourceExhausted
+        );
+        assert_eq!(
+            status_from_reset(h2::Reason::PROTOCOL_ERROR).code(),
+            Code::Internal
+        );
+    }
+
+    #[test]
+    fn the_deframer_splits_messages_across_and_within_chunks_and_enforces_its_rules() {
+        let mut wire = BytesMut::new();
+        frame_message(b"hello", &mut wire);
+        frame_message(b"", &mut wire);
+        frame_message(&[7u8; 300], &mut wire);
+        let wire = wire.freeze();
+        // Every split point of the same bytes gives the same messages.
+        for cut in 0..wire.len() {
+            let mut deframer = Deframer::new(1024);
+            let mut got = Vec::new();
+            for part in [wire.slice(..cut), wire.slice(cut..)] {
+                deframer.push(part);
+                while let Some(message) = deframer.next_message().unwrap() {
+                    got.push(message);
+                }
+            }
+            deframer.finish().unwrap();
+            assert_eq!(got.len(), 3, "cut at {cut}");
+            assert_eq!(&got[0][..], b"hello");
+            assert!(got[1].is_empty());
+            assert_eq!(&got[2][..], &[7u8; 300][..]);
+        }
+        let mut small = Deframer::new(100);
+        small.push(wire.slice(5 + 5 + 5..));
+        assert_eq!(
+            small.next_message(),
+            Err(DeframeError::TooLarge { len: 300, max: 100 })
+        );
+        let mut compressed = Deframer::new(100);
+        compressed.push(Bytes::from_static(&[1, 0, 0, 0, 1, 9]));
+        assert_eq!(compressed.next_message(), Err(DeframeError::Compressed));
+        let mut odd = Deframer::new(100);
+        odd.push(Bytes::from_static(&[2, 0, 0, 0, 0]));
+        assert_eq!(odd.next_message(), Err(DeframeError::BadFlag(2)));
+        let mut cut = Deframer::new(100);
+        cut.push(Bytes::from_static(&[0, 0, 0, 0, 4, 1]));
+        assert_eq!(cut.next_message(), Ok(None));
+        assert_eq!(cut.pending_len(), Some(4));
+        assert_eq!(cut.finish(), Err(DeframeError::Truncated(6)));
+    }
+
+    #[test]
+    fn garbage_never_panics_any_parser() {
+        // A small deterministic generator: the same bytes every run.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..20_000 {
+            let len = (next() % 24) as usize;
+            let bytes: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+            let mut deframer = Deframer::new((next() % 64) as usize);
+            deframer.push(Bytes::from(bytes.clone()));
+            while let Ok(Some(_)) = deframer.next_message() {}
+            let _ = deframer.pending_len();
+            let _ = deframer.finish();
+            let _ = decode_message(&bytes);
+            if let Ok(value) = HeaderValue::from_bytes(&bytes) {
+                let _ = parse_timeout(&value);
+            }
+        }
+    }
+
+    #[test]
+    fn content_types_that_name_grpc() {
+        let check =
+            |value: &'static str| is_grpc_content_type(Some(&HeaderValue::from_static(value)));
+        assert!(check("application/grpc"));
+        assert!(check("application/grpc+proto"));
+        assert!(check("Application/GRPC;charset=utf-8"));
+        assert!(!check("application/json"));
+        assert!(!check("application/grpc-web"));
+        assert!(!is_grpc_content_type(None));
+    }
+}
