@@ -5,5 +5,16 @@
 //! a slice of it, not a copy.
 
 fn main() -> std::io::Result<()> {
-    rpc_codegen::configure().compile(&["../proto/echo.proto", "../proto/kv.proto"], &["../proto"])
+    // The descriptors too: the grpc example serves them by reflection.
+    let out_dir = std::path::PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
+    rpc_codegen::configure()
+        .file_descriptor_set_path(out_dir.join("descriptors.bin"))
+        .compile(
+            &[
+                "../proto/echo.proto",
+                "../proto/kv.proto",
+                "../proto/streams.proto",
+            ],
+            &["../proto"],
+        )
 }

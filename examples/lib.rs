@@ -18,6 +18,15 @@ pub mod kv {
     rpc_core::include_proto!("kv.v1");
 }
 
+/// `proto/streams.proto`.
+pub mod streams {
+    #![allow(missing_docs)]
+    rpc_core::include_proto!("streams.v1");
+}
+
+/// The encoded descriptors of the example protos, for server reflection.
+pub const DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"));
+
 /// The echo service: returns what it gets.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct EchoService;
@@ -29,6 +38,158 @@ impl echo::echo_server::Echo for EchoService {
     ) -> Result<Response<echo::EchoReply>, Status> {
         let echo::EchoRequest { message, payload } = request.into_inner();
         Ok(Response::new(echo::EchoReply { message, payload }))
+    }
+}
+
+/// FNV-1a, 64 bit: the upload example's checksum, continued over `data`
+/// from `hash` (start with [`FNV1A_START`]).
+pub fn fnv1a(mut hash: u64, data: &[u8]) -> u64 {
+    for &byte in data {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+/// FNV-1a's starting value.
+pub const FNV1A_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// `streams.v1.Feed`: a tick feed, an upload sink and a chat room.
+#[derive(Debug)]
+pub struct FeedService {
+    room: tokio::sync::broadcast::Sender<streams::ChatMessage>,
+}
+
+impl Default for FeedService {
+    fn default() -> Self {
+        FeedService {
+            room: tokio::sync::broadcast::channel(1024).0,
+        }
+    }
+}
+
+/// A boxed stream of responses, as the streaming methods return.
+pub type ResponseStream<T> =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<T, Status>> + Send>>;
+
+impl streams::feed_server::Feed for FeedService {
+    type WatchStream = ResponseStream<streams::Tick>;
+
+    async fn watch(
+        &self,
+        request: Request<streams::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let streams::WatchRequest { count, interval_ms } = request.into_inner();
+        let interval = std::time::Duration::from_millis(u64::from(interval_ms));
+        let ticks = futures_util::stream::unfold(0u64, move |sequence| async move {
+            if sequence >= u64::from(count) {
+                return None;
+            }
+            if sequence > 0 {
+                tokio::time::sleep(interval).await;
+            }
+            let tick = streams::Tick {
+                sequence,
+                at: Some(now()),
+            };
+            Some((Ok(tick), sequence + 1))
+        });
+        Ok(Response::new(Box::pin(ticks)))
+    }
+
+    async fn upload(
+        &self,
+        request: Request<rpc_core::Streaming<streams::Chunk>>,
+    ) -> Result<Response<streams::UploadSummary>, Status> {
+        let mut chunks = request.into_inner();
+        let mut summary = streams::UploadSummary {
+            fnv1a: FNV1A_START,
+            ..Default::default()
+        };
+        while let Some(chunk) = chunks.message().await? {
+            if chunk.offset != summary.bytes {
+                return Err(Status::invalid_argument(format!(
+                    "chunk at offset {} where {} was due",
+                    chunk.offset, summary.bytes
+                )));
+            }
+            summary.fnv1a = fnv1a(summary.fnv1a, &chunk.data);
+            summary.bytes += chunk.data.len() as u64;
+            summary.chunks += 1;
+        }
+        Ok(Response::new(summary))
+    }
+
+    type ChatStream = ResponseStream<streams::ChatMessage>;
+
+    async fn chat(
+        &self,
+        request: Request<rpc_core::Streaming<streams::ChatMessage>>,
+    ) -> Result<Response<Self::ChatStream>, Status> {
+        let mut said = request.into_inner();
+        let room = self.room.clone();
+        let heard = room.subscribe();
+        // What this member says goes to the room until it stops sending (or is gone).
+        tokio::spawn(async move {
+            while let Ok(Some(message)) = said.message().await {
+                let _ = room.send(message);
+            }
+        });
+        let heard = futures_util::stream::unfold(heard, |mut heard| async move {
+            let line = match heard.recv().await {
+                Ok(message) => message,
+                // A member that reads too slowly misses lines, and is told so.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                    streams::ChatMessage {
+                        from: "room".into(),
+                        text: format!("you missed {missed} lines"),
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            };
+            Some((Ok(line), heard))
+        });
+        Ok(Response::new(Box::pin(heard)))
+    }
+}
+
+/// A `streams.v1.Feed` server running in this process, for the one-process
+/// streaming examples.
+#[derive(Debug)]
+pub struct FeedServer {
+    /// Where it listens (the real port when asked for port 0).
+    pub endpoint: rpc_core::transport::Endpoint,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), rpc_core::Error>>,
+}
+
+impl FeedServer {
+    /// Registers rdma:// and starts serving [`FeedService`] on `listen`.
+    pub async fn start(listen: &str) -> Result<FeedServer, Box<dyn std::error::Error>> {
+        rpc_transport_rdma::register()?;
+        let listening = rpc_core::Server::builder()
+            .add_service(streams::feed_server::FeedServer::new(FeedService::default()))
+            .listen(listen)
+            .await?;
+        let endpoint = listening.local_endpoint();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(listening.serve_with_shutdown(async {
+            let _ = stopped.await;
+        }));
+        println!("server listening on {endpoint}");
+        Ok(FeedServer {
+            endpoint,
+            stop,
+            task,
+        })
+    }
+
+    /// Shuts the server down gracefully and waits for it.
+    pub async fn shutdown(self) -> Result<(), Box<dyn std::error::Error>> {
+        let _ = self.stop.send(());
+        self.task.await??;
+        println!("server shut down gracefully; done");
+        Ok(())
     }
 }
 

@@ -10,6 +10,8 @@ use rdma_rpc_examples::EchoService;
 use rdma_rpc_examples::echo as rpc_echo;
 use rpc_core::Server;
 
+use crate::streams;
+
 /// tonic's code for `proto/echo.proto` (from build.rs).
 pub mod tonic_echo {
     #![allow(missing_docs, unreachable_pub, clippy::all)]
@@ -45,16 +47,24 @@ pub enum Contender {
     Tonic,
     /// tarpc over TCP with its bincode transport.
     Tarpc,
+    /// rdma-rpc's server speaking gRPC on `grpc://`, called by tonic's
+    /// client over HTTP/2 (what a standard gRPC client gets).
+    RpcGrpc,
+    /// tonic's generated client over `rdma://` through
+    /// `rpc_grpc::tonic::TonicChannel`, to rdma-rpc's server.
+    TonicOverRdma,
 }
 
 impl Contender {
     /// Every contender, in table order.
-    pub const ALL: [Contender; 5] = [
+    pub const ALL: [Contender; 7] = [
         Contender::RdmaAdaptive,
         Contender::RdmaBusy,
         Contender::RpcTcp,
         Contender::Tonic,
         Contender::Tarpc,
+        Contender::RpcGrpc,
+        Contender::TonicOverRdma,
     ];
 
     /// Column title.
@@ -65,6 +75,8 @@ impl Contender {
             Contender::RpcTcp => "rdma-rpc tcp://",
             Contender::Tonic => "tonic",
             Contender::Tarpc => "tarpc",
+            Contender::RpcGrpc => "rdma-rpc grpc:// (tonic client)",
+            Contender::TonicOverRdma => "tonic client over rdma://",
         }
     }
 
@@ -76,6 +88,8 @@ impl Contender {
             Contender::RpcTcp => "tcp",
             Contender::Tonic => "tonic",
             Contender::Tarpc => "tarpc",
+            Contender::RpcGrpc => "grpc",
+            Contender::TonicOverRdma => "tonic-rdma",
         }
     }
 
@@ -141,17 +155,27 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// Serves `contender` on a free loopback port; prints `LISTENING <addr>` and runs forever.
 pub fn serve(contender: Contender) {
     rpc_transport_rdma::register().expect("RDMA settings");
+    rpc_grpc::register();
     runtime().block_on(async move {
         match contender {
-            Contender::RdmaAdaptive | Contender::RdmaBusy | Contender::RpcTcp => {
-                let scheme = if contender == Contender::RpcTcp {
-                    "tcp"
-                } else {
-                    "rdma"
+            Contender::RdmaAdaptive
+            | Contender::RdmaBusy
+            | Contender::RpcTcp
+            | Contender::RpcGrpc
+            | Contender::TonicOverRdma => {
+                let scheme = match contender {
+                    Contender::RpcTcp => "tcp",
+                    Contender::RpcGrpc => "grpc",
+                    _ => "rdma",
                 };
                 let listening = Server::builder()
                     .max_frame_len(MAX_MESSAGE)
                     .add_service(rpc_echo::echo_server::EchoServer::new(EchoService))
+                    .add_service(
+                        streams::rpc_bench::stream_bench_server::StreamBenchServer::new(
+                            streams::RpcStreamBench,
+                        ),
+                    )
                     .listen(format!("{scheme}://127.0.0.1:0").as_str())
                     .await
                     .expect("bind");
@@ -169,6 +193,11 @@ pub fn serve(contender: Contender) {
                         tonic_echo::echo_server::EchoServer::new(TonicEcho)
                             .max_decoding_message_size(MAX_MESSAGE)
                             .max_encoding_message_size(MAX_MESSAGE),
+                    )
+                    .add_service(
+                        streams::tonic_bench::stream_bench_server::StreamBenchServer::new(
+                            streams::TonicStreamBench,
+                        ),
                     )
                     .serve_with_incoming(incoming)
                     .await
@@ -272,10 +301,15 @@ pub enum Client {
         rpc_echo::echo_client::EchoClient<rpc_core::Channel>,
         rpc_core::Channel,
     ),
-    /// tonic.
-    Tonic(tonic_echo::echo_client::EchoClient<tonic::transport::Channel>),
+    /// tonic: the generated client, and its channel for the streaming client.
+    Tonic(
+        tonic_echo::echo_client::EchoClient<tonic::transport::Channel>,
+        tonic::transport::Channel,
+    ),
     /// tarpc.
     Tarpc(tarpc_echo::EchoClient),
+    /// tonic's generated client over an rdma-rpc Channel.
+    TonicOverRdma(tonic_echo::echo_client::EchoClient<rpc_grpc::tonic::TonicChannel>),
 }
 
 /// A deadline far enough for a 64 MiB echo on a slow machine.
@@ -303,7 +337,22 @@ impl Client {
                     channel,
                 )
             }
-            Contender::Tonic => {
+            Contender::TonicOverRdma => {
+                let channel =
+                    rpc_core::Channel::builder(format!("rdma://{addr}").parse().expect("endpoint"))
+                        .max_frame_len(MAX_MESSAGE)
+                        .connect()
+                        .await
+                        .expect("connect");
+                Client::TonicOverRdma(
+                    tonic_echo::echo_client::EchoClient::new(rpc_grpc::tonic::TonicChannel::new(
+                        channel,
+                    ))
+                    .max_decoding_message_size(MAX_MESSAGE)
+                    .max_encoding_message_size(MAX_MESSAGE),
+                )
+            }
+            Contender::Tonic | Contender::RpcGrpc => {
                 let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
                     .expect("endpoint")
                     .tcp_nodelay(true)
@@ -311,9 +360,10 @@ impl Client {
                     .await
                     .expect("connect");
                 Client::Tonic(
-                    tonic_echo::echo_client::EchoClient::new(channel)
+                    tonic_echo::echo_client::EchoClient::new(channel.clone())
                         .max_decoding_message_size(MAX_MESSAGE)
                         .max_encoding_message_size(MAX_MESSAGE),
+                    channel,
                 )
             }
             Contender::Tarpc => {
@@ -343,6 +393,20 @@ impl Client {
         )
     }
 
+    /// A streaming client on the same connection (rdma-rpc and tonic;
+    /// `None` for tarpc, which has no streaming).
+    pub fn streams(&self) -> Option<streams::StreamClient> {
+        match self {
+            Client::Rpc(_, channel) => Some(streams::StreamClient::Rpc(
+                streams::rpc_bench::stream_bench_client::StreamBenchClient::new(channel.clone()),
+            )),
+            Client::Tonic(_, channel) => Some(streams::StreamClient::Tonic(
+                streams::tonic_bench::stream_bench_client::StreamBenchClient::new(channel.clone()),
+            )),
+            Client::Tarpc(_) | Client::TonicOverRdma(_) => None,
+        }
+    }
+
     /// One echo of `payload` built in a [`rpc_core::SendBuffer`], in the
     /// generated client's `bytes` field (rdma-rpc only: `None` for the
     /// others); returns the length that came back. Nothing copies the field
@@ -370,13 +434,23 @@ impl Client {
                 .into_inner()
                 .payload
                 .len(),
-            Client::Tonic(client) => client
+            Client::Tonic(client, _) => client
                 .say(tonic_echo::EchoRequest {
                     message: String::new(),
                     payload: payload.clone(),
                 })
                 .await
                 .expect("tonic call")
+                .into_inner()
+                .payload
+                .len(),
+            Client::TonicOverRdma(client) => client
+                .say(tonic_echo::EchoRequest {
+                    message: String::new(),
+                    payload: payload.clone(),
+                })
+                .await
+                .expect("tonic call over rdma://")
                 .into_inner()
                 .payload
                 .len(),
@@ -404,7 +478,10 @@ impl Client {
 /// transport). `RdmaBusy` is not an in-memory contender.
 pub async fn in_memory(contender: Contender) -> Option<Client> {
     match contender {
-        Contender::RdmaAdaptive | Contender::RdmaBusy => None,
+        Contender::RdmaAdaptive
+        | Contender::RdmaBusy
+        | Contender::RpcGrpc
+        | Contender::TonicOverRdma => None,
         Contender::RpcTcp => {
             let name = format!("mem://overhead-{}", std::process::id());
             let listening = Server::builder()
@@ -441,9 +518,10 @@ pub async fn in_memory(contender: Contender) -> Option<Client> {
                 }))
                 .await
                 .expect("connect in memory");
-            Some(Client::Tonic(tonic_echo::echo_client::EchoClient::new(
+            Some(Client::Tonic(
+                tonic_echo::echo_client::EchoClient::new(channel.clone()),
                 channel,
-            )))
+            ))
         }
         Contender::Tarpc => {
             let (client_side, server_side) = tarpc::transport::channel::unbounded();

@@ -4,3 +4,4 @@ pub mod contenders;
 pub mod floors;
 pub mod plot;
 pub mod stats;
+pub mod streams;

@@ -69,7 +69,7 @@ fn unknown_flag_is_an_error_not_a_panic() {
 #[test]
 fn bad_values_are_errors_not_panics() {
     for (name, args) in [
-        ("compare", &["--only", "rdma,grpc"][..]),
+        ("compare", &["--only", "rdma,quic"][..]),
         ("compare", &["--load", "many"]),
         ("bulk_probe", &["rdma", "1,x"]),
         ("bulk_probe", &["rdma", "64", "0"]),

@@ -1,6 +1,6 @@
 //! Every example answers `--help` and `-h` with its usage and exit status
 //! 0, and rejects an unknown flag or a bad value with clap's message and a
-//! non-zero status.
+//! non-zero status; the streaming examples run over every transport.
 //!
 //! Cargo gives integration tests the paths of binaries, not of examples, so
 //! this looks for the examples where `cargo test` builds them: in
@@ -11,12 +11,16 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-const EXAMPLES: [&str; 5] = [
+const EXAMPLES: [&str; 9] = [
+    "chat",
     "echo",
     "echo_client",
     "echo_server",
+    "grpc",
     "metrics",
     "tower_stack",
+    "upload",
+    "watch",
 ];
 
 /// The built example `name`.
@@ -61,8 +65,14 @@ fn help_prints_usage_and_exits_zero() {
                 "{name} {flag}: {}\nstdout: {stdout}\nstderr: {stderr}",
                 output.status
             );
+            // Every example takes an endpoint; grpc takes two, as options.
+            let endpoint = if name == "grpc" {
+                "--grpc <GRPC>"
+            } else {
+                "[ENDPOINT]"
+            };
             assert!(
-                stdout.contains("Usage:") && stdout.contains("[ENDPOINT]"),
+                stdout.contains("Usage:") && stdout.contains(endpoint),
                 "{name} {flag} printed no usage: {stdout}"
             );
             assert!(!stderr.contains("panicked"), "{name} {flag}: {stderr}");
@@ -92,10 +102,73 @@ fn bad_values_and_extra_arguments_are_errors() {
         ("echo_server", &["tcp://127.0.0.1:0", "extra"]),
         ("tower_stack", &["mem://kv", "extra"]),
         ("metrics", &["mem://metrics", "not-an-address"]),
+        ("upload", &["mem://upload", "--chunk-bytes", "many"]),
+        ("watch", &["mem://watch", "--count", "-1"]),
+        ("grpc", &["--rdma", "rdma://127.0.0.1:0", "extra"]),
     ] {
         let output = run(name, args);
         let stderr = text(&output.stderr);
         assert_eq!(output.status.code(), Some(2), "{name} {args:?}: {stderr}");
         assert!(stderr.starts_with("error: "), "{name} {args:?}: {stderr}");
     }
+}
+
+#[test]
+fn streaming_examples_run_over_every_transport() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/lib.rs");
+    for endpoint in ["mem://streams", "tcp://127.0.0.1:0", "rdma://127.0.0.1:0"] {
+        for (name, args, says) in [
+            (
+                "watch",
+                &["--count", "3", "--interval-ms", "5"][..],
+                "DeadlineExceeded, as it should",
+            ),
+            (
+                "upload",
+                &["--file", file, "--chunk-bytes", "1000"],
+                "size and checksum",
+            ),
+            ("chat", &[], "bob hears ada: hello, is anyone here?"),
+        ] {
+            let mut all = vec![endpoint];
+            all.extend_from_slice(args);
+            let output = run(name, &all);
+            let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+            assert!(
+                output.status.success() && stdout.contains(says),
+                "{name} {all:?}: {}\nstdout: {stdout}\nstderr: {stderr}",
+                output.status
+            );
+            assert!(
+                stdout.contains("server shut down gracefully"),
+                "{name}: {stdout}"
+            );
+        }
+    }
+}
+
+/// The grpc example serves one service over rdma:// and grpc:// at once and
+/// calls it with the Rust client over both and with Python's grpcio (which
+/// must run where `RDMA_RPC_REQUIRE_PYTHON` is set, as in CI).
+#[test]
+fn grpc_example_is_called_over_rdma_and_grpc_by_rust_and_python() {
+    let output = run("grpc", &[]);
+    let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+    assert!(output.status.success(), "grpc: {stdout}\n{stderr}");
+    for says in [
+        "rust client over rdma://",
+        "rust client over grpc://",
+        "servers shut down gracefully",
+    ] {
+        assert!(stdout.contains(says), "{says}: {stdout}");
+    }
+    let python = "python grpcio: Say('hello from Python') -> 'hello from Python'";
+    if stdout.contains(python) {
+        return;
+    }
+    assert!(
+        std::env::var_os("RDMA_RPC_REQUIRE_PYTHON").is_none(),
+        "the Python client did not run: {stdout}"
+    );
+    println!("skipped: the grpc example's Python call: {stdout}");
 }

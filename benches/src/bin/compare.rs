@@ -22,6 +22,7 @@ use rdma_rpc_benches::floors;
 use rdma_rpc_benches::plot::{self, Chart, Series};
 use rdma_rpc_benches::stats::minor_faults;
 use rdma_rpc_benches::stats::{gbps, histogram, record};
+use rdma_rpc_benches::streams::{self, StreamResults};
 use serde::Serialize;
 
 /// How much each workload does.
@@ -40,6 +41,10 @@ struct Settings {
     load: usize,
     /// Multi-thread runtimes (2 workers) instead of current-thread ones.
     multi_thread: bool,
+    /// 64 B messages on each of the server stream and the bidirectional stream.
+    stream_messages: u64,
+    /// Bytes of the streamed upload (in 1 MiB messages).
+    upload_bytes: u64,
 }
 
 impl Settings {
@@ -55,6 +60,8 @@ impl Settings {
             floor_rounds: 2_000,
             load: 0,
             multi_thread: false,
+            stream_messages: 200_000,
+            upload_bytes: 1 << 30,
         }
     }
 
@@ -76,6 +83,8 @@ impl Settings {
             floor_rounds: 10_000,
             load: 0,
             multi_thread: false,
+            stream_messages: 2_000_000,
+            upload_bytes: 1 << 30,
         }
     }
 }
@@ -123,6 +132,8 @@ struct Measured {
     send_buffer_goodput: Vec<(usize, f64)>,
     /// CPU µs per empty call over the framework's in-memory transport.
     cpu_per_call_us: Option<f64>,
+    /// The streaming workloads (rdma-rpc and tonic; tarpc has no streaming).
+    streams: Option<StreamResults>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -227,6 +238,17 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
         let moved = 2 * size as u64 * u64::from(rounds);
         send_buffer_goodput.push((size, gbps(moved, started.elapsed())));
     }
+    let streams = match client.streams() {
+        Some(mut streams) => Some(
+            streams::measure(
+                &mut streams,
+                settings.stream_messages,
+                settings.upload_bytes,
+            )
+            .await,
+        ),
+        None => None,
+    };
     Measured {
         contender,
         label: contender.label(),
@@ -236,6 +258,7 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
         faults_per_echo,
         send_buffer_goodput,
         cpu_per_call_us: None,
+        streams,
     }
 }
 
@@ -342,6 +365,24 @@ fn print_table(report: &Report) {
         &|m| m.cpu_per_call_us,
         2,
     );
+    row(
+        "64 B messages/s on one server stream",
+        &|m| m.streams.as_ref().map(|s| s.server_stream_per_s),
+        0,
+    );
+    row(
+        "64 B messages/s echoed on one bidirectional stream",
+        &|m| m.streams.as_ref().map(|s| s.bidi_per_s),
+        0,
+    );
+    row(
+        &format!(
+            "{} upload in 1 MiB stream messages (GB/s)",
+            size_label(report.settings.upload_bytes as usize)
+        ),
+        &|m| m.streams.as_ref().map(|s| s.upload_gbps),
+        2,
+    );
     let f = &report.floors;
     println!("\nFloors (two processes, same machine, same run):\n");
     println!("| floor | value |");
@@ -429,7 +470,47 @@ fn print_load_goals(report: &Report) {
     }
 }
 
+/// The gRPC goals: rdma-rpc serving gRPC within 10% of tonic (tonic's
+/// client for both), and tonic's client over rdma:// at ≤ 0.2× of tonic's
+/// p50 over HTTP/2. Printed whenever those contenders ran.
+fn print_grpc_goals(report: &Report) {
+    let get = |c: Contender| report.contenders.iter().find(|m| m.contender == c);
+    let (Some(tonic), Some(grpc), Some(adapter)) = (
+        get(Contender::Tonic),
+        get(Contender::RpcGrpc),
+        get(Contender::TonicOverRdma),
+    ) else {
+        return;
+    };
+    let at_128 = |m: &Measured| {
+        m.throughput_64b
+            .iter()
+            .find(|(n, _)| *n == 128)
+            .map_or(0.0, |(_, r)| *r)
+    };
+    let verdict = |ok: bool| if ok { "met" } else { "missed" };
+    println!("\ngRPC goals (tonic's client throughout):\n");
+    println!("| goal | measured | |");
+    println!("|---|---|---|");
+    let p50 = grpc.latency_64b.p50_us / tonic.latency_64b.p50_us;
+    println!(
+        "| rdma-rpc serving grpc:// 64 B p50 within 10% of tonic (≤ 1.1×) | {p50:.2}× | {} |",
+        verdict(p50 <= 1.1)
+    );
+    let rate = at_128(grpc) / at_128(tonic);
+    println!(
+        "| rdma-rpc serving grpc:// calls/s at 128 in flight within 10% of tonic (≥ 0.9×) | {rate:.2}× | {} |",
+        verdict(rate >= 0.9)
+    );
+    let over_rdma = adapter.latency_64b.p50_us / tonic.latency_64b.p50_us;
+    println!(
+        "| tonic's client over rdma:// 64 B p50 ≤ 0.2× tonic over HTTP/2 | {over_rdma:.3}× | {} |",
+        verdict(over_rdma <= 0.2)
+    );
+}
+
 fn print_goals(report: &Report) {
+    print_grpc_goals(report);
     if report.settings.load > 0 || report.settings.multi_thread {
         print_load_goals(report);
         return;
@@ -532,6 +613,42 @@ fn print_goals(report: &Report) {
             ours / theirs,
             verdict(ours * 3.0 <= theirs)
         );
+    }
+    print_stream_goals(rdma, busy, tonic, verdict);
+}
+
+/// The streaming goals: rdma:// (the better polling mode) against tonic.
+fn print_stream_goals(
+    rdma: &Measured,
+    busy: &Measured,
+    tonic: &Measured,
+    verdict: impl Fn(bool) -> &'static str,
+) {
+    let (Some(ours), Some(ours_busy), Some(theirs)) =
+        (&rdma.streams, &busy.streams, &tonic.streams)
+    else {
+        return;
+    };
+    let best = |value: fn(&StreamResults) -> f64| value(ours).max(value(ours_busy));
+    for (name, value, goal) in [
+        (
+            "rdma 64 B messages/s, server stream ≥ 5× tonic",
+            (|s: &StreamResults| s.server_stream_per_s) as fn(&StreamResults) -> f64,
+            5.0,
+        ),
+        (
+            "rdma 64 B messages/s, bidirectional stream ≥ 5× tonic",
+            |s: &StreamResults| s.bidi_per_s,
+            5.0,
+        ),
+        (
+            "rdma upload in 1 MiB messages ≥ 2× tonic",
+            |s: &StreamResults| s.upload_gbps,
+            2.0,
+        ),
+    ] {
+        let times = best(value) / value(theirs);
+        println!("| {name} | {times:.2}× | {} |", verdict(times >= goal));
     }
 }
 
