@@ -4,10 +4,10 @@
 //! Each HTTP/2 connection becomes one rpc-core [`Connection`]; each HTTP/2
 //! stream becomes one call, opened as a stream of unknown kind
 //! ([`FrameFlags::KIND_UNKNOWN`]) because gRPC's wire does not say whether a
-//! method is unary. Per call, a reader task turns the request body into
-//! MESSAGE frames under the call's window and a writer task turns rpc-core's
-//! HEADERS, MESSAGE and RESPONSE frames into the HTTP/2 response, granting
-//! window back as HTTP/2's own flow control takes the bytes.
+//! method is unary. Per call, one task reads and writes: the request body
+//! into MESSAGE frames under the call's window, and rpc-core's HEADERS,
+//! MESSAGE and RESPONSE frames into the HTTP/2 response, granting window
+//! back as HTTP/2's own flow control takes the bytes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -127,11 +127,11 @@ pub(crate) async fn bind(
 struct Call {
     /// The client's messages towards rpc-core wait on this window.
     window: Arc<StreamWindow>,
-    /// rpc-core's frames for the call, to its writer task.
+    /// rpc-core's frames for the call, to its task.
     out: mpsc::UnboundedSender<Out>,
 }
 
-/// What a call's writer task carries out.
+/// What a call's task writes to the client.
 enum Out {
     Headers(Metadata),
     /// Messages, and their bytes of the connection's queue (see [`QUEUED_BYTES`]).
@@ -187,12 +187,11 @@ async fn serve_connection(
                     }
                     let window = Arc::new(StreamWindow::default());
                     let (out, out_rx) = mpsc::unbounded_channel();
-                    let body = request.into_body();
-                    tasks.spawn(read_requests(body, to_core.clone(), window.clone(), out.clone(), call_id, settings.max_message));
+                    let reading = read_requests(request.into_body(), to_core.clone(), window.clone(), out.clone(), call_id, settings.max_message);
+                    let writing = write_responses(respond, out_rx, to_core.clone(), call_id);
                     let finished_tx = finished_tx.clone();
-                    let writer_core = to_core.clone();
                     tasks.spawn(async move {
-                        write_responses(respond, out_rx, writer_core, call_id).await;
+                        serve_call(reading, writing).await;
                         let _ = finished_tx.send(call_id);
                     });
                     calls.insert(call_id, Call { window, out });
@@ -259,6 +258,19 @@ async fn serve_connection(
     }
     // Dropping the tasks ends every call's reader and writer.
     tasks.abort_all();
+}
+
+/// One call's two directions in one task (a task per call, not two): the
+/// request body towards rpc-core and rpc-core's answer towards the client.
+/// The call is over when its answer is: a request body the client has not
+/// ended by then is dropped, and h2 resets it with `NO_ERROR`, as HTTP/2
+/// asks of a server that answers before it read the whole request.
+async fn serve_call(reading: impl Future<Output = ()>, writing: impl Future<Output = ()>) {
+    tokio::pin!(reading, writing);
+    tokio::select! {
+        () = &mut writing => {}
+        () = &mut reading => writing.await,
+    }
 }
 
 fn route(calls: &HashMap<u64, Call>, call_id: u64, out: Out) {
@@ -491,13 +503,8 @@ async fn write_responses(
             Some(Out::Messages(payload, room)) => {
                 let messages = link::split_messages(payload);
                 let cost: u64 = messages.iter().map(|m| SendWindow::cost(m.len())).sum();
-                let sent = match start_body(&mut respond, &mut body, &Metadata::new()) {
-                    Ok(()) => match body.as_mut() {
-                        Some(stream) => data::write_messages(stream, &messages).await,
-                        None => Ok(()),
-                    },
-                    Err(error) => Err(error),
-                };
+                let sent =
+                    send_messages(&mut respond, &mut body, &Metadata::new(), &messages).await;
                 // HTTP/2 took them (or the stream failed): their room is free.
                 drop(room);
                 ungranted += cost;
@@ -568,6 +575,21 @@ fn start_body(
     Ok(())
 }
 
+/// Sends the response headers (with `metadata`) unless they went already,
+/// then `messages`, as HTTP/2's flow control lets them go.
+async fn send_messages(
+    respond: &mut SendResponse<Bytes>,
+    body: &mut Option<SendStream<Bytes>>,
+    metadata: &Metadata,
+    messages: &[Bytes],
+) -> Result<(), h2::Error> {
+    start_body(respond, body, metadata)?;
+    match body.as_mut() {
+        Some(stream) => data::write_messages(stream, messages).await,
+        None => Ok(()),
+    }
+}
+
 fn grpc_headers(headers: &mut HeaderMap) {
     headers.insert(
         http::header::CONTENT_TYPE,
@@ -591,14 +613,7 @@ async fn finish(
     }
     if body.is_none() {
         let message = frame.payload.into_contiguous();
-        let sent = match start_body(respond, body, &frame.metadata) {
-            Ok(()) => match body.as_mut() {
-                Some(stream) => data::write_messages(stream, &[message]).await,
-                None => Ok(()),
-            },
-            Err(error) => Err(error),
-        };
-        if let Err(error) = sent {
+        if let Err(error) = send_messages(respond, body, &frame.metadata, &[message]).await {
             tracing::debug!(%error, "grpc: could not send the answer");
             return;
         }

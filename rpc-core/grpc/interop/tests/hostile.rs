@@ -75,3 +75,62 @@ async fn announced_large_messages_are_held_within_the_receive_budget() {
     common::still_answers(&server).await;
     drop(held);
 }
+
+/// A client that never ends its request body does not keep a call it was
+/// answered on: the server ends the stream after its trailers with
+/// `RST_STREAM(NO_ERROR)`, as HTTP/2 asks of a server that answers early,
+/// instead of waiting for a body that may never end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_answer_releases_a_request_body_the_client_never_ends() {
+    use prost::Message;
+    let server = common::rdma_server().await;
+    let client = common::raw_http2_client(&server.addr).await;
+    let mut client = client.ready().await.unwrap();
+    let (response, mut body) = client
+        .send_request(common::grpc_request(&server.addr, "Bidi"), false)
+        .unwrap();
+    // One message whose answer is a failure; the body stays open.
+    let ask = rpc_grpc_interop::rdma::Ask {
+        fail_with_code: 9,
+        fail_message: "no".to_owned(),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let mut message = BytesMut::new();
+    message.put_u8(0);
+    message.put_u32(ask.len() as u32);
+    message.put_slice(&ask);
+    body.send_data(message.freeze(), false).unwrap();
+
+    let within = Duration::from_secs(5);
+    let response = tokio::time::timeout(within, response)
+        .await
+        .expect("answered in time")
+        .expect("a response");
+    // The status: in the trailers, or in the headers of a trailers-only answer.
+    let status = match response.headers().get("grpc-status") {
+        Some(status) => status.clone(),
+        None => {
+            let mut answer = response.into_body();
+            let trailers = tokio::time::timeout(within, async {
+                while let Some(data) = answer.data().await {
+                    data.expect("the answer's data");
+                }
+                answer.trailers().await
+            })
+            .await
+            .expect("the trailers in time")
+            .expect("trailers")
+            .expect("some trailers");
+            trailers.get("grpc-status").expect("grpc-status").clone()
+        }
+    };
+    assert_eq!(status, "9");
+    // The server let the stream go: the request side is reset, NO_ERROR.
+    let reset = tokio::time::timeout(within, std::future::poll_fn(|cx| body.poll_reset(cx)))
+        .await
+        .expect("the server resets the request side in time")
+        .expect("a reset");
+    assert_eq!(reset, h2::Reason::NO_ERROR);
+    common::still_answers(&server).await;
+}
