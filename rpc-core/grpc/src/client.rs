@@ -24,7 +24,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::link::{self, MessageBatch, StreamWindow, ToCore};
+use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, ToCore};
 use crate::wire::{self, Deframer};
 use crate::{H2Settings, data};
 
@@ -69,7 +69,7 @@ struct Call {
     /// The server's messages towards rpc-core wait on this window.
     window: Arc<StreamWindow>,
     /// rpc-core's frames for the call, to its task.
-    out: mpsc::UnboundedSender<ClientOut>,
+    out: CallSender<ClientOut>,
 }
 
 /// What rpc-core asks of a call after opening it.
@@ -113,7 +113,7 @@ async fn drive(
                 match frame.kind {
                     FrameKind::Request => {
                         let window = Arc::new(StreamWindow::default());
-                        let (out, out_rx) = mpsc::unbounded_channel();
+                        let (out, out_rx) = link::call_queue();
                         let call = run_call(
                             send_request.clone(),
                             frame,
@@ -137,7 +137,7 @@ async fn drive(
                     FrameKind::Headers => route(&calls, call_id, ClientOut::HalfClose),
                     FrameKind::Cancel => {
                         if let Some(call) = calls.remove(&call_id) {
-                            let _ = call.out.send(ClientOut::Cancel);
+                            call.out.send(ClientOut::Cancel);
                         }
                     }
                     FrameKind::Window => {
@@ -164,7 +164,7 @@ async fn drive(
 
 fn route(calls: &HashMap<u64, Call>, call_id: u64, out: ClientOut) {
     if let Some(call) = calls.get(&call_id) {
-        let _ = call.out.send(out);
+        call.out.send(out);
     }
 }
 
@@ -173,7 +173,7 @@ fn route(calls: &HashMap<u64, Call>, call_id: u64, out: ClientOut) {
 async fn run_call(
     send_request: SendRequest<Bytes>,
     opening: Frame,
-    mut out: mpsc::UnboundedReceiver<ClientOut>,
+    mut out: CallReceiver<ClientOut>,
     to_core: ToCore,
     window: Arc<StreamWindow>,
     authority: String,
@@ -221,7 +221,7 @@ async fn run_call(
 /// response, which says why.
 async fn write_requests(
     body: &mut SendStream<Bytes>,
-    out: &mut mpsc::UnboundedReceiver<ClientOut>,
+    out: &mut CallReceiver<ClientOut>,
     unary_payload: Option<Bytes>,
     to_core: &ToCore,
     call_id: u64,

@@ -1,8 +1,9 @@
 //! The rdma-rpc side of a translated connection: the [`Connection`] rpc-core
 //! reads frames from and writes frames to, and the gateway's handles on it.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::task::Poll;
+use std::task::{Poll, Waker};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures_util::SinkExt;
@@ -158,6 +159,92 @@ pub(crate) fn split_messages(mut payload: Bytes) -> Vec<Bytes> {
     messages
 }
 
+/// What the connection's task hands one call's task: rpc-core's frames
+/// for the call. Unbounded here because what goes in is bounded where it is
+/// made (a connection's queued bytes, the call's window); and it allocates
+/// nothing until the first item, little then, where a tokio channel's first
+/// block holds 32 items: per call, that was the largest allocation.
+pub(crate) fn call_queue<T>() -> (CallSender<T>, CallReceiver<T>) {
+    let shared = Arc::new(Mutex::new(CallQueue {
+        items: VecDeque::new(),
+        waker: None,
+        senders: 1,
+    }));
+    (CallSender(shared.clone()), CallReceiver(shared))
+}
+
+struct CallQueue<T> {
+    items: VecDeque<T>,
+    waker: Option<Waker>,
+    senders: usize,
+}
+
+fn lock<T>(queue: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    queue.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+/// The sending side of [`call_queue`]; the queue ends when every sender is dropped.
+pub(crate) struct CallSender<T>(Arc<Mutex<CallQueue<T>>>);
+
+impl<T> CallSender<T> {
+    /// Queues `item` for the call's task.
+    pub(crate) fn send(&self, item: T) {
+        let waker = {
+            let mut queue = lock(&self.0);
+            queue.items.push_back(item);
+            queue.waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+}
+
+impl<T> Clone for CallSender<T> {
+    fn clone(&self) -> Self {
+        lock(&self.0).senders += 1;
+        CallSender(self.0.clone())
+    }
+}
+
+impl<T> Drop for CallSender<T> {
+    fn drop(&mut self) {
+        let waker = {
+            let mut queue = lock(&self.0);
+            queue.senders -= 1;
+            if queue.senders == 0 {
+                queue.waker.take()
+            } else {
+                None
+            }
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+}
+
+/// The receiving side of [`call_queue`].
+pub(crate) struct CallReceiver<T>(Arc<Mutex<CallQueue<T>>>);
+
+impl<T> CallReceiver<T> {
+    /// The next item; `None` once every sender is gone and the queue is empty.
+    pub(crate) async fn recv(&mut self) -> Option<T> {
+        std::future::poll_fn(|cx| {
+            let mut queue = lock(&self.0);
+            if let Some(item) = queue.items.pop_front() {
+                return Poll::Ready(Some(item));
+            }
+            if queue.senders == 0 {
+                return Poll::Ready(None);
+            }
+            queue.waker = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+}
+
 /// One stream direction's window towards rpc-core: the gateway waits in
 /// [`acquire`](StreamWindow::acquire) before it hands rpc-core a message,
 /// and rpc-core's WINDOW frames [`grant`](StreamWindow::grant) more.
@@ -243,6 +330,41 @@ mod tests {
         assert_eq!(messages, [Bytes::from_static(b"one"), Bytes::new()]);
         // An empty batch takes even a message larger than a batch.
         assert!(batch.has_room_for(&vec![0u8; 2 * BATCH_BYTES]));
+    }
+
+    #[tokio::test]
+    async fn a_call_queue_keeps_order_wakes_its_receiver_and_ends_with_its_last_sender() {
+        let (sender, mut receiver) = call_queue();
+        let second = sender.clone();
+        sender.send(1);
+        second.send(2);
+        assert_eq!(receiver.recv().await, Some(1));
+        assert_eq!(receiver.recv().await, Some(2));
+        // A waiting receiver is woken by a send from another task.
+        let waiting = tokio::spawn(async move {
+            let got = receiver.recv().await;
+            (got, receiver)
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        second.send(3);
+        let (got, mut receiver) = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("woken")
+            .unwrap();
+        assert_eq!(got, Some(3));
+        // Items sent before the last sender went are still delivered; then it ends.
+        second.send(4);
+        drop(second);
+        let ending = tokio::spawn(async move { (receiver.recv().await, receiver.recv().await) });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!ending.is_finished(), "one sender is left");
+        drop(sender);
+        let items = tokio::time::timeout(Duration::from_secs(5), ending)
+            .await
+            .expect("the last sender's drop wakes it")
+            .unwrap();
+        assert_eq!(items, (Some(4), None));
     }
 
     #[tokio::test]

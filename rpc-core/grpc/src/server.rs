@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 
-use crate::link::{self, MessageBatch, StreamWindow, ToCore};
+use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, ToCore};
 use crate::wire::{self, Deframer};
 use crate::{H2Settings, data};
 
@@ -128,7 +128,7 @@ struct Call {
     /// The client's messages towards rpc-core wait on this window.
     window: Arc<StreamWindow>,
     /// rpc-core's frames for the call, to its task.
-    out: mpsc::UnboundedSender<Out>,
+    out: CallSender<Out>,
 }
 
 /// What a call's task writes to the client.
@@ -186,12 +186,11 @@ async fn serve_connection(
                         break;
                     }
                     let window = Arc::new(StreamWindow::default());
-                    let (out, out_rx) = mpsc::unbounded_channel();
-                    let reading = read_requests(request.into_body(), to_core.clone(), window.clone(), out.clone(), call_id, settings.max_message);
-                    let writing = write_responses(respond, out_rx, to_core.clone(), call_id);
+                    let (out, out_rx) = link::call_queue();
+                    let call = serve_call(request.into_body(), respond, out_rx, to_core.clone(), window.clone(), out.clone(), call_id, settings.max_message);
                     let finished_tx = finished_tx.clone();
                     tasks.spawn(async move {
-                        serve_call(reading, writing).await;
+                        call.await;
                         let _ = finished_tx.send(call_id);
                     });
                     calls.insert(call_id, Call { window, out });
@@ -230,7 +229,7 @@ async fn serve_connection(
                     }
                     FrameKind::Response => {
                         if let Some(call) = calls.remove(&frame.call_id) {
-                            let _ = call.out.send(Out::End(frame));
+                            call.out.send(Out::End(frame));
                         }
                     }
                     FrameKind::Window => {
@@ -265,8 +264,23 @@ async fn serve_connection(
 /// The call is over when its answer is: a request body the client has not
 /// ended by then is dropped, and h2 resets it with `NO_ERROR`, as HTTP/2
 /// asks of a server that answers before it read the whole request.
-async fn serve_call(reading: impl Future<Output = ()>, writing: impl Future<Output = ()>) {
-    tokio::pin!(reading, writing);
+///
+/// Both futures are made and pinned here, in the task's own state: made by
+/// the caller and passed in, each would be held twice.
+#[allow(clippy::too_many_arguments)]
+async fn serve_call(
+    body: RecvStream,
+    respond: SendResponse<Bytes>,
+    out: CallReceiver<Out>,
+    to_core: ToCore,
+    window: Arc<StreamWindow>,
+    fail: CallSender<Out>,
+    call_id: u64,
+    max_message: usize,
+) {
+    let reading = read_requests(body, to_core.clone(), window, fail, call_id, max_message);
+    let writing = write_responses(respond, out, to_core, call_id);
+    let (mut reading, mut writing) = (std::pin::pin!(reading), std::pin::pin!(writing));
     tokio::select! {
         () = &mut writing => {}
         () = &mut reading => writing.await,
@@ -275,7 +289,7 @@ async fn serve_call(reading: impl Future<Output = ()>, writing: impl Future<Outp
 
 fn route(calls: &HashMap<u64, Call>, call_id: u64, out: Out) {
     if let Some(call) = calls.get(&call_id) {
-        let _ = call.out.send(out);
+        call.out.send(out);
     }
 }
 
@@ -369,7 +383,7 @@ async fn read_requests(
     mut body: RecvStream,
     to_core: ToCore,
     window: Arc<StreamWindow>,
-    fail: mpsc::UnboundedSender<Out>,
+    fail: CallSender<Out>,
     call_id: u64,
     max_message: usize,
 ) {
@@ -403,7 +417,7 @@ async fn read_requests(
                         Ok(Some(message)) => message,
                         Ok(None) => break,
                         Err(error) => {
-                            let _ = fail.send(Out::Fail(deframe_status(error)));
+                            fail.send(Out::Fail(deframe_status(error)));
                             return;
                         }
                     };
@@ -453,7 +467,7 @@ async fn read_requests(
             }
             None => {
                 if let Err(error) = deframer.finish() {
-                    let _ = fail.send(Out::Fail(deframe_status(error)));
+                    fail.send(Out::Fail(deframe_status(error)));
                     return;
                 }
                 let _ = to_core.send(Frame::half_close(call_id)).await;
@@ -477,7 +491,7 @@ fn deframe_status(error: wire::DeframeError) -> Status {
 /// client cancels the call in rpc-core.
 async fn write_responses(
     mut respond: SendResponse<Bytes>,
-    mut out: mpsc::UnboundedReceiver<Out>,
+    mut out: CallReceiver<Out>,
     to_core: ToCore,
     call_id: u64,
 ) {
