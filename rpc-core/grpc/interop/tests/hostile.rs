@@ -134,3 +134,47 @@ async fn an_early_answer_releases_a_request_body_the_client_never_ends() {
     assert_eq!(reset, h2::Reason::NO_ERROR);
     common::still_answers(&server).await;
 }
+
+/// "Rapid reset" (CVE-2023-44487): streams opened and reset at once, as
+/// fast as the client can, on one connection. Each would start a call; the
+/// server must neither fall behind nor keep them: it answers a new client
+/// meanwhile and afterwards, and holds no stream-call work once it is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_reset_as_soon_as_opened_neither_stall_nor_stay() {
+    let server = common::rdma_server().await;
+    let mut client = common::raw_http2_client(&server.addr).await;
+    let mut opened = 0usize;
+    let started = Instant::now();
+    for _ in 0..5000 {
+        client = match tokio::time::timeout(Duration::from_secs(5), client.clone().ready()).await {
+            Ok(Ok(client)) => client,
+            // The server may end a connection that does this (h2 answers
+            // too many resets with GOAWAY): that is a fine outcome too.
+            Ok(Err(_)) => break,
+            Err(_) => panic!("the server stopped taking streams without ending the connection"),
+        };
+        let Ok((_response, mut body)) =
+            client.send_request(common::grpc_request(&server.addr, "Unary"), false)
+        else {
+            break;
+        };
+        body.send_reset(h2::Reason::CANCEL);
+        opened += 1;
+    }
+    assert!(opened > 0);
+    eprintln!(
+        "opened and reset {opened} streams in {:?}",
+        started.elapsed()
+    );
+    common::still_answers(&server).await;
+    // Once the attacker is gone, nothing of its connection stays: rpc-core's
+    // connection (and with it every call it started) ends.
+    drop(client);
+    let stats = server.stats.as_ref().expect("rdma-rpc's server");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stats.connections() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(stats.connections(), 0, "a connection outlived its client");
+    assert_eq!(stats.outbound_queued_bytes(), 0);
+}
