@@ -202,6 +202,21 @@ pub fn fed_stream() -> (
     (sender, stream)
 }
 
+/// Opens a `/test.Streams/{method}` stream fed from a channel: the sender
+/// of the client's messages, and the server's.
+pub async fn open_fed(
+    channel: &Channel,
+    method: &str,
+) -> (mpsc::UnboundedSender<Payload>, Streaming<Bytes>) {
+    let (sender, stream) = fed_stream();
+    let replies = channel
+        .streaming(streams_request(method, stream))
+        .await
+        .unwrap()
+        .into_inner();
+    (sender, replies)
+}
+
 /// Messages of the million-message test (`RPC_SUITE_STREAM_MESSAGES` overrides).
 fn million() -> u64 {
     std::env::var("RPC_SUITE_STREAM_MESSAGES")
@@ -278,12 +293,7 @@ pub async fn client_stream_and_half_closed_bidi_stream(bed: &dyn Bed) {
     assert_eq!(reply.message().await.unwrap(), None);
 
     // Half-close: the server answers only after the client finished sending.
-    let (sender, stream) = fed_stream();
-    let mut back = channel
-        .streaming(streams_request("Collect", stream))
-        .await
-        .unwrap()
-        .into_inner();
+    let (sender, mut back) = open_fed(&channel, "Collect").await;
     for n in 0..100 {
         sender.send(Payload::from(numbered(n, 8))).unwrap();
     }
@@ -382,12 +392,7 @@ pub async fn dropping_a_stream_cancels_its_handler(bed: &dyn Bed) {
     stream_dropped_within(&mut server.events, Duration::from_secs(1)).await;
 
     // A bidi stream dropped while both directions are open.
-    let (sender, stream) = fed_stream();
-    let mut echo = channel
-        .streaming(streams_request("Echo", stream))
-        .await
-        .unwrap()
-        .into_inner();
+    let (sender, mut echo) = open_fed(&channel, "Echo").await;
     assert_eq!(
         next_event(&mut server.events, Duration::from_secs(5)).await,
         Event::StreamStarted
@@ -468,12 +473,7 @@ pub async fn stream_peer_killed_ends_both_sides_within_a_second(bed: &dyn Bed) {
     let server = KillableServer::start(bed);
     let endpoint = server.endpoint.clone();
     let channel = Channel::connect(endpoint).await.unwrap();
-    let (_sender, stream) = fed_stream();
-    let mut echo = channel
-        .streaming(streams_request("Echo", stream))
-        .await
-        .unwrap()
-        .into_inner();
+    let (_sender, mut echo) = open_fed(&channel, "Echo").await;
     let killed = Instant::now();
     let gone = server.kill();
     let status = tokio::time::timeout(Duration::from_secs(1), echo.message())
@@ -508,12 +508,7 @@ pub async fn hundred_streams_interleaved_with_unary_calls(bed: &dyn Bed) {
     let streams = (0..100u64).map(|stream| {
         let channel = channel.clone();
         tokio::spawn(async move {
-            let (sender, messages) = fed_stream();
-            let mut echo = channel
-                .streaming(streams_request("Echo", messages))
-                .await
-                .unwrap()
-                .into_inner();
+            let (sender, mut echo) = open_fed(&channel, "Echo").await;
             // Some messages ahead of their echoes, up to the window.
             for n in 0..200u64 {
                 sender
@@ -653,12 +648,7 @@ async fn raw_stream_then_expect_close(
 pub async fn hostile_stream_frames_close_only_that_connection(bed: &dyn Bed) {
     let server = start(bed).await;
     let healthy = Channel::connect(server.endpoint.clone()).await.unwrap();
-    let (keep, held) = fed_stream();
-    let mut healthy_stream = healthy
-        .streaming(streams_request("Echo", held))
-        .await
-        .unwrap()
-        .into_inner();
+    let (keep, mut healthy_stream) = open_fed(&healthy, "Echo").await;
 
     // More than the window to a handler that never reads.
     let message = numbered(0, 60 << 10);
