@@ -103,7 +103,10 @@ impl FrameFlags {
     /// A ping that answers a ping.
     pub const ACK: FrameFlags = FrameFlags(0x2);
     /// A request that opens a streaming call: its messages follow as
-    /// [`FrameKind::Message`] frames, and so do the server's.
+    /// [`FrameKind::Message`] frames, and so do the server's. With
+    /// [`END_STREAM`](Self::END_STREAM) as well, the request is the client's
+    /// whole stream: its payload holds all of the client's messages (in a
+    /// message frame's encoding; none when empty), and no message frame follows.
     pub const STREAMING: FrameFlags = FrameFlags(0x4);
     /// With [`STREAMING`](Self::STREAMING), on a request: the sender does
     /// not know whether the method is unary or streaming (a gateway from
@@ -331,6 +334,22 @@ impl Frame {
             metadata,
             payload: Payload::new(),
         }
+    }
+
+    /// The request of a streaming call whose client sends its whole stream
+    /// at once: `messages` (in a message frame's encoding, see
+    /// [`Frame::message`]; empty for none) and its half-close, in one frame.
+    pub fn whole_stream_request(
+        call_id: u64,
+        path: impl Into<String>,
+        deadline: Option<Duration>,
+        metadata: Metadata,
+        messages: impl Into<Payload>,
+    ) -> Frame {
+        let mut frame = Frame::stream_request(call_id, path, deadline, metadata);
+        frame.flags = FrameFlags::STREAMING | FrameFlags::END_STREAM;
+        frame.payload = messages.into();
+        frame
     }
 
     /// A message frame that carries one message of a streaming call; `last`
@@ -563,8 +582,12 @@ impl Frame {
         let kind_unknown = flags & FrameFlags::KIND_UNKNOWN.0 != 0;
         let malformed = |reason| Err(FrameError::Malformed { kind, reason });
         match kind {
-            FrameKind::Request if streaming && payload_len != 0 => {
-                return malformed("a streaming request carries no message");
+            FrameKind::Request
+                if streaming && payload_len != 0 && flags & FrameFlags::END_STREAM.0 == 0 =>
+            {
+                return malformed(
+                    "a streaming request carries messages only with END_STREAM (the client's whole stream)",
+                );
             }
             FrameKind::Request if kind_unknown && !streaming => {
                 return malformed("KIND_UNKNOWN is only for a streaming request");
@@ -826,7 +849,23 @@ mod tests {
         };
         let mut with_message = Frame::stream_request(1, "/a.B/C", None, Metadata::new());
         with_message.payload = Payload::from(Bytes::from_static(b"x"));
-        reject(with_message, "streaming request with a message");
+        reject(
+            with_message,
+            "streaming request with a message but without END_STREAM",
+        );
+        let whole = Frame::whole_stream_request(
+            1,
+            "/a.B/C",
+            None,
+            Metadata::new(),
+            crate::stream::single_message(Payload::from(Bytes::from_static(b"x"))),
+        );
+        let decoded = Frame::decode(whole.encode(), DEFAULT_MAX_FRAME_LEN).unwrap();
+        assert!(decoded.is_streaming() && decoded.flags.contains(FrameFlags::END_STREAM));
+        assert_eq!(
+            decoded.payload.into_contiguous(),
+            Bytes::from_static(b"\x01\0\0\0x")
+        );
         let mut flagged = Frame::message(1, Bytes::new(), false);
         flagged.flags = FrameFlags::STREAMING;
         reject(flagged, "STREAMING on a message");

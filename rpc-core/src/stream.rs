@@ -161,6 +161,11 @@ impl InboundFeed {
         }
     }
 
+    /// Whether anything besides this handle reads the feed.
+    pub(crate) fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.state) > 1
+    }
+
     /// Queues the messages of a `MESSAGE` frame's payload; never waits.
     /// Messages for a direction that already ended here (with an error)
     /// are dropped.
@@ -988,6 +993,26 @@ pub(crate) fn take_inbound<T>(
 /// server puts it in the extensions of such a call's request.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct KindUnknown;
+
+/// On the request of a call of unknown kind whose client sent its whole
+/// stream with the request ([`FrameFlags::STREAMING`](crate::frame::FrameFlags::STREAMING)
+/// with `END_STREAM`): those messages, in a message frame's encoding, so
+/// that a unary method takes its one message without reading the stream.
+/// The stream holds them too, for a streaming method.
+#[derive(Debug, Clone)]
+pub(crate) struct WholeStream(pub(crate) Bytes);
+
+impl WholeStream {
+    /// The one message a unary method takes; `Err` says "none" or "more".
+    pub(crate) fn into_single(self) -> Result<Bytes, &'static str> {
+        let mut messages = self.0;
+        match next_message(&mut messages) {
+            Ok(Some(message)) if messages.is_empty() => Ok(message),
+            Ok(None) | Err(_) => Err("none"),
+            Ok(Some(_)) => Err("more"),
+        }
+    }
+}
 
 /// Marks a server's response to a call of unknown kind that a unary method
 /// answered: its final response frame carries the message.

@@ -35,7 +35,7 @@ use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
 use crate::stream::{
     FeedError, InboundFeed, KindUnknown, MessageSink, RawInbound, SendCredits, ServerStream,
-    ServerStreamSlot, Streaming, TakeOnce, UnaryAnswer,
+    ServerStreamSlot, Streaming, TakeOnce, UnaryAnswer, WholeStream,
 };
 use crate::transport::{Connection, TransportError};
 use crate::wake_gate::WakeGated;
@@ -157,7 +157,7 @@ pub(crate) async fn serve_connection(
                 if let Ok(call_id) = done {
                     in_flight.remove(&call_id);
                     if let Some(stream) = streams.remove(&call_id) {
-                        stream.close(Status::cancelled("the call has ended"));
+                        stream.close(|| Status::cancelled("the call has ended"));
                     }
                 }
                 if in_flight.is_empty() {
@@ -292,12 +292,26 @@ pub(crate) async fn serve_connection(
                             streams.insert(call_id, entry);
                             ServerStreamSlot(TakeOnce::new(call_stream))
                         });
+                        // A request that is the client's whole stream: its
+                        // messages and half-close, delivered as if they followed.
+                        if stream.is_some() && frame.flags.contains(FrameFlags::END_STREAM) {
+                            let entry = streams.get(&call_id).expect("inserted above");
+                            let messages = frame.payload.clone().into_contiguous();
+                            let delivered = if messages.is_empty() {
+                                Ok(())
+                            } else {
+                                entry.feed.push(messages)
+                            };
+                            if let Err(error) = delivered.and_then(|()| entry.feed.peer_end(Metadata::new())) {
+                                break Ending::ProtocolError(format!("client sent {} (call {call_id})", error.describe()));
+                            }
+                        }
                         let call = run_call(frame, stream, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len, config.access_log);
                         in_flight.insert(call_id, calls.spawn(call));
                     }
                     FrameKind::Cancel => {
                         if let Some(stream) = streams.remove(&frame.call_id) {
-                            stream.close(Status::cancelled("call cancelled by the client"));
+                            stream.close(|| Status::cancelled("call cancelled by the client"));
                         }
                         if let Some(handle) = in_flight.remove(&frame.call_id) {
                             tracing::debug!(%peer, call_id = frame.call_id, "call cancelled by client");
@@ -362,7 +376,7 @@ pub(crate) async fn serve_connection(
     }
     drop(blocked);
     for (_, stream) in streams.drain() {
-        stream.close(Status::unavailable("connection to the client lost"));
+        stream.close(|| Status::unavailable("connection to the client lost"));
     }
     // Handlers of a connection that is gone can deliver nothing: abort them.
     calls.shutdown().await;
@@ -427,8 +441,13 @@ impl StreamEntry {
     }
 
     /// The call ended: its handler's sends fail with `why`, and so does a
-    /// read of messages the client never sent.
-    fn close(self, why: Status) {
+    /// read of messages the client never sent. (`why` is made only when
+    /// something still holds the stream's halves.)
+    fn close(self, why: impl FnOnce() -> Status) {
+        if Arc::strong_count(&self.credits) == 1 && !self.feed.is_shared() {
+            return;
+        }
+        let why = why();
         self.credits.close(why.clone());
         self.feed.finish(Err(why));
     }
@@ -462,7 +481,17 @@ async fn run_call(
     let started = (!span.is_disabled() || access_log).then(Instant::now);
     let deadline = frame.deadline;
     let kind_unknown = frame.is_kind_unknown();
-    let mut request = Request::new(frame.payload.into_contiguous());
+    let payload = frame.payload.into_contiguous();
+    // A stream's messages are its stream's (and, for a call of unknown
+    // kind that came whole, a unary method's too: see WholeStream).
+    let (payload, whole_stream) = match &stream {
+        None => (payload, None),
+        Some(_) if kind_unknown && !payload.is_empty() => {
+            (Bytes::new(), Some(WholeStream(payload)))
+        }
+        Some(_) => (Bytes::new(), None),
+    };
+    let mut request = Request::new(payload);
     *request.metadata_mut() = frame.metadata;
     if let Some(deadline) = deadline {
         request.set_timeout(deadline);
@@ -471,6 +500,9 @@ async fn run_call(
     let method = stream.as_ref().map(|_| frame.path.clone());
     if kind_unknown {
         request.extensions_mut().insert(KindUnknown);
+    }
+    if let Some(whole_stream) = whole_stream {
+        request.extensions_mut().insert(whole_stream);
     }
     request.set_method(frame.path);
     request.extensions_mut().insert(PeerInfo { addr: peer });
@@ -492,13 +524,18 @@ async fn run_call(
     };
     let response = match outcome {
         // A service that took no stream from a streaming call cannot serve it.
-        Ok(Ok(_)) if stream.as_ref().is_some_and(|slot| !slot.0.is_taken()) => status_frame(
-            call_id,
-            Status::unimplemented(format!(
-                "{} is not a streaming method: call it as a unary one",
-                method.as_deref().unwrap_or_default()
-            )),
-        ),
+        Ok(Ok(response))
+            if stream.as_ref().is_some_and(|slot| !slot.0.is_taken())
+                && response.extensions().get::<UnaryAnswer>().is_none() =>
+        {
+            status_frame(
+                call_id,
+                Status::unimplemented(format!(
+                    "{} is not a streaming method: call it as a unary one",
+                    method.as_deref().unwrap_or_default()
+                )),
+            )
+        }
         Ok(Ok(response)) => {
             let unary_answer = kind_unknown && response.extensions().get::<UnaryAnswer>().is_some();
             let (metadata, payload): (Metadata, Payload) = response.into_parts();

@@ -8,7 +8,7 @@ use crate::codec::Codec;
 use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::Status;
-use crate::stream::ServerStream;
+use crate::stream::{ServerStream, WholeStream};
 
 /// Runs one unary call: decodes the payload with `codec`, calls `handler`, and
 /// encodes its response (large `Bytes` fields stay where they lie). A payload that does not decode is `InvalidArgument`
@@ -53,23 +53,35 @@ where
     F: FnOnce(Request<C::Decode>) -> Fut,
     Fut: Future<Output = Result<Response<C::Encode>, Status>>,
 {
-    let method = request.method().unwrap_or_default().to_owned();
-    let ServerStream { mut messages, sink } = ServerStream::take(&mut request)
-        .ok_or_else(|| Status::internal("the call's stream was taken before its handler"))?;
-    let Some(message) = messages.message().await? else {
-        return Err(Status::invalid_argument(format!(
-            "{method} is a unary method: it takes one request message, the client sent none"
-        )));
+    let not_one = |request: &Request<Bytes>, sent: &str| {
+        Status::invalid_argument(format!(
+            "{} is a unary method: it takes one request message, the client sent {sent}",
+            request.method().unwrap_or_default()
+        ))
     };
-    if messages.message().await?.is_some() {
-        return Err(Status::invalid_argument(format!(
-            "{method} is a unary method: it takes one request message, the client sent more"
-        )));
-    }
+    let message = match request.extensions_mut().remove::<WholeStream>() {
+        // The client's whole stream came with the request: no need to read it.
+        Some(whole) => whole
+            .into_single()
+            .map_err(|sent| not_one(&request, sent))?,
+        None => {
+            let ServerStream { mut messages, sink } =
+                ServerStream::take(&mut request).ok_or_else(|| {
+                    Status::internal("the call's stream was taken before its handler")
+                })?;
+            let Some(message) = messages.message().await? else {
+                return Err(not_one(&request, "none"));
+            };
+            if messages.message().await?.is_some() {
+                return Err(not_one(&request, "more"));
+            }
+            drop(sink);
+            message
+        }
+    };
     let message = codec
         .decode(message)
         .map_err(|status| Status::invalid_argument(status.message()))?;
-    drop(sink);
     let (metadata, response) = handler(request.map(|_| message)).await?.into_parts();
     // One final response with the message: the unary answer a call of
     // unknown kind allows (docs/wire-format.md, "Kind unknown").

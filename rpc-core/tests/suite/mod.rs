@@ -68,7 +68,7 @@ pub enum Event {
 mod streams;
 pub use streams::*;
 
-/// The service under test: `/test.Probe/{Echo,Big,Hang,Sleep,Fail,Panic,Timeout}`.
+/// The service under test: `/test.Probe/{Echo,Big,Hang,Sleep,Fail,Double,Panic,Timeout}`.
 #[derive(Clone)]
 pub struct Probe {
     events: mpsc::UnboundedSender<Event>,
@@ -134,6 +134,16 @@ impl tower::Service<Request<Bytes>> for Probe {
                         .insert_bin("x-detail-bin", md.get_bin("x-blob-bin").unwrap().clone())
                         .unwrap();
                     Err(status)
+                }
+                // A unary method as generated servers serve one (unary::handle).
+                "Double" => {
+                    let codec = rpc_core::codec::BincodeCodec::<u64, u64>::default();
+                    let response =
+                        rpc_core::server::unary::handle(codec, request, |n| async move {
+                            Ok(Response::new(n.into_inner() * 2))
+                        })
+                        .await?;
+                    Ok(response.map(rpc_core::Payload::into_contiguous))
                 }
                 "Panic" => panic!("probe handler panics on purpose"),
                 "Timeout" => {
@@ -1051,6 +1061,7 @@ macro_rules! transport_suite {
             large_stream_messages_and_one_over_the_limit,
             stream_and_unary_methods_called_the_wrong_way,
             hostile_stream_frames_close_only_that_connection,
+            whole_stream_requests_carry_the_clients_messages,
         );
     };
     (@tests $bed:expr; $($name:ident,)*) => {

@@ -618,12 +618,20 @@ async fn raw_stream_then_expect_close(
     endpoint: &rpc_core::transport::Endpoint,
     frames: Vec<rpc_core::frame::Frame>,
 ) -> String {
+    let open =
+        rpc_core::frame::Frame::stream_request(1, "/test.Streams/Ignore", None, Metadata::new());
+    raw_frames_then_expect_close(endpoint, std::iter::once(open).chain(frames).collect()).await
+}
+
+/// Sends `frames` on a raw connection and returns the reason of the GOAWAY
+/// the server closes the connection with.
+async fn raw_frames_then_expect_close(
+    endpoint: &rpc_core::transport::Endpoint,
+    frames: Vec<rpc_core::frame::Frame>,
+) -> String {
     use futures_util::SinkExt;
     let config = TransportConfig::default();
     let mut raw = transport::connect(endpoint, &config).await.unwrap();
-    let open =
-        rpc_core::frame::Frame::stream_request(1, "/test.Streams/Ignore", None, Metadata::new());
-    raw.sink.send(open.encode_parts()).await.unwrap();
     for frame in frames {
         // The server may close before the last frames are written.
         if raw.sink.send(frame.encode_parts()).await.is_err() {
@@ -688,4 +696,116 @@ async fn channel_still_streams(
 ) {
     sender.send(Payload::from(numbered(7, 8))).unwrap();
     assert_eq!(number_of(&echo.message().await.unwrap().unwrap()), 7);
+}
+
+/// Messages in a message frame's encoding (a `u32` LE length, then the bytes).
+fn message_entries(messages: &[&[u8]]) -> Bytes {
+    let mut entries = Vec::new();
+    for message in messages {
+        entries.extend_from_slice(&(message.len() as u32).to_le_bytes());
+        entries.extend_from_slice(message);
+    }
+    entries.into()
+}
+
+/// The messages of a message frame's payload.
+fn split_entries(mut payload: Bytes) -> Vec<Bytes> {
+    let mut messages = Vec::new();
+    while payload.len() >= 4 {
+        let len = u32::from_le_bytes(payload[..4].try_into().unwrap()) as usize;
+        let _ = payload.split_to(4);
+        messages.push(payload.split_to(len));
+    }
+    messages
+}
+
+pub async fn whole_stream_requests_carry_the_clients_messages(bed: &dyn Bed) {
+    use futures_util::SinkExt;
+    use rpc_core::frame::{Frame, FrameFlags, FrameKind};
+    let server = start(bed).await;
+    let config = TransportConfig::default();
+    let mut raw = transport::connect(&server.endpoint, &config).await.unwrap();
+    let whole = |call_id, method: &str, messages: &[&[u8]], kind_unknown: bool| {
+        let mut frame = Frame::whole_stream_request(
+            call_id,
+            method,
+            None,
+            Metadata::new(),
+            message_entries(messages),
+        );
+        if kind_unknown {
+            frame.flags = frame.flags | FrameFlags::KIND_UNKNOWN;
+        }
+        frame
+    };
+    let (zero, one, two) = (numbered(0, 8), numbered(1, 8), numbered(2, 8));
+    let requests = [
+        // A streaming method gets the messages, then the half-close.
+        whole(1, "/test.Streams/Collect", &[&zero, &one, &two], false),
+        whole(3, "/test.Streams/Collect", &[], false),
+        // A unary method of a call of unknown kind answers in one response.
+        whole(5, "/test.Probe/Double", &[&[21]], true),
+        whole(7, "/test.Probe/Double", &[&[1], &[2]], true),
+        whole(9, "/test.Probe/Double", &[], true),
+    ];
+    for request in requests {
+        raw.sink.send(request.encode_parts()).await.unwrap();
+    }
+    let mut messages: std::collections::HashMap<u64, Vec<Bytes>> = Default::default();
+    let mut ends = std::collections::HashMap::new();
+    while ends.len() < 5 {
+        let bytes = tokio::time::timeout(Duration::from_secs(10), raw.stream.next())
+            .await
+            .expect("every call ends")
+            .expect("the connection stays open")
+            .unwrap();
+        let frame = Frame::decode(bytes, config.max_frame_len).unwrap();
+        match frame.kind {
+            FrameKind::Message => messages
+                .entry(frame.call_id)
+                .or_default()
+                .extend(split_entries(frame.payload.into_contiguous())),
+            FrameKind::Response => {
+                let text =
+                    String::from_utf8_lossy(&frame.payload.clone().into_contiguous()).into_owned();
+                ends.insert(frame.call_id, (frame.status, frame.payload, text));
+            }
+            FrameKind::Headers => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(
+        messages.remove(&1).unwrap(),
+        vec![two, one, zero.clone()],
+        "last first"
+    );
+    assert_eq!(ends[&1].0, Code::Ok);
+    assert_eq!(messages.remove(&3), None, "no messages, and ended");
+    assert_eq!(ends[&3].0, Code::Ok);
+    assert_eq!(ends[&5].0, Code::Ok, "{}", ends[&5].2);
+    assert_eq!(
+        ends[&5].1.clone().into_contiguous(),
+        Bytes::from_static(&[42])
+    );
+    assert_eq!(
+        messages.remove(&5),
+        None,
+        "the answer rides on the response"
+    );
+    assert_eq!(ends[&7].0, Code::InvalidArgument);
+    assert!(ends[&7].2.contains("sent more"), "{}", ends[&7].2);
+    assert_eq!(ends[&9].0, Code::InvalidArgument);
+    assert!(ends[&9].2.contains("sent none"), "{}", ends[&9].2);
+    assert!(messages.is_empty(), "{messages:?}");
+
+    // A whole stream that breaks the message encoding closes its connection.
+    let mut broken = whole(1, "/test.Streams/Collect", &[], false);
+    broken.payload = Payload::from(Bytes::from_static(&[9, 0, 0, 0, 1]));
+    let reason = raw_frames_then_expect_close(&server.endpoint, vec![broken]).await;
+    assert!(reason.contains("length-prefixed"), "{reason}");
+    // Without END_STREAM a streaming request carries no messages.
+    let mut open = whole(1, "/test.Streams/Collect", &[&zero], false);
+    open.flags = FrameFlags::STREAMING;
+    let reason = raw_frames_then_expect_close(&server.endpoint, vec![open]).await;
+    assert!(reason.contains("END_STREAM"), "{reason}");
 }
