@@ -24,7 +24,7 @@
 //! | gRPC over HTTP/2 | rdma-rpc frames |
 //! |---|---|
 //! | request headers: `:path`, metadata, `grpc-timeout` | REQUEST: path, metadata, deadline |
-//! | length-prefixed messages in DATA | MESSAGE frames (unary: the request's payload) |
+//! | length-prefixed messages in DATA | MESSAGE frames (a body that came whole with the headers: in the REQUEST, with the half-close) |
 //! | END_STREAM from the client | half-close |
 //! | response headers | HEADERS (unary: the response's metadata) |
 //! | trailers: `grpc-status`, `grpc-message`, metadata | RESPONSE: status, message, trailers |

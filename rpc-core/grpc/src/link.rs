@@ -38,15 +38,29 @@ impl ToCore {
     pub(crate) async fn send(&self, frame: Frame) -> Result<(), CoreGone> {
         let mut bytes = frame.encode();
         if let Some(budget) = &self.budget {
-            let reservation = budget
-                .lock()
-                .await
-                .reserve(bytes.len())
-                .await
-                .map_err(|_| CoreGone)?;
+            // Mostly the budget has room and no other sender holds it: then
+            // this takes it without waiting (and without a future's cost).
+            let at_once = budget.try_lock().ok().and_then(|mut budget| {
+                let mut cx = std::task::Context::from_waker(Waker::noop());
+                match budget.poll_reserve(&mut cx, bytes.len()) {
+                    Poll::Ready(reserved) => Some(reserved),
+                    Poll::Pending => None,
+                }
+            });
+            let reservation = match at_once {
+                Some(reserved) => reserved,
+                None => budget.lock().await.reserve(bytes.len()).await,
+            }
+            .map_err(|_| CoreGone)?;
             bytes = reservation.attach(bytes);
         }
-        self.frames.send(Ok(bytes)).await.map_err(|_| CoreGone)
+        match self.frames.try_send(Ok(bytes)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(frame)) => {
+                self.frames.send(frame).await.map_err(|_| CoreGone)
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(CoreGone),
+        }
     }
 }
 
@@ -131,6 +145,11 @@ impl MessageBatch {
 
     pub(crate) fn is_empty(&self) -> bool {
         self.payload.is_empty()
+    }
+
+    /// The batch's payload (messages in a message frame's encoding), leaving it empty.
+    pub(crate) fn take(&mut self) -> Bytes {
+        self.payload.split().freeze()
     }
 
     /// The batch as a MESSAGE frame (`last`: the sender's last), leaving it empty.

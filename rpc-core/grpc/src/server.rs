@@ -4,16 +4,28 @@
 //! Each HTTP/2 connection becomes one rpc-core [`Connection`]; each HTTP/2
 //! stream becomes one call, opened as a stream of unknown kind
 //! ([`FrameFlags::KIND_UNKNOWN`]) because gRPC's wire does not say whether a
-//! method is unary. Per call, one task reads and writes: the request body
+//! method is unary. Per call, one future reads and writes: the request body
 //! into MESSAGE frames under the call's window, and rpc-core's HEADERS,
 //! MESSAGE and RESPONSE frames into the HTTP/2 response, granting window
-//! back as HTTP/2's own flow control takes the bytes.
+//! back as HTTP/2's own flow control takes the bytes. A request whose body
+//! came whole with its headers (a unary call from most clients) opens its
+//! call with one frame that carries its messages and half-close too.
+//!
+//! The calls' futures run in the connection's task, beside h2's connection
+//! (whose streams share it anyway), so a call costs no task of its own; and
+//! that loop never waits on rpc-core itself (the calls do), since rpc-core
+//! may be waiting for the calls.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
@@ -24,7 +36,6 @@ use rpc_core::transport::{Connection, Endpoint, Listener, TransportError};
 use rpc_core::{Code, Status};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio::task::JoinSet;
 
 use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, ToCore};
 use crate::wire::{self, Deframer};
@@ -125,11 +136,17 @@ pub(crate) async fn bind(
 
 /// What the gateway keeps of one call in flight.
 struct Call {
-    /// The client's messages towards rpc-core wait on this window.
-    window: Arc<StreamWindow>,
-    /// rpc-core's frames for the call, to its task.
+    /// The client's messages towards rpc-core wait on this window (none
+    /// when the request came whole: no message follows it).
+    window: Option<Arc<StreamWindow>>,
+    /// rpc-core's frames for the call, to its future.
     out: CallSender<Out>,
 }
+
+/// The calls of one connection, each a future that ends with its call id.
+/// They run in the connection's task (as h2's streams share its
+/// connection anyway): a call costs no task of its own.
+type CallFutures = FuturesUnordered<Pin<Box<dyn Future<Output = u64> + Send>>>;
 
 /// What a call's task writes to the client.
 enum Out {
@@ -161,8 +178,7 @@ async fn serve_connection(
         }
     };
     let mut calls: HashMap<u64, Call> = HashMap::new();
-    let mut tasks = JoinSet::new();
-    let (finished_tx, mut finished) = mpsc::unbounded_channel::<u64>();
+    let mut running = CallFutures::new();
     let mut next_call_id = 1u64;
     let mut going_away = false;
     let queued = Arc::new(Semaphore::new(QUEUED_BYTES));
@@ -179,21 +195,47 @@ async fn serve_connection(
                 Some(Ok((request, mut respond))) => {
                     let call_id = next_call_id;
                     next_call_id += 1;
-                    let Some(opening) = open_call(call_id, &request, &mut respond) else {
+                    let Some(mut opening) = open_call(call_id, &request, &mut respond) else {
                         continue;
                     };
-                    if to_core.send(opening).await.is_err() {
-                        break;
-                    }
-                    let window = Arc::new(StreamWindow::default());
+                    let mut body = request.into_body();
                     let (out, out_rx) = link::call_queue();
-                    let call = serve_call(request.into_body(), respond, out_rx, to_core.clone(), window.clone(), out.clone(), call_id, settings.max_message);
-                    let finished_tx = finished_tx.clone();
-                    tasks.spawn(async move {
+                    // The call's future sends its opening itself: this loop
+                    // never waits on rpc-core, which may wait on the calls.
+                    let call: Pin<Box<dyn Future<Output = ()> + Send>> = match read_whole(&mut body, settings.max_message) {
+                        Whole::Stream(messages) => {
+                            // One frame for the whole call, and nothing to read.
+                            opening.flags = opening.flags | FrameFlags::END_STREAM;
+                            opening.payload = messages.into();
+                            calls.insert(call_id, Call { window: None, out });
+                            let to_core = to_core.clone();
+                            Box::pin(async move {
+                                if to_core.send(opening).await.is_ok() {
+                                    write_responses(respond, out_rx, to_core, call_id).await;
+                                }
+                            })
+                        }
+                        Whole::Broken(status) => {
+                            refuse(&mut respond, &status);
+                            continue;
+                        }
+                        Whole::Reset => continue,
+                        Whole::NotYet(first) => {
+                            let window = Arc::new(StreamWindow::default());
+                            let reading = read_requests(body, first, to_core.clone(), window.clone(), out.clone(), call_id, settings.max_message);
+                            calls.insert(call_id, Call { window: Some(window), out });
+                            let to_core = to_core.clone();
+                            Box::pin(async move {
+                                if to_core.send(opening).await.is_ok() {
+                                    serve_call(reading, respond, out_rx, to_core, call_id).await;
+                                }
+                            })
+                        }
+                    };
+                    running.push(Box::pin(async move {
                         call.await;
-                        let _ = finished_tx.send(call_id);
-                    });
-                    calls.insert(call_id, Call { window, out });
+                        call_id
+                    }));
                 }
                 Some(Err(error)) => {
                     tracing::debug!(%error, "grpc: HTTP/2 connection failed");
@@ -233,15 +275,19 @@ async fn serve_connection(
                         }
                     }
                     FrameKind::Window => {
-                        if let (Some(call), Some(grant)) = (calls.get(&frame.call_id), frame.window_grant()) {
-                            call.window.grant(grant);
+                        let window = calls.get(&frame.call_id).and_then(|call| call.window.as_ref());
+                        if let (Some(window), Some(grant)) = (window, frame.window_grant()) {
+                            window.grant(grant);
                         }
                     }
                     FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
                         let pong = Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id);
-                        if to_core.send(pong).await.is_err() {
-                            break;
-                        }
+                        let to_core = to_core.clone();
+                        // Beside the calls, for the reason above (0 is no call's id).
+                        running.push(Box::pin(async move {
+                            let _ = to_core.send(pong).await;
+                            0
+                        }));
                     }
                     FrameKind::GoAway if !going_away => {
                         going_away = true;
@@ -250,13 +296,56 @@ async fn serve_connection(
                     _ => {}
                 }
             }
-            Some(call_id) = finished.recv() => {
+            Some(call_id) = running.next(), if !running.is_empty() => {
                 calls.remove(&call_id);
             }
         }
     }
-    // Dropping the tasks ends every call's reader and writer.
-    tasks.abort_all();
+    // Dropping the calls' futures ends every call's reader and writer.
+    drop(running);
+}
+
+/// What a new call's request body holds already (h2 has read it with the
+/// headers), without waiting for more.
+enum Whole {
+    /// The whole body has arrived: its messages, for the opening frame (a
+    /// unary call's request, mostly, sent with its headers in one write).
+    Stream(Bytes),
+    /// More is to come (or might be): the data read so far, if any.
+    NotYet(Option<Bytes>),
+    /// The body breaks gRPC's framing (the call's answer).
+    Broken(Status),
+    /// The client reset the stream already.
+    Reset,
+}
+
+/// Takes what `body` holds now: its whole stream when it has ended with
+/// the first piece of data (or with none).
+fn read_whole(body: &mut RecvStream, max_message: usize) -> Whole {
+    let chunk = match body.data().now_or_never() {
+        None => return Whole::NotYet(None),
+        Some(None) => return Whole::Stream(Bytes::new()),
+        Some(Some(Err(_))) => return Whole::Reset,
+        Some(Some(Ok(chunk))) => chunk,
+    };
+    if !body.is_end_stream() {
+        return Whole::NotYet(Some(chunk));
+    }
+    let _ = body.flow_control().release_capacity(chunk.len());
+    let mut deframer = Deframer::new(max_message);
+    deframer.push(chunk);
+    let mut batch = MessageBatch::default();
+    loop {
+        match deframer.next_message() {
+            Ok(Some(message)) => batch.push(&message),
+            Ok(None) => break,
+            Err(error) => return Whole::Broken(deframe_status(error)),
+        }
+    }
+    match deframer.finish() {
+        Ok(()) => Whole::Stream(batch.take()),
+        Err(error) => Whole::Broken(deframe_status(error)),
+    }
 }
 
 /// One call's two directions in one task (a task per call, not two): the
@@ -267,18 +356,13 @@ async fn serve_connection(
 ///
 /// Both futures are made and pinned here, in the task's own state: made by
 /// the caller and passed in, each would be held twice.
-#[allow(clippy::too_many_arguments)]
 async fn serve_call(
-    body: RecvStream,
+    reading: impl Future<Output = ()>,
     respond: SendResponse<Bytes>,
     out: CallReceiver<Out>,
     to_core: ToCore,
-    window: Arc<StreamWindow>,
-    fail: CallSender<Out>,
     call_id: u64,
-    max_message: usize,
 ) {
-    let reading = read_requests(body, to_core.clone(), window, fail, call_id, max_message);
     let writing = write_responses(respond, out, to_core, call_id);
     let (mut reading, mut writing) = (std::pin::pin!(reading), std::pin::pin!(writing));
     tokio::select! {
@@ -381,6 +465,7 @@ fn is_method_path(path: &str) -> bool {
 /// (on the last message frame when it came with it); a reset → a cancel.
 async fn read_requests(
     mut body: RecvStream,
+    mut first: Option<Bytes>,
     to_core: ToCore,
     window: Arc<StreamWindow>,
     fail: CallSender<Out>,
@@ -393,7 +478,11 @@ async fn read_requests(
     // assembled: its bytes, from the server's receive budget.
     let mut assembling: Option<(usize, Option<rpc_core::transport::Reservation>)> = None;
     loop {
-        match body.data().await {
+        let next = match first.take() {
+            Some(chunk) => Some(Ok(chunk)),
+            None => body.data().await,
+        };
+        match next {
             Some(Ok(chunk)) => {
                 let chunk_len = chunk.len();
                 deframer.push(chunk);

@@ -235,6 +235,28 @@ async fn every_streaming_kind_works(server: TestServer) {
     assert!(answers.next().await.is_none());
 }
 
+async fn a_thousand_calls_in_flight_on_one_connection(server: TestServer) {
+    let client = client(&server).await;
+    let calls = (0..1000u32).map(|n| {
+        let mut client = client.clone();
+        async move {
+            let body = Bytes::from(n.to_le_bytes().to_vec());
+            let ask = Ask {
+                body: body.clone(),
+                ..Ask::default()
+            };
+            let answer = client.unary(Request::new(ask)).await.expect("call");
+            assert_eq!(answer.into_inner().body, body);
+        }
+    });
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        futures_util::future::join_all(calls),
+    )
+    .await
+    .expect("every call answered");
+}
+
 macro_rules! against_every_server {
     ($($scenario:ident),* $(,)?) => {
         mod against_rdma_rpc_grpc {
@@ -293,4 +315,5 @@ against_every_server!(
     dropping_a_call_cancels_the_handler,
     sixteen_mib_each_way_and_over_the_limit_is_resource_exhausted,
     every_streaming_kind_works,
+    a_thousand_calls_in_flight_on_one_connection,
 );
