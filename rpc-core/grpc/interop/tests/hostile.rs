@@ -103,35 +103,77 @@ async fn an_early_answer_releases_a_request_body_the_client_never_ends() {
     body.send_data(message.freeze(), false).unwrap();
 
     let within = Duration::from_secs(5);
-    let response = tokio::time::timeout(within, response)
-        .await
-        .expect("answered in time")
-        .expect("a response");
-    // The status: in the trailers, or in the headers of a trailers-only answer.
-    let status = match response.headers().get("grpc-status") {
-        Some(status) => status.clone(),
-        None => {
-            let mut answer = response.into_body();
-            let trailers = tokio::time::timeout(within, async {
-                while let Some(data) = answer.data().await {
-                    data.expect("the answer's data");
-                }
-                answer.trailers().await
-            })
-            .await
-            .expect("the trailers in time")
-            .expect("trailers")
-            .expect("some trailers");
-            trailers.get("grpc-status").expect("grpc-status").clone()
-        }
-    };
-    assert_eq!(status, "9");
+    assert_eq!(grpc_status_of(response, within).await, "9");
     // The server let the stream go: the request side is reset, NO_ERROR.
     let reset = tokio::time::timeout(within, std::future::poll_fn(|cx| body.poll_reset(cx)))
         .await
         .expect("the server resets the request side in time")
         .expect("a reset");
     assert_eq!(reset, h2::Reason::NO_ERROR);
+    common::still_answers(&server).await;
+}
+
+/// The `grpc-status` of an answer: in its trailers, or in the headers of a
+/// trailers-only answer.
+async fn grpc_status_of(
+    response: h2::client::ResponseFuture,
+    within: Duration,
+) -> http::HeaderValue {
+    let response = tokio::time::timeout(within, response)
+        .await
+        .expect("answered in time")
+        .expect("a response");
+    if let Some(status) = response.headers().get("grpc-status") {
+        return status.clone();
+    }
+    let mut answer = response.into_body();
+    let trailers = tokio::time::timeout(within, async {
+        while let Some(data) = answer.data().await {
+            data.expect("the answer's data");
+        }
+        answer.trailers().await
+    })
+    .await
+    .expect("the trailers in time")
+    .expect("trailers")
+    .expect("some trailers");
+    trailers.get("grpc-status").expect("grpc-status").clone()
+}
+
+/// Whole request bodies (headers, then data with END_STREAM at once, as a
+/// unary call sends them) that break gRPC's message framing fail their own
+/// call with a status; the connection and the server go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_bodies_that_break_grpc_framing_fail_their_call_only() {
+    let server = common::rdma_server().await;
+    let client = common::raw_http2_client(&server.addr).await;
+    let within = Duration::from_secs(5);
+    let cases: [(&[u8], &str); 3] = [
+        // A prefix that announces 10 bytes, and 3 of them.
+        (&[0, 0, 0, 0, 10, 1, 2, 3], "13"),
+        // A compressed message, where the server accepts identity only.
+        (&[1, 0, 0, 0, 1, 7], "12"),
+        // Half a prefix.
+        (&[0, 0], "13"),
+    ];
+    for (body_bytes, code) in cases {
+        let mut client = client.clone().ready().await.unwrap();
+        let (response, mut body) = client
+            .send_request(common::grpc_request(&server.addr, "Unary"), false)
+            .unwrap();
+        body.send_data(Bytes::from_static(body_bytes), true)
+            .unwrap();
+        let status = grpc_status_of(response, within).await;
+        assert_eq!(status, code, "body {body_bytes:?}");
+    }
+    // The same connection still serves a good call: an empty Ask, whole.
+    let mut client = client.ready().await.unwrap();
+    let (response, mut body) = client
+        .send_request(common::grpc_request(&server.addr, "Unary"), false)
+        .unwrap();
+    body.send_data(Bytes::from_static(&[0, 0, 0, 0, 0]), true)
+        .unwrap();
+    assert_eq!(grpc_status_of(response, within).await, "0");
     common::still_answers(&server).await;
 }
 
