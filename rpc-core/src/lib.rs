@@ -72,7 +72,7 @@ pub mod server;
 mod status;
 pub mod stream;
 pub mod transport;
-mod wake_gate;
+pub mod wake_gate;
 
 pub use client::{Channel, RpcClient};
 pub use error::Error;

@@ -1,13 +1,16 @@
-//! [`WakeGated`]: a future polled again only after its own waker fired.
+//! Gates that let a poll through only after the polled thing's own waker
+//! fired: [`WakeGate`], for a `poll_*` function a driver loop calls again
+//! and again (inside rpc-core, a future wrapper built on it too).
 //!
 //! A connection's task waits on several things at once in one `select!`, and
 //! every wake-up of the task polls each of them. Most are cheap to poll, but
-//! a [`CancellationToken`](tokio_util::sync::CancellationToken)'s `cancelled()`
-//! takes two mutexes per poll (the token's and its `Notify`'s), which on a hot
-//! connection is paid once per frame for a signal that fires once in the
-//! connection's life. Gating the future behind a waker of its own (the trick
-//! `FuturesUnordered` uses) makes a poll that nothing changed for one atomic
-//! swap and one `AtomicWaker` check.
+//! some are not: a [`CancellationToken`](tokio_util::sync::CancellationToken)'s
+//! `cancelled()` takes two mutexes per poll (the token's and its `Notify`'s),
+//! paid once per frame for a signal that fires once in the connection's life;
+//! an HTTP/2 connection walks its streams and send queues on every poll.
+//! Gating them behind a waker of their own (the trick `FuturesUnordered`
+//! uses) makes a poll that nothing changed for one atomic swap and one
+//! `AtomicWaker` check.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,7 +20,7 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
 
-/// The waker handed to the gated future: notes that it fired, then wakes the
+/// The waker handed to the gated side: notes that it fired, then wakes the
 /// task that polls the gate.
 struct Gate {
     fired: AtomicBool,
@@ -35,27 +38,89 @@ impl Wake for Gate {
     }
 }
 
+/// Lets a poll through only after the polled side's own waker fired, or
+/// after its last poll was ready (it may be ready again: an `accept` with
+/// more connections waiting). For a driver loop that polls something costly
+/// on every wake-up of its task (as the `grpc://` gateway polls h2's
+/// connection): the skipped polls are the ones it did not ask for.
+///
+/// Correct for anything whose readiness is announced through the waker of
+/// its last poll (every well-behaved `poll_*` function). The first poll
+/// goes through.
+pub struct WakeGate {
+    gate: Arc<Gate>,
+    waker: Waker,
+}
+
+impl std::fmt::Debug for WakeGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WakeGate")
+            .field("open", &self.gate.fired.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Default for WakeGate {
+    fn default() -> Self {
+        WakeGate::new()
+    }
+}
+
+impl WakeGate {
+    /// An open gate: its first poll goes through.
+    pub fn new() -> WakeGate {
+        let gate = Arc::new(Gate {
+            fired: AtomicBool::new(true),
+            task: AtomicWaker::new(),
+        });
+        WakeGate {
+            waker: Waker::from(gate.clone()),
+            gate,
+        }
+    }
+
+    /// Lets the next poll through (after a change the gated side will not
+    /// announce by waking, e.g. a call on it made outside a poll).
+    pub fn open(&self) {
+        self.gate.fired.store(true, Ordering::Release);
+    }
+
+    /// Calls `poll` with the gate's own waker if the gate is open, else
+    /// returns `Pending`; either way `cx` is woken when the gate opens.
+    pub fn poll<T>(
+        &self,
+        cx: &mut Context<'_>,
+        poll: impl FnOnce(&mut Context<'_>) -> Poll<T>,
+    ) -> Poll<T> {
+        // Register first: a wake between this and the check below either
+        // sets `fired` before it is read or wakes the task.
+        self.gate.task.register(cx.waker());
+        if !self.gate.fired.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        let polled = poll(&mut Context::from_waker(&self.waker));
+        if polled.is_ready() {
+            self.open();
+        }
+        polled
+    }
+}
+
 pin_project_lite::pin_project! {
     /// Polls `F` on its first poll and afterwards only when `F` woke.
-    ///
-    /// Correct for any future whose readiness is announced through its waker
-    /// (every well-behaved future): a poll skipped is one `F` did not ask for.
     pub(crate) struct WakeGated<F> {
         #[pin]
         inner: F,
-        gate: Arc<Gate>,
-        waker: Waker,
+        gate: WakeGate,
     }
 }
 
 impl<F: Future> WakeGated<F> {
     pub(crate) fn new(inner: F) -> WakeGated<F> {
-        let gate = Arc::new(Gate {
-            fired: AtomicBool::new(true),
-            task: AtomicWaker::new(),
-        });
-        let waker = Waker::from(gate.clone());
-        WakeGated { inner, gate, waker }
+        WakeGated {
+            inner,
+            gate: WakeGate::new(),
+        }
     }
 }
 
@@ -64,13 +129,8 @@ impl<F: Future> Future for WakeGated<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
-        // Register first: a wake between the registration and the check
-        // below either sets `fired` before we read it or wakes this task.
-        this.gate.task.register(cx.waker());
-        if !this.gate.fired.swap(false, Ordering::AcqRel) {
-            return Poll::Pending;
-        }
-        this.inner.poll(&mut Context::from_waker(this.waker))
+        let inner = this.inner;
+        this.gate.poll(cx, |cx| inner.poll(cx))
     }
 }
 
@@ -97,6 +157,42 @@ mod tests {
             *self.waker.lock().unwrap() = Some(cx.waker().clone());
             Poll::Pending
         }
+    }
+
+    #[test]
+    fn a_gate_polls_only_after_its_waker_fired_or_a_ready_poll() {
+        let gate = WakeGate::new();
+        let polls = AtomicUsize::new(0);
+        let kept = std::sync::Mutex::new(None::<Waker>);
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut poll = |ready: bool| {
+            gate.poll(&mut cx, |cx| {
+                polls.fetch_add(1, Ordering::Relaxed);
+                *kept.lock().unwrap() = Some(cx.waker().clone());
+                if ready {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                }
+            })
+        };
+        let polled = |polls: &AtomicUsize| polls.load(Ordering::Relaxed);
+        assert!(poll(false).is_pending(), "the first poll goes through");
+        assert!(poll(false).is_pending());
+        assert!(poll(false).is_pending());
+        assert_eq!(polled(&polls), 1, "nothing woke the gated side");
+        kept.lock().unwrap().as_ref().unwrap().wake_by_ref();
+        assert!(poll(true).is_ready(), "its waker fired");
+        assert!(
+            poll(false).is_pending(),
+            "after a ready poll it may be ready again"
+        );
+        assert_eq!(polled(&polls), 3);
+        assert!(poll(false).is_pending());
+        assert_eq!(polled(&polls), 3);
+        gate.open();
+        assert!(poll(false).is_pending());
+        assert_eq!(polled(&polls), 4, "opened by hand");
     }
 
     #[test]

@@ -20,15 +20,12 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use futures_util::task::AtomicWaker;
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
@@ -36,6 +33,7 @@ use rpc_core::frame::{EncodedFrame, Frame, FrameFlags, FrameKind, HEADER_LEN};
 use rpc_core::metadata::Metadata;
 use rpc_core::stream::SendWindow;
 use rpc_core::transport::{Connection, Endpoint, Listener, TransportError};
+use rpc_core::wake_gate::WakeGate;
 use rpc_core::{Code, Status};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -311,68 +309,6 @@ async fn serve_connection(
     }
     // Dropping the calls' futures ends every call's reader and writer.
     drop(running);
-}
-
-/// Lets a poll through only after the polled thing's own waker fired (or
-/// after it was last ready: it may be ready again): the trick
-/// `FuturesUnordered` uses for each of its futures.
-struct WakeGate {
-    inner: Arc<GateWaker>,
-    waker: Waker,
-}
-
-struct GateWaker {
-    fired: AtomicBool,
-    task: AtomicWaker,
-}
-
-impl Wake for GateWaker {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.fired.store(true, Ordering::Release);
-        self.task.wake();
-    }
-}
-
-impl WakeGate {
-    fn new() -> WakeGate {
-        let inner = Arc::new(GateWaker {
-            fired: AtomicBool::new(true),
-            task: AtomicWaker::new(),
-        });
-        WakeGate {
-            waker: Waker::from(inner.clone()),
-            inner,
-        }
-    }
-
-    /// Lets the next poll through.
-    fn open(&self) {
-        self.inner.fired.store(true, Ordering::Release);
-    }
-
-    /// `poll` with the gate's waker if it fired since the last poll (or
-    /// that poll was ready); else `Pending`, and `cx` is woken when it fires.
-    fn poll<T>(
-        &self,
-        cx: &mut std::task::Context<'_>,
-        poll: impl FnOnce(&mut std::task::Context<'_>) -> Poll<T>,
-    ) -> Poll<T> {
-        // Register first: a wake between this and the check below either
-        // sets `fired` before it is read or wakes the task.
-        self.inner.task.register(cx.waker());
-        if !self.inner.fired.swap(false, Ordering::AcqRel) {
-            return Poll::Pending;
-        }
-        let polled = poll(&mut std::task::Context::from_waker(&self.waker));
-        if polled.is_ready() {
-            self.open();
-        }
-        polled
-    }
 }
 
 /// What a new call's request body holds already (h2 has read it with the
@@ -836,48 +772,4 @@ fn trailers_only(code: Code, message: &str, metadata: &Metadata) -> Response<()>
 /// fits a MESSAGE frame with its header and length.
 pub(crate) fn max_message_for(max_frame_len: usize) -> usize {
     max_frame_len.saturating_sub(HEADER_LEN + 4)
-}
-
-#[cfg(test)]
-mod tests {
-    use std::cell::{Cell, RefCell};
-
-    use super::*;
-
-    #[test]
-    fn a_gate_polls_only_after_its_waker_fired_or_a_ready_poll() {
-        let gate = WakeGate::new();
-        let polls = Cell::new(0);
-        let kept: RefCell<Option<Waker>> = RefCell::new(None);
-        let mut cx = std::task::Context::from_waker(Waker::noop());
-        let mut poll = |ready: bool| {
-            gate.poll(&mut cx, |cx| {
-                polls.set(polls.get() + 1);
-                *kept.borrow_mut() = Some(cx.waker().clone());
-                if ready {
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending
-                }
-            })
-        };
-        assert!(poll(false).is_pending(), "the first poll goes through");
-        assert_eq!(polls.get(), 1);
-        assert!(poll(false).is_pending());
-        assert!(poll(false).is_pending());
-        assert_eq!(polls.get(), 1, "nothing woke the gated side");
-        kept.borrow().as_ref().unwrap().wake_by_ref();
-        assert!(poll(true).is_ready(), "its waker fired");
-        assert_eq!(polls.get(), 2);
-        assert!(
-            poll(false).is_pending(),
-            "after a ready poll it may be ready again"
-        );
-        assert_eq!(polls.get(), 3);
-        assert!(poll(false).is_pending());
-        assert_eq!(polls.get(), 3);
-        gate.open();
-        assert!(poll(false).is_pending());
-        assert_eq!(polls.get(), 4, "opened by hand");
-    }
 }
