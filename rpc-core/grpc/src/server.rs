@@ -149,7 +149,7 @@ struct Call {
 /// connection anyway): a call costs no task of its own.
 type CallFutures = FuturesUnordered<Pin<Box<dyn Future<Output = u64> + Send>>>;
 
-/// What a call's task writes to the client.
+/// What a call's future writes to the client.
 enum Out {
     Headers(Metadata),
     /// Messages, and their bytes of the connection's queue (see [`QUEUED_BYTES`]).
@@ -354,14 +354,13 @@ fn read_whole(body: &mut RecvStream, max_message: usize) -> Whole {
     }
 }
 
-/// One call's two directions in one task (a task per call, not two): the
-/// request body towards rpc-core and rpc-core's answer towards the client.
-/// The call is over when its answer is: a request body the client has not
-/// ended by then is dropped, and h2 resets it with `NO_ERROR`, as HTTP/2
-/// asks of a server that answers before it read the whole request.
+/// One call's two directions in one future: `reading` (the request body
+/// towards rpc-core) and rpc-core's answer towards the client. The call is
+/// over when its answer is: a request body the client has not ended by then
+/// is dropped, and h2 resets it with `NO_ERROR`, as HTTP/2 asks of a server
+/// that answers before it read the whole request.
 ///
-/// Both futures are made and pinned here, in the task's own state: made by
-/// the caller and passed in, each would be held twice.
+/// Both are pinned here, in the future's own state.
 async fn serve_call(
     reading: impl Future<Output = ()>,
     respond: SendResponse<Bytes>,
