@@ -122,7 +122,7 @@ const MAX_CONCURRENT_STREAMS: u32 = 1024;
 /// Bytes h2 buffers per stream beyond what the peer's window let go.
 const SEND_BUFFER: usize = 64 << 10;
 /// Largest DATA frame.
-const MAX_FRAME_SIZE: u32 = 64 << 10;
+pub(crate) const MAX_FRAME_SIZE: u32 = 64 << 10;
 
 impl H2Settings {
     fn for_frame_limit(max_frame_len: usize) -> H2Settings {

@@ -325,6 +325,17 @@ enum Whole {
     Reset,
 }
 
+// A whole stream is the messages of one DATA frame (at most
+// MAX_FRAME_SIZE bytes, at least 5 a message), sent to rpc-core without
+// waiting for window: their cost there (each message's bytes plus
+// MESSAGE_CHARGE) must fit a stream's initial window, or rpc-core would take
+// a client's many tiny messages for a peer over its window.
+const _: () = assert!(
+    crate::MAX_FRAME_SIZE as u64
+        + (crate::MAX_FRAME_SIZE as u64 / 5) * rpc_core::stream::MESSAGE_CHARGE as u64
+        <= rpc_core::stream::INITIAL_WINDOW as u64
+);
+
 /// Takes what `body` holds now: its whole stream when it has ended with
 /// the first piece of data (or with none).
 fn read_whole(body: &mut RecvStream, max_message: usize) -> Whole {

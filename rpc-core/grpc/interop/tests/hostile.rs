@@ -177,6 +177,46 @@ async fn whole_bodies_that_break_grpc_framing_fail_their_call_only() {
     common::still_answers(&server).await;
 }
 
+/// A client stream of 13,107 empty messages in one DATA frame with
+/// END_STREAM (legal, if odd): the gateway hands rpc-core the whole stream
+/// at once, and it must fit the stream's window there, not be taken for a
+/// peer that broke it (which would end the client's whole connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_body_of_tiny_messages_is_one_call_not_a_broken_window() {
+    use prost::Message;
+    let server = common::rdma_server().await;
+    let client = common::raw_http2_client(&server.addr).await;
+    let mut client = client.ready().await.unwrap();
+    let (response, mut body) = client
+        .send_request(common::grpc_request(&server.addr, "ClientStream"), false)
+        .unwrap();
+    let messages = 65_535 / 5;
+    body.send_data(Bytes::from(vec![0u8; messages * 5]), true)
+        .unwrap();
+    let within = Duration::from_secs(10);
+    let response = tokio::time::timeout(within, response)
+        .await
+        .expect("answered in time")
+        .expect("a response");
+    assert_eq!(response.status(), 200);
+    let mut answer = response.into_body();
+    let mut data = BytesMut::new();
+    let trailers = tokio::time::timeout(within, async {
+        while let Some(chunk) = answer.data().await {
+            data.extend_from_slice(&chunk.expect("the answer's data"));
+        }
+        answer.trailers().await
+    })
+    .await
+    .expect("the answer in time")
+    .expect("trailers")
+    .expect("some trailers");
+    assert_eq!(trailers.get("grpc-status").unwrap(), "0");
+    let answer = rpc_grpc_interop::rdma::Answer::decode(&data[5..]).unwrap();
+    assert_eq!(answer.index as usize, messages);
+    common::still_answers(&server).await;
+}
+
 /// "Rapid reset" (CVE-2023-44487): streams opened and reset at once, as
 /// fast as the client can, on one connection. Each would start a call; the
 /// server must neither fall behind nor keep them: it answers a new client
