@@ -57,10 +57,6 @@ const QUEUED_BYTES: usize = 8 << 20;
 /// Window given back to rpc-core once this much is owed: less than
 /// rpc-core's `GRANT_AT` outstanding never holds a sender back.
 pub(crate) const GRANT_BATCH: u64 = 64 << 10;
-/// A message being assembled that is longer than this reserves its bytes
-/// from the receive budget first (shorter ones are bounded by HTTP/2's
-/// stream window, which is released only after they are accounted for).
-const RESERVE_ABOVE: usize = crate::STREAM_WINDOW as usize;
 const _: () = assert!(GRANT_BATCH < rpc_core::stream::GRANT_AT as u64);
 
 /// A bound `grpc://` endpoint.
@@ -208,7 +204,7 @@ async fn serve_connection(
                     // The call's future sends its opening itself: this loop
                     // never waits on rpc-core, which may wait on the calls.
                     let call: Pin<Box<dyn Future<Output = ()> + Send>> = match read_whole(&mut body, settings.max_message) {
-                        Whole::Stream(messages) => {
+                        Whole::Stream { messages, taken } => {
                             // One frame for the whole call, and nothing to read.
                             opening.flags = opening.flags | FrameFlags::END_STREAM;
                             opening.payload = messages.into();
@@ -216,6 +212,9 @@ async fn serve_connection(
                             let to_core = to_core.clone();
                             Box::pin(async move {
                                 if to_core.send(opening).await.is_ok() {
+                                    // Accounted for in the frame: the window may go back.
+                                    let _ = body.flow_control().release_capacity(taken);
+                                    drop(body);
                                     write_responses(respond, out_rx, to_core, call_id).await;
                                 }
                             })
@@ -315,8 +314,10 @@ async fn serve_connection(
 /// headers), without waiting for more.
 enum Whole {
     /// The whole body has arrived: its messages, for the opening frame (a
-    /// unary call's request, mostly, sent with its headers in one write).
-    Stream(Bytes),
+    /// unary call's request, mostly, sent with its headers in one write),
+    /// and the bytes taken from the body, whose window goes back once that
+    /// frame has reserved its own.
+    Stream { messages: Bytes, taken: usize },
     /// More is to come (or might be): the data read so far, if any.
     NotYet(Option<Bytes>),
     /// The body breaks gRPC's framing (the call's answer).
@@ -341,27 +342,40 @@ const _: () = assert!(
 fn read_whole(body: &mut RecvStream, max_message: usize) -> Whole {
     let chunk = match body.data().now_or_never() {
         None => return Whole::NotYet(None),
-        Some(None) => return Whole::Stream(Bytes::new()),
+        Some(None) => {
+            return Whole::Stream {
+                messages: Bytes::new(),
+                taken: 0,
+            };
+        }
         Some(Some(Err(_))) => return Whole::Reset,
         Some(Some(Ok(chunk))) => chunk,
     };
     if !body.is_end_stream() {
         return Whole::NotYet(Some(chunk));
     }
-    let _ = body.flow_control().release_capacity(chunk.len());
+    let taken = chunk.len();
     let mut deframer = Deframer::new(max_message);
     deframer.push(chunk);
     let mut batch = MessageBatch::default();
+    let broken = |body: &mut RecvStream, error| {
+        // Nothing of it is kept.
+        let _ = body.flow_control().release_capacity(taken);
+        Whole::Broken(deframe_status(error))
+    };
     loop {
         match deframer.next_message() {
             Ok(Some(message)) => batch.push(&message),
             Ok(None) => break,
-            Err(error) => return Whole::Broken(deframe_status(error)),
+            Err(error) => return broken(body, error),
         }
     }
     match deframer.finish() {
-        Ok(()) => Whole::Stream(batch.take()),
-        Err(error) => Whole::Broken(deframe_status(error)),
+        Ok(()) => Whole::Stream {
+            messages: batch.take(),
+            taken,
+        },
+        Err(error) => broken(body, error),
     }
 }
 
@@ -490,8 +504,11 @@ async fn read_requests(
 ) {
     let mut deframer = Deframer::new(max_message);
     let mut batch = MessageBatch::default();
-    // Held while a message larger than what HTTP/2's window bounds is
-    // assembled: its bytes, from the server's receive budget.
+    // Held while a message that came in pieces is assembled: its announced
+    // bytes, from the server's receive budget. HTTP/2's window is given
+    // back as each piece is taken, so the window does not bound what the
+    // gateway holds (a client may open a thousand streams, each with most
+    // of a message): the budget does.
     let mut assembling: Option<(usize, Option<rpc_core::transport::Reservation>)> = None;
     loop {
         let next = match first.take() {
@@ -502,21 +519,6 @@ async fn read_requests(
             Some(Ok(chunk)) => {
                 let chunk_len = chunk.len();
                 deframer.push(chunk);
-                if let Some(len) = deframer
-                    .pending_len()
-                    .filter(|&len| len > max_message.min(RESERVE_ABOVE))
-                {
-                    if len <= max_message
-                        && assembling.as_ref().is_none_or(|(held, _)| *held != len)
-                    {
-                        match to_core.reserve(len).await {
-                            Ok(reservation) => assembling = Some((len, reservation)),
-                            Err(_) => return,
-                        }
-                    }
-                }
-                // Only once the bytes are accounted for may the peer send more.
-                let _ = body.flow_control().release_capacity(chunk_len);
                 loop {
                     let message = match deframer.next_message() {
                         Ok(Some(message)) => message,
@@ -558,6 +560,19 @@ async fn read_requests(
                         return;
                     }
                 }
+                // The whole messages went in frames, which reserved their
+                // bytes. What is left is one message being assembled: its
+                // announced length comes out of the budget (once) before
+                // the peer may send more of it.
+                if let Some(len) = deframer.pending_len() {
+                    if assembling.as_ref().is_none_or(|(held, _)| *held != len) {
+                        match to_core.reserve(len).await {
+                            Ok(reservation) => assembling = Some((len, reservation)),
+                            Err(_) => return,
+                        }
+                    }
+                }
+                let _ = body.flow_control().release_capacity(chunk_len);
             }
             Some(Err(error)) => {
                 tracing::debug!(call_id, %error, "grpc: request stream ended by an error");

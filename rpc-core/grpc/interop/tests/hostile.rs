@@ -12,6 +12,26 @@ use bytes::{BufMut, Bytes, BytesMut};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn announced_large_messages_are_held_within_the_receive_budget() {
     let server = common::rdma_server().await;
+    messages_sent_in_part_are_held_within_the_budget(&server, common::LIMIT - 1024).await;
+}
+
+/// The same with messages smaller than a stream's HTTP/2 window (256 KiB,
+/// 256 streams against a 32 MiB budget): the window is given back as the
+/// pieces come, so it is the budget that must bound them, not the window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_messages_sent_in_part_on_many_streams_are_held_within_the_budget() {
+    let server = common::rdma_server_with_budget("grpc", Some(common::LIMIT)).await;
+    messages_sent_in_part_are_held_within_the_budget(&server, 256 << 10).await;
+}
+
+/// Opens streams that each announce an `announced`-byte message and send
+/// all of it but its last byte, twice the server's receive budget in all;
+/// asserts the server took no more than its budget (and 16 MiB of HTTP/2
+/// windows) and still answers a new client.
+async fn messages_sent_in_part_are_held_within_the_budget(
+    server: &common::TestServer,
+    announced: usize,
+) {
     let budget = server
         .stats
         .as_ref()
@@ -19,7 +39,6 @@ async fn announced_large_messages_are_held_within_the_receive_budget() {
         .receive_budget()
         .capacity();
     let mut client = common::raw_http2_client(&server.addr).await;
-    let announced = common::LIMIT - 1024;
     let streams = 2 * budget / announced + 2;
     let deadline = Instant::now() + Duration::from_secs(3);
     let payload = Bytes::from(vec![1u8; announced]);
@@ -66,13 +85,13 @@ async fn announced_large_messages_are_held_within_the_receive_budget() {
         held.push(body);
     }
     // Without the reservation each stream could make the server assemble
-    // a whole message: `streams` × 32 MiB, twice the budget.
+    // a whole message: `streams` × `announced`, twice the budget.
     let bound = budget + 16 * (1 << 20);
     assert!(
         total <= bound,
         "the server took {total} bytes of incomplete messages; budget {budget}"
     );
-    common::still_answers(&server).await;
+    common::still_answers(server).await;
     drop(held);
 }
 

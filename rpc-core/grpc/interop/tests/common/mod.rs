@@ -124,6 +124,12 @@ pub async fn rdma_server() -> TestServer {
 /// rdma-rpc's server on `scheme://127.0.0.1:0` (`grpc`, or `rdma` with
 /// the soft provider).
 pub async fn rdma_server_on(scheme: &str) -> TestServer {
+    rdma_server_with_budget(scheme, None).await
+}
+
+/// [`rdma_server_on`] with a receive budget of `budget` bytes (at least
+/// [`LIMIT`], the frame limit) instead of the default.
+pub async fn rdma_server_with_budget(scheme: &str, budget: Option<usize>) -> TestServer {
     register();
     let service = RdmaInterop::default();
     let counters = Some(service.counters.clone());
@@ -134,8 +140,11 @@ pub async fn rdma_server_on(scheme: &str) -> TestServer {
         .expect("descriptors")
         .with_health()
         .build();
-    let listening = rpc_core::Server::builder()
-        .max_frame_len(LIMIT)
+    let mut builder = rpc_core::Server::builder().max_frame_len(LIMIT);
+    if let Some(budget) = budget {
+        builder = builder.receive_budget(budget);
+    }
+    let listening = builder
         .add_service(rdma::interop_server::InteropServer::new(service))
         .add_service(health.service())
         .add_service(reflection.v1())
