@@ -138,17 +138,28 @@ async fn grpc_status_of(
     response: h2::client::ResponseFuture,
     within: Duration,
 ) -> http::HeaderValue {
+    answer_of(response, within).await.1
+}
+
+/// An answer's DATA (all of it) and its `grpc-status` (from the trailers,
+/// or from the headers of a trailers-only answer).
+async fn answer_of(
+    response: h2::client::ResponseFuture,
+    within: Duration,
+) -> (BytesMut, http::HeaderValue) {
     let response = tokio::time::timeout(within, response)
         .await
         .expect("answered in time")
         .expect("a response");
+    assert_eq!(response.status(), 200);
     if let Some(status) = response.headers().get("grpc-status") {
-        return status.clone();
+        return (BytesMut::new(), status.clone());
     }
     let mut answer = response.into_body();
+    let mut data = BytesMut::new();
     let trailers = tokio::time::timeout(within, async {
-        while let Some(data) = answer.data().await {
-            data.expect("the answer's data");
+        while let Some(chunk) = answer.data().await {
+            data.extend_from_slice(&chunk.expect("the answer's data"));
         }
         answer.trailers().await
     })
@@ -156,7 +167,8 @@ async fn grpc_status_of(
     .expect("the trailers in time")
     .expect("trailers")
     .expect("some trailers");
-    trailers.get("grpc-status").expect("grpc-status").clone()
+    let status = trailers.get("grpc-status").expect("grpc-status").clone();
+    (data, status)
 }
 
 /// Whole request bodies (headers, then data with END_STREAM at once, as a
@@ -212,25 +224,8 @@ async fn a_whole_body_of_tiny_messages_is_one_call_not_a_broken_window() {
     let messages = 65_535 / 5;
     body.send_data(Bytes::from(vec![0u8; messages * 5]), true)
         .unwrap();
-    let within = Duration::from_secs(10);
-    let response = tokio::time::timeout(within, response)
-        .await
-        .expect("answered in time")
-        .expect("a response");
-    assert_eq!(response.status(), 200);
-    let mut answer = response.into_body();
-    let mut data = BytesMut::new();
-    let trailers = tokio::time::timeout(within, async {
-        while let Some(chunk) = answer.data().await {
-            data.extend_from_slice(&chunk.expect("the answer's data"));
-        }
-        answer.trailers().await
-    })
-    .await
-    .expect("the answer in time")
-    .expect("trailers")
-    .expect("some trailers");
-    assert_eq!(trailers.get("grpc-status").unwrap(), "0");
+    let (data, status) = answer_of(response, Duration::from_secs(10)).await;
+    assert_eq!(status, "0");
     let answer = rpc_grpc_interop::rdma::Answer::decode(&data[5..]).unwrap();
     assert_eq!(answer.index as usize, messages);
     common::still_answers(&server).await;
