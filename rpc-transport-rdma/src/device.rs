@@ -5,18 +5,8 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::config::RdmaConfig;
 use crate::pool::{LargePool, LargePoolConfig};
-use crate::verbs::shared::{SharedReceivePool, SharedSendPool};
+pub use crate::verbs::shared::SharedPools;
 use crate::verbs::{self, Context, ProtectionDomain, VerbsError};
-
-/// The receive and send slots of a device's connections that use one slot
-/// length (`verbs::shared`).
-#[derive(Debug)]
-pub struct SharedPools {
-    /// The SRQ and its slots.
-    pub receive: SharedReceivePool,
-    /// Send slots.
-    pub send: SharedSendPool,
-}
 
 /// One opened device: its context, one protection domain, and the rendezvous pool.
 pub struct Device {
@@ -57,10 +47,7 @@ impl Device {
             ));
         }
         let max_slots = max_slots.min(caps.max_srq_wr as usize);
-        let pools = Arc::new(SharedPools {
-            receive: SharedReceivePool::new(&self.pd, slot_len, max_slots)?,
-            send: SharedSendPool::new(&self.pd, slot_len, max_slots),
-        });
+        let pools = Arc::new(SharedPools::new(&self.pd, slot_len, max_slots)?);
         shared.insert(slot_len, pools.clone());
         Ok(pools)
     }

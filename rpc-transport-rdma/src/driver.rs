@@ -49,20 +49,15 @@ use tokio::sync::{Notify, mpsc};
 use crate::config::{Fault, PollMode, RdmaConfig};
 use crate::device::{Device, SharedPools};
 use crate::pool::{LargePool, PooledBuffer};
+use crate::verbs::pooled::{Polled, PolledCompletion, PooledQp, SendSlot};
 use crate::protocol::{Body, Event, HEADER_LEN, Inbound, Message, Protocol, Route};
 use crate::setup_socket::{SetupSocket, SocketRead};
 use crate::spin::SpinPolicy;
 use crate::verbs::{
-    AccessFlags, AsyncCompletionChannel, CmConnection, CompletionQueue, ExposedBuffer,
-    ExposedBytes, QueuePair, WcOpcode, WcStatus, WorkCompletion, pool::SendBatch,
+    AccessFlags, AsyncCompletionChannel, CmConnection, ExposedBuffer, ExposedBytes, WcOpcode,
+    WcStatus, WorkCompletion, pooled::POLL_BATCH,
 };
 
-const TAG_SHIFT: u32 = 62;
-const TAG_RECV: u64 = 0;
-const TAG_SEND: u64 = 1;
-const TAG_READ: u64 = 2;
-/// Completions taken from the CQ per poll.
-const CQ_BATCH: usize = 32;
 /// A connection with no traffic for this long gives back the credits it
 /// holds beyond the peer's initial ones.
 pub(crate) const CREDIT_RETURN_IDLE: Duration = Duration::from_millis(100);
@@ -82,10 +77,6 @@ const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(5);
 const PEER_WENT_AWAY: &str = "peer went away (its set-up connection closed)";
 /// How long a side whose QP was flushed waits for the peer to say why.
 const PEER_REASON_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
-
-fn wr_id(tag: u64, index: u64) -> u64 {
-    (tag << TAG_SHIFT) | index
-}
 
 /// A frame of ours the peer may READ until DONE (or the time-out).
 enum Exposed {
@@ -150,29 +141,25 @@ impl Drop for Commitment {
 
 /// A connection's verbs objects, built before set-up.
 pub(crate) struct Endpoint {
-    pub(crate) qp: Arc<dyn QueuePair>,
-    pub(crate) cq: Arc<dyn CompletionQueue>,
+    pub(crate) queue: PooledQp,
     pub(crate) channel: AsyncCompletionChannel,
     pub(crate) commitment: Commitment,
 }
 
 /// The running connection.
 pub(crate) struct Driver {
-    // Drop order matters: the QP goes first so that nothing is posted against
-    // memory that is about to be freed.
-    qp: Arc<dyn QueuePair>,
+    // Drop order matters: the queue (its QP and CQ, and whatever memory of
+    // the pools its requests still hold) goes before the commitment.
+    queue: PooledQp,
     /// The rdma_cm connection of the QP, when it was connected through one.
     _cm: Option<CmConnection>,
-    cq: Arc<dyn CompletionQueue>,
     channel: AsyncCompletionChannel,
     /// Shared receive slots committed to the peer (released after the QP
     /// is gone), and the pools.
     commitment: Commitment,
     pools: Arc<SharedPools>,
     /// A send slot taken and not used yet (given back before sleeping).
-    spare_send: Option<usize>,
-    /// SENDs posted and not completed.
-    sends_in_flight: usize,
+    spare_send: Option<SendSlot>,
     /// The shared send pool had no slot: wait for a completion of our own.
     send_pool_starved: bool,
     /// When an idle connection gives back its extra credits.
@@ -180,9 +167,6 @@ pub(crate) struct Driver {
     /// Frames wait for the peer's credits (counted once per stall).
     credit_stalled: bool,
     exposed: HashMap<u64, Exposed>,
-    destinations: HashMap<u64, PooledBuffer>,
-    reads: HashMap<u64, (u64, u64)>,
-    next_read_id: u64,
     device: Arc<Device>,
     protocol: Protocol,
     outgoing: mpsc::Receiver<EncodedFrame>,
@@ -219,10 +203,7 @@ pub(crate) struct Driver {
     /// The device raises events for solicited SENDs on solicited-only arms.
     solicited_events: bool,
     fault: Option<Fault>,
-    max_inline: usize,
-    completions: Vec<WorkCompletion>,
-    reposts: Vec<usize>,
-    sends: SendBatch,
+    completions: Vec<PolledCompletion>,
 }
 
 /// How the driver ended.
@@ -249,29 +230,22 @@ impl Driver {
         budget: Option<ConnectionBudget>,
     ) -> Driver {
         let Endpoint {
-            qp,
-            cq,
+            queue,
             channel,
             commitment,
         } = endpoint;
-        let max_inline = qp.caps().max_inline_data as usize;
         let solicited_events = device.context.caps().solicited_events;
         Driver {
             pools: commitment.pools.clone(),
             commitment,
             spare_send: None,
-            sends_in_flight: 0,
             send_pool_starved: false,
             return_at: None,
             credit_stalled: false,
-            qp,
+            queue,
             _cm: cm,
-            cq,
             channel,
             exposed: HashMap::new(),
-            destinations: HashMap::new(),
-            reads: HashMap::new(),
-            next_read_id: 0,
             device,
             protocol,
             outgoing,
@@ -295,10 +269,7 @@ impl Driver {
             poll_mode: config.poll_mode,
             solicited_events,
             fault: config.fault,
-            max_inline,
-            completions: vec![WorkCompletion::BLANK; CQ_BATCH],
-            reposts: Vec::new(),
-            sends: SendBatch::default(),
+            completions: Vec::with_capacity(POLL_BATCH),
         }
     }
 
@@ -308,7 +279,7 @@ impl Driver {
         self.drain().await;
         match end {
             End::Clean => {
-                tracing::debug!(qp = self.qp.qp_num(), "rdma connection closed");
+                tracing::debug!(qp = self.queue.qp().qp_num(), "rdma connection closed");
             }
             End::Failed(mut reason) => {
                 let mut gone = self.peer_vanished;
@@ -332,7 +303,7 @@ impl Driver {
                 } else if !gone {
                     self.tell_peer(&reason);
                 }
-                tracing::debug!(qp = self.qp.qp_num(), %reason, gone, "rdma connection ended");
+                tracing::debug!(qp = self.queue.qp().qp_num(), %reason, gone, "rdma connection ended");
                 if let Some(inbound) = self.inbound.take() {
                     let error = if gone {
                         TransportError::PeerGone(reason)
@@ -395,11 +366,11 @@ impl Driver {
             let closing_with_sends_in_flight =
                 self.protocol.close_sent() && !self.protocol.sends_idle();
             let solicited_only = self.solicited_events
-                && self.reads.is_empty()
+                && self.queue.reads_in_flight() == 0
                 && !self.protocol.send_slots_exhausted()
                 && !self.send_pool_starved
                 && !closing_with_sends_in_flight;
-            if let Err(error) = self.cq.req_notify(solicited_only) {
+            if let Err(error) = self.queue.req_notify(solicited_only) {
                 return End::Failed(format!("arming the completion queue: {error}"));
             }
             match self.turn() {
@@ -418,7 +389,7 @@ impl Driver {
             // Asleep, this connection holds no send slot, and an idle one
             // gives back its extra credits after a while.
             if let Some(slot) = self.spare_send.take() {
-                self.pools.send.put_back(slot);
+                self.queue.put_back(slot);
             }
             if self.return_at.is_none() && self.protocol.excess_credits() > 0 {
                 self.return_at = Some(Instant::now() + CREDIT_RETURN_IDLE);
@@ -535,7 +506,7 @@ impl Driver {
         let nothing_in_flight = self.protocol.close_sent()
             && self.protocol.sends_idle()
             && self.protocol.exposed() == 0
-            && self.reads.is_empty();
+            && self.queue.reads_in_flight() == 0;
         if self.protocol.is_finished() || self.peer_left {
             return Some(End::Clean);
         }
@@ -614,75 +585,36 @@ impl Driver {
     }
 
     /// The QP goes to ERROR and every completion still due comes back: each
-    /// returns a shared slot (a receive the device consumed for this QP, a
-    /// SEND's slot), which would otherwise be lost with the CQ.
+    /// returns what its request held (a receive the device consumed for this
+    /// QP, a SEND's slot, a READ's destination), which the queue would
+    /// otherwise have to leak.
     async fn drain(&mut self) {
-        let _ = self.qp.to_error();
+        let _ = self.queue.qp().to_error();
+        if let Some(slot) = self.spare_send.take() {
+            self.queue.put_back(slot);
+        }
         let deadline = Instant::now() + DRAIN_WAIT;
-        while let Ok(count) = self.cq.poll(&mut self.completions) {
-            for index in 0..count {
-                let completion = self.completions[index];
-                let _ = self.return_slot(&completion);
-            }
-            if !self.reposts.is_empty() {
-                let reposts = std::mem::take(&mut self.reposts);
-                if let Err(error) = self.pools.receive.repost(&reposts) {
-                    tracing::warn!(%error, "re-posting shared receives");
-                }
-            }
-            if count == 0 {
-                if self.sends_in_flight == 0 || Instant::now() >= deadline {
+        loop {
+            self.completions.clear();
+            match self.queue.poll(&mut self.completions) {
+                Ok(0) => {}
+                Ok(_) => continue,
+                Err(error) => {
+                    tracing::warn!(%error, "draining the completion queue");
                     break;
                 }
-                tokio::time::sleep(Duration::from_millis(1)).await;
             }
+            if self.queue.outstanding() == 0 || Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        if let Some(slot) = self.spare_send.take() {
-            self.pools.send.put_back(slot);
-        }
-        if self.sends_in_flight > 0 {
+        if self.queue.outstanding() > 0 {
             tracing::warn!(
-                sends = self.sends_in_flight,
-                "send slots never completed; they stay out of the shared pool"
+                sends = self.queue.sends_in_flight(),
+                reads = self.queue.reads_in_flight(),
+                "requests never completed; their memory stays out of the pools"
             );
-        }
-    }
-
-    /// Gives the shared slot a completion names back to its pool, whatever
-    /// its status (the message a successful receive carried comes back).
-    fn return_slot(&mut self, completion: &WorkCompletion) -> Result<Option<Bytes>, String> {
-        let tag = completion.wr_id >> TAG_SHIFT;
-        let index = (completion.wr_id & ((1 << TAG_SHIFT) - 1)) as usize;
-        match tag {
-            TAG_RECV => {
-                let message = if completion.status == WcStatus::Success {
-                    let len = completion.byte_len as usize;
-                    Some(
-                        self.pools
-                            .receive
-                            .take(index, len)
-                            .map_err(|e| e.to_string())?,
-                    )
-                } else {
-                    self.pools
-                        .receive
-                        .take_failed(index)
-                        .map_err(|e| e.to_string())?;
-                    None
-                };
-                self.reposts.push(index);
-                Ok(message)
-            }
-            TAG_SEND => {
-                self.pools
-                    .send
-                    .completed(index)
-                    .map_err(|e| e.to_string())?;
-                self.sends_in_flight -= 1;
-                self.send_pool_starved = false;
-                Ok(None)
-            }
-            _ => Ok(None),
         }
     }
 
@@ -731,7 +663,7 @@ impl Driver {
         else {
             return self.expose_copy(frame.into_contiguous());
         };
-        let window = match ExposedBytes::expose(&self.device.pd, &self.qp, remote) {
+        let window = match ExposedBytes::expose(&self.device.pd, self.queue.qp(), remote) {
             Ok(window) => window,
             Err(error) => {
                 // Memory the device cannot register where it lies (on
@@ -770,7 +702,7 @@ impl Driver {
             .map_err(|error| format!("rendezvous buffer of {} bytes: {error}", frame.len()))?;
         buffer.buffer_mut().as_mut_slice()[..frame.len()].copy_from_slice(&frame);
         let (registered, pool) = buffer.into_parts();
-        let window = match registered.expose_to(&self.qp, frame.len(), AccessFlags::REMOTE_READ) {
+        let window = match registered.expose_to(self.queue.qp(), frame.len(), AccessFlags::REMOTE_READ) {
             Ok(window) => window,
             Err(failed) => {
                 drop(PooledBuffer::restore(failed.buffer, pool));
@@ -794,47 +726,37 @@ impl Driver {
     fn poll_completions(&mut self) -> Result<bool, String> {
         let mut progressed = false;
         loop {
+            let mut completions = std::mem::take(&mut self.completions);
+            completions.clear();
+            // Every completion of the batch gave back what it held, even
+            // after one failed.
             let count = self
-                .cq
-                .poll(&mut self.completions)
-                .map_err(|error| format!("polling the completion queue: {error}"))?;
-            // Every completion of the batch gives its shared slot back, even
-            // after one failed: the rest would be lost with the CQ.
-            let mut failure = None;
-            for index in 0..count {
-                let completion = self.completions[index];
-                let outcome = if failure.is_none() {
-                    self.on_completion(completion)
-                } else {
-                    self.return_slot(&completion).map(drop)
-                };
-                if let Err(reason) = outcome {
-                    failure.get_or_insert(reason);
+                .queue
+                .poll(&mut completions)
+                .map_err(|error| format!("polling the completion queue: {error}"));
+            let mut failure = count.as_ref().err().cloned();
+            for polled in completions.drain(..) {
+                if failure.is_some() {
+                    break;
+                }
+                if let Err(reason) = self.on_completion(polled) {
+                    failure = Some(reason);
                 }
             }
-            if !self.reposts.is_empty() {
-                let reposts = std::mem::take(&mut self.reposts);
-                self.pools
-                    .receive
-                    .repost(&reposts)
-                    .map_err(|error| format!("re-posting shared receives: {error}"))?;
-                self.reposts = reposts;
-                self.reposts.clear();
-            }
+            self.completions = completions;
             if let Some(reason) = failure {
                 return Err(reason);
             }
+            let count = count.unwrap_or(0);
             progressed |= count > 0;
-            if count < CQ_BATCH {
+            if count < POLL_BATCH {
                 return Ok(progressed);
             }
         }
     }
 
-    fn on_completion(&mut self, completion: WorkCompletion) -> Result<(), String> {
-        let tag = completion.wr_id >> TAG_SHIFT;
-        let index = completion.wr_id & ((1 << TAG_SHIFT) - 1);
-        let received = self.return_slot(&completion)?;
+    fn on_completion(&mut self, polled: PolledCompletion) -> Result<(), String> {
+        let PolledCompletion { completion, polled } = polled;
         if completion.status != WcStatus::Success {
             if completion.status == WcStatus::WrFlushErr && self.protocol.peer_closed() {
                 // The peer closed cleanly and destroyed its QP, which took
@@ -850,30 +772,23 @@ impl Driver {
                 completion.status,
                 WcStatus::WrFlushErr | WcStatus::RetryExcErr
             );
-            return Err(describe_failure(&completion, tag));
+            return Err(describe_failure(&completion, &polled));
         }
-        match tag {
-            TAG_RECV => {
-                let message = received.ok_or("a receive completion without its message")?;
+        match polled {
+            Polled::Received(message) => {
+                let message = message.ok_or("a receive completion without its message")?;
                 self.protocol
                     .handle_received(message)
                     .map_err(|error| format!("peer broke the RDMA protocol: {error}"))?;
             }
-            TAG_SEND => {
-                // The slot went back to the pool in `return_slot`.
+            Polled::Sent => {
+                self.send_pool_starved = false;
                 self.protocol.handle_send_complete();
             }
-            TAG_READ => {
-                let (token, len) = self
-                    .reads
-                    .remove(&index)
-                    .ok_or_else(|| format!("completion of unknown READ {index}"))?;
-                if let Some(destination) = self.destinations.get_mut(&token) {
-                    destination.read_completed();
-                }
-                self.protocol.handle_read_complete(token, len);
+            Polled::Read { key, len } => {
+                self.protocol.handle_read_complete(key, len);
             }
-            _ => {
+            Polled::Other => {
                 return Err(format!(
                     "completion with unknown wr_id {:#x}",
                     completion.wr_id
@@ -928,7 +843,7 @@ impl Driver {
                     let destination = self.device.large.take(len as usize).map_err(|error| {
                         format!("destination of {len} bytes for a rendezvous frame: {error}")
                     })?;
-                    self.destinations.insert(token, destination);
+                    self.queue.pull_into(token, destination);
                     rendezvous_gauge(IN, 1.0);
                 }
                 Event::Release { token, expired } => {
@@ -945,23 +860,15 @@ impl Driver {
         }
         while let Some(read) = self.protocol.poll_read() {
             progressed = true;
-            let destination = self
-                .destinations
-                .get_mut(&read.token)
-                .ok_or("READ without a destination")?;
-            let id = self.next_read_id;
-            self.next_read_id = (self.next_read_id + 1) & ((1 << TAG_SHIFT) - 1);
-            self.sends
-                .read_into(
-                    destination,
+            self.queue
+                .read(
+                    read.token,
                     read.offset as usize,
                     read.len as usize,
-                    wr_id(TAG_READ, id),
                     read.remote_addr,
                     read.rkey,
                 )
                 .map_err(|error| format!("READ into its destination: {error}"))?;
-            self.reads.insert(id, (read.token, read.len));
         }
         loop {
             // A slot first (a connection with no SEND in flight may take one
@@ -975,9 +882,8 @@ impl Driver {
             let slot = match self.spare_send.take() {
                 Some(slot) => slot,
                 None => match self
-                    .pools
-                    .send
-                    .take(self.sends_in_flight == 0)
+                    .queue
+                    .take_send_slot(self.queue.sends_in_flight() == 0)
                     .map_err(|error| format!("shared send slot: {error}"))?
                 {
                     Some(slot) => slot,
@@ -992,26 +898,23 @@ impl Driver {
                 break;
             };
             progressed = true;
-            let sge = self.pools.send.fill(slot, |buffer| {
+            let forge = self.fault == Some(Fault::ForgeBatch);
+            self.queue.send(slot, |buffer| {
                 let len = message.encode_into(buffer);
-                if self.fault == Some(Fault::ForgeBatch) {
+                if forge {
                     forge_batch(&message, buffer);
                 }
                 len
             });
-            let inline = sge.length as usize <= self.max_inline;
-            self.sends
-                .send_shared(sge, wr_id(TAG_SEND, slot as u64), inline);
-            self.sends_in_flight += 1;
         }
         let stalled = self.protocol.waits_for_credits();
         if stalled && !self.credit_stalled && rpc_core::metrics::enabled() {
             metrics::counter!("rdma_credit_stalls_total").increment(1);
         }
         self.credit_stalled = stalled;
-        if !self.sends.is_empty() {
-            self.sends
-                .post(&*self.qp)
+        if self.queue.has_batch() {
+            self.queue
+                .post()
                 .map_err(|error| format!("posting sends: {error}"))?;
         }
         Ok(progressed)
@@ -1044,9 +947,9 @@ impl Driver {
                     tail,
                 } => {
                     let mut destination = self
-                        .destinations
-                        .remove(&token)
-                        .expect("a pulled frame has its destination");
+                        .queue
+                        .finish_pull(token)
+                        .expect("a pulled frame has its destination, no READ into it in flight");
                     rendezvous_gauge(IN, -1.0);
                     // Every READ completed: the head goes in front of what
                     // they wrote, the tail behind it.
@@ -1163,7 +1066,7 @@ impl Drop for Driver {
     fn drop(&mut self) {
         // Rendezvous frames still counted when the connection ended.
         rendezvous_gauge(OUT, -(self.exposed.len() as f64));
-        rendezvous_gauge(IN, -(self.destinations.len() as f64));
+        rendezvous_gauge(IN, -(self.queue.pulls() as f64));
     }
 }
 
@@ -1236,22 +1139,23 @@ fn split_for_announce(frame: &EncodedFrame, max_inline: usize) -> Option<(Bytes,
     Some((head, (*remote).clone(), tail))
 }
 
-fn describe_failure(completion: &WorkCompletion, tag: u64) -> String {
-    let what = match tag {
+fn describe_failure(completion: &WorkCompletion, polled: &Polled) -> String {
+    let read = matches!(polled, Polled::Read { .. });
+    let what = match polled {
         _ if completion.wr_id == crate::verbs::WINDOW_BIND_WR_ID => {
             "binding a rendezvous READ window (memory window)"
         }
-        TAG_RECV => "a receive",
-        TAG_SEND => "a send",
-        TAG_READ => "a rendezvous READ",
-        _ => "a work request",
+        Polled::Received(_) => "a receive",
+        Polled::Sent => "a send",
+        Polled::Read { .. } => "a rendezvous READ",
+        Polled::Other => "a work request",
     };
-    let why = match (tag, completion.status) {
-        (TAG_READ, WcStatus::WrFlushErr) => {
+    let why = match (read, completion.status) {
+        (true, WcStatus::WrFlushErr) => {
             "flushed: the queue pair went to ERROR under a rendezvous READ (iWARP devices report a remote access error - a bad rkey, range or length in the peer's announcement - this way; or the peer is gone)"
         }
         (_, WcStatus::WrFlushErr) => "flushed: the queue pair is in error (peer gone?)",
-        (TAG_READ, WcStatus::RemAccessErr) => {
+        (true, WcStatus::RemAccessErr) => {
             "remote access error: the peer announced a region it does not expose (bad rkey, range or length)"
         }
         (_, WcStatus::RetryExcErr) => "retries exceeded: the peer does not answer",

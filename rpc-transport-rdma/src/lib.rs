@@ -1,4 +1,5 @@
 //! rpc-transport-rdma: RDMA for rdma-rpc.
+#![forbid(unsafe_code)]
 //!
 //! - [`verbs`]: the RDMA vocabulary behind provider traits, with the `soft`
 //!   provider (a software RDMA device with RC semantics between processes of
@@ -42,11 +43,15 @@ pub mod setup;
 mod setup_socket;
 mod spin;
 pub mod transport;
-pub mod verbs;
 
 /// The sans-IO protocol lives in its own crate (`rdma-rpc-protocol`); this
 /// keeps its old path, `rpc_transport_rdma::protocol`.
 pub use rdma_rpc_protocol as protocol;
+
+/// The verbs layer lives in its own crate (`rdma-verbs`, the only crate of
+/// the workspace with `unsafe`); this keeps its old path,
+/// `rpc_transport_rdma::verbs`.
+pub use rdma_verbs as verbs;
 
 use std::sync::Arc;
 

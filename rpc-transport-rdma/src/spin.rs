@@ -261,20 +261,23 @@ mod tests {
         // one run for a scheduler slice, far longer than CONTENDED_YIELD.
         #[cfg(target_os = "linux")]
         {
-            let Some(cpu) = crate::verbs::current_cpu() else {
-                return;
+            let cpu = rustix::thread::sched_getcpu();
+            let pin = move || {
+                let mut set = rustix::thread::CpuSet::new();
+                set.set(cpu);
+                let _ = rustix::thread::sched_setaffinity(None, &set);
             };
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let busy = {
                 let stop = stop.clone();
                 std::thread::spawn(move || {
-                    crate::verbs::pin_to_cpu(cpu);
+                    pin();
                     while !stop.load(Ordering::Relaxed) {
                         std::hint::spin_loop();
                     }
                 })
             };
-            crate::verbs::pin_to_cpu(cpu);
+            pin();
             std::thread::sleep(Duration::from_millis(20));
             let longest = (0..10).map(|_| yield_cpu()).max().unwrap();
             stop.store(true, Ordering::Relaxed);

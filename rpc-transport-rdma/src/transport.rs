@@ -32,8 +32,9 @@ use crate::protocol::{GEOMETRY_LEN, Geometry, MAX_FRAME_LEN, PROTOCOL_VERSION, P
 use crate::setup::{self, Hello, SetupError};
 use crate::setup_socket::SetupSocket;
 use crate::verbs::{
-    AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions, MAX_BINDS_IN_FLIGHT, QpCaps,
-    QpInit, QueuePair, VerbsError,
+    AsyncCompletionChannel, CmConnection, CmListener, ConnectOptions, MAX_BINDS_IN_FLIGHT,
+    QueuePair, VerbsError,
+    pooled::{PooledQp, PooledQpConfig},
 };
 #[cfg(feature = "tls")]
 use rpc_core::transport::tls::TlsTransport;
@@ -626,27 +627,22 @@ fn prepare(
     // Each completes into the CQ too.
     let sq_depth = limits.send_slots + limits.max_outstanding_reads + MAX_BINDS_IN_FLIGHT;
     let cq_depth = config.recv_slots + sq_depth + 8;
-    let cq = device.context.create_cq(cq_depth, Some(&channel))?;
     let pools = device.shared_pools(config.slot_len(), config.max_shared_slots)?;
     let commitment = Commitment::new(pools.clone(), config.initial_credits as usize)?;
-    let qp = device.pd.create_qp(QpInit {
-        send_cq: cq.clone(),
-        recv_cq: cq.clone(),
-        srq: Some(pools.receive.srq().clone()),
-        caps: QpCaps {
+    let queue = PooledQp::new(
+        &device.context,
+        &device.pd,
+        pools,
+        Some(&channel),
+        PooledQpConfig {
             max_send_wr: sq_depth,
-            max_recv_wr: 0,
-            max_send_sge: 1,
-            max_recv_sge: 1,
+            cq_depth,
             max_inline_data: 64,
         },
-        sq_sig_all: false,
-    })?;
-    qp.to_init()?;
+    )?;
     let channel = AsyncCompletionChannel::new(channel).map_err(VerbsError::from)?;
     Ok(QpEndpoint {
-        qp,
-        cq,
+        queue,
         channel,
         commitment,
     })
@@ -696,14 +692,14 @@ async fn establish(
     let mut peer_geometry = None;
     let cm = setup::establish_with(
         &mut socket,
-        &endpoint.qp,
+        endpoint.queue.qp(),
         device.provider,
         &hello.encode(),
         |hello| {
             peer_geometry = Some(check_peer(hello, device.provider, &host)?.geometry);
             Ok(())
         },
-        |peer| connect_queue_pair(device, &endpoint.qp, &config.connect, role, peer, peer_ip),
+        |peer| connect_queue_pair(device, endpoint.queue.qp(), &config.connect, role, peer, peer_ip),
     )
     .await
     .map_err(other)?;

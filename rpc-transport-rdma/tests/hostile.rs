@@ -721,33 +721,14 @@ mod windows {
     use rpc_transport_rdma::setup::{QpListener, connect};
     use rpc_transport_rdma::verbs::owned::OwnedQueue;
     use rpc_transport_rdma::verbs::{
-        self, AccessFlags, CompletionQueue, ConnectOptions, Context, ProtectionDomain, QpCaps,
-        QpInit, QueuePair, RegisteredBuffer, SendOp, WcStatus,
+        self, AccessFlags, ConnectOptions, Context, ProtectionDomain, QpCaps, RegisteredBuffer,
+        SendOp, WcStatus,
     };
 
-    fn qp(
-        context: &Arc<dyn Context>,
-        pd: &Arc<dyn ProtectionDomain>,
-    ) -> (Arc<dyn QueuePair>, Arc<dyn CompletionQueue>) {
-        let cq = context.create_cq(64, None).unwrap();
-        let qp = pd
-            .create_qp(QpInit {
-                send_cq: cq.clone(),
-                recv_cq: cq.clone(),
-                srq: None,
-                caps: QpCaps::default(),
-                sq_sig_all: true,
-            })
-            .unwrap();
-        (qp, cq)
-    }
-
-    async fn pair(
-        context: &Arc<dyn Context>,
-        pd: &Arc<dyn ProtectionDomain>,
-    ) -> [(Arc<dyn QueuePair>, Arc<dyn CompletionQueue>); 2] {
-        let (server, server_cq) = qp(context, pd);
-        let (client, client_cq) = qp(context, pd);
+    async fn pair(context: &Arc<dyn Context>, pd: &Arc<dyn ProtectionDomain>) -> [OwnedQueue; 2] {
+        let server_queue = OwnedQueue::new(context, pd, QpCaps::default()).unwrap();
+        let client_queue = OwnedQueue::new(context, pd, QpCaps::default()).unwrap();
+        let (server, client) = (server_queue.qp().clone(), client_queue.qp().clone());
         let listener = QpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let options = ConnectOptions::default();
@@ -762,7 +743,7 @@ mod windows {
         };
         let _established = connect(addr, &client, "soft", &options, b"").await.unwrap();
         accepting.await.unwrap().unwrap();
-        [(server, server_cq), (client, client_cq)]
+        [server_queue, client_queue]
     }
 
     /// A READ window exposed to one connection is useless to the peer of
@@ -772,15 +753,14 @@ mod windows {
     async fn a_window_is_readable_only_through_the_connection_it_was_exposed_to() {
         let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
         let pd = context.alloc_pd().unwrap();
-        let [(server_a, _), (client_a, client_a_cq)] = pair(&context, &pd).await;
-        let [(_server_b, _), (client_b, client_b_cq)] = pair(&context, &pd).await;
+        let [server_a, mut client_a] = pair(&context, &pd).await;
+        let [_server_b, mut client_b] = pair(&context, &pd).await;
         let mut secret = RegisteredBuffer::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
         secret.as_mut_slice().fill(0xab);
         let window = secret
-            .expose_to(&server_a, 4096, AccessFlags::REMOTE_READ)
+            .expose_to(server_a.qp(), 4096, AccessFlags::REMOTE_READ)
             .unwrap();
-        let read = |qp: &Arc<dyn QueuePair>, cq: &Arc<dyn CompletionQueue>| {
-            let mut queue = OwnedQueue::new(qp.clone(), cq.clone());
+        let read = |queue: &mut OwnedQueue| {
             let into = RegisteredBuffer::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
             let op = SendOp::RdmaRead {
                 remote_addr: window.addr(),
@@ -796,13 +776,13 @@ mod windows {
                 std::thread::sleep(Duration::from_micros(100));
             }
         };
-        let (status, stolen) = read(&client_b, &client_b_cq);
+        let (status, stolen) = read(&mut client_b);
         assert_eq!(status, WcStatus::RemAccessErr);
         assert!(
             stolen.as_slice().iter().all(|&b| b == 0),
             "nothing was read"
         );
-        let (status, fetched) = read(&client_a, &client_a_cq);
+        let (status, fetched) = read(&mut client_a);
         assert_eq!(status, WcStatus::Success);
         assert!(fetched.as_slice().iter().all(|&b| b == 0xab));
 
@@ -818,42 +798,5 @@ mod windows {
             .filter(|pair| pair[1] == pair[0].wrapping_add(1))
             .count();
         assert!(sequential < 3, "keys look sequential: {keys:x?}");
-    }
-
-    /// A receive buffer freed while its receive is still posted is never
-    /// written: deregistration (in `RegisteredBuffer`'s drop) waits for
-    /// copies in progress, and the copy checks the key at the time it runs.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_buffer_freed_with_a_receive_posted_is_never_written() {
-        let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
-        let pd = context.alloc_pd().unwrap();
-        let [(server, server_cq), (client, client_cq)] = pair(&context, &pd).await;
-        let inbox = RegisteredBuffer::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
-        let wr = rpc_transport_rdma::verbs::RecvWr {
-            wr_id: 7,
-            sg_list: vec![inbox.sge(0, 1 << 20)],
-        };
-        // SAFETY: deliberately breaks the "keep it alive" half of the
-        // contract in the one way the providers promise to survive: the
-        // buffer is deregistered before it is freed, then never touched.
-        unsafe { server.post_recv(vec![wr]) }.unwrap();
-        drop(inbox);
-        // Whatever the allocator hands out next (likely the same block)
-        // must not receive the peer's bytes.
-        let reused = vec![0u8; 1 << 20];
-        let mut client_queue = OwnedQueue::new(client.clone(), client_cq);
-        let mut payload = RegisteredBuffer::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
-        payload.as_mut_slice().fill(0xee);
-        client_queue
-            .post_send(SendOp::Send, payload, 1 << 20)
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut server_done = [rpc_transport_rdma::verbs::WorkCompletion::BLANK];
-        while server_cq.poll(&mut server_done).unwrap() == 0 {
-            assert!(Instant::now() < deadline, "no receive completion");
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        assert_eq!(server_done[0].status, WcStatus::LocProtErr);
-        assert!(reused.iter().all(|&b| b == 0), "freed memory was written");
     }
 }

@@ -43,14 +43,13 @@ async fn tcp_setup_connects_two_queue_pairs() {
     let provider = verbs::provider("soft").unwrap();
     let context = provider.open("soft0").unwrap();
     let pd = context.alloc_pd().unwrap();
-    let (server_qp, server_cq) = qp(&context, &pd);
-    let (client_qp, client_cq) = qp(&context, &pd);
     let inbox = RegisteredBuffer::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-    server_qp.to_init().unwrap();
     // Posting through OwnedQueue: the buffers move in and come back with
     // their completions (no `unsafe`).
-    let mut server = OwnedQueue::new(server_qp.clone(), server_cq);
-    let mut client = OwnedQueue::new(client_qp.clone(), client_cq);
+    let mut server = OwnedQueue::new(&context, &pd, QpCaps::default()).unwrap();
+    let mut client = OwnedQueue::new(&context, &pd, QpCaps::default()).unwrap();
+    let (server_qp, client_qp) = (server.qp().clone(), client.qp().clone());
+    server_qp.to_init().unwrap();
     server.post_recv(inbox).unwrap();
 
     let listener = QpListener::bind("127.0.0.1:0").await.unwrap();

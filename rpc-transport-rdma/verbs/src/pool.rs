@@ -1,7 +1,7 @@
 //! Registered memory for the RDMA transport, registered once and reused.
 //!
 //! (Receive and send slots, shared by a device's connections, are
-//! [`crate::verbs::shared`].)
+//! [`crate::shared`].)
 //!
 //! - [`LargePool`]: registered buffers for rendezvous frames, shared by the
 //!   connections of one device. Buffers come in size classes (from 64 KiB
@@ -10,20 +10,17 @@
 //!   registers what the peak needs and a little ahead of it
 //!   ([`LargePool::take`]), and a returned buffer is kept for the next frame
 //!   of its class up to a byte cap. After warm-up the hot path registers
-//!   nothing (the transport's tests check [`crate::verbs::registrations`]).
+//!   nothing (the transport's tests check [`crate::registrations`]).
 //! - [`PooledBuffer::into_bytes`]: a pulled frame handed up as [`Bytes`] over
 //!   its registered destination, back in the pool when the last clone drops.
 //!
 //! **Ownership while the device works.** Posting is `unsafe` in the verbs
 //! traits: memory named by a posted request must not be touched through a
-//! Rust reference until its completion. The pools are the safe side of that
-//! rule for the transport: a slot or buffer is marked *in flight* when a
-//! request is built over it (`SendBatch`), no
-//! reference to it is handed out while it is (asserted), and it is released
-//! only by the completion the driver polled for it (`completed`,
-//! `read_completed`: crate-internal, called with wr_ids from the CQ). A
-//! pooled buffer dropped with a READ still in flight is deregistered, never
-//! handed to another connection.
+//! Rust reference until its completion. A [`PooledBuffer`] is never named by
+//! a posted request while anyone outside this crate holds it: a READ into
+//! one is posted only by [`crate::pooled::PooledQp`], which keeps the buffer
+//! until the completion (or flush) of every READ into it was polled from its
+//! own CQ, and leaks it if none can come.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,78 +29,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use crate::verbs::{
-    AccessFlags, ProtectionDomain, QueuePair, RegisteredBuffer, SendOp, SendWr, Sge, VerbsError,
-};
-
-/// Send requests built over pooled memory, posted in one call.
-#[derive(Debug, Default)]
-pub(crate) struct SendBatch {
-    wrs: Vec<SendWr>,
-}
-
-impl SendBatch {
-    /// Sends a shared send slot that [`SharedSendPool::fill`] wrote and marked
-    /// in flight (`sge` is what it returned).
-    ///
-    /// [`SharedSendPool::fill`]: crate::verbs::shared::SharedSendPool
-    pub(crate) fn send_shared(&mut self, sge: Sge, wr_id: u64, inline: bool) {
-        let mut wr = SendWr::new(wr_id, SendOp::Send, vec![sge]);
-        wr.inline = inline;
-        // Every protocol message asks for the receiver's attention: a peer
-        // sleeping on a solicited-only arm wakes for it, and not for the
-        // completions of its own sends.
-        wr.solicited = true;
-        self.wrs.push(wr);
-    }
-
-    /// READs `len` bytes of the peer's window into `destination` at `offset`
-    /// (one more READ in flight on it).
-    pub(crate) fn read_into(
-        &mut self,
-        destination: &mut PooledBuffer,
-        offset: usize,
-        len: usize,
-        wr_id: u64,
-        remote_addr: u64,
-        rkey: u32,
-    ) -> Result<(), VerbsError> {
-        let sge = destination
-            .buffer()
-            .try_sge(offset, len)
-            .ok_or(VerbsError::InvalidArgument(
-                "READ outside its destination buffer",
-            ))?;
-        destination.reads_in_flight += 1;
-        self.wrs.push(SendWr::new(
-            wr_id,
-            SendOp::RdmaRead { remote_addr, rkey },
-            vec![sge],
-        ));
-        Ok(())
-    }
-
-    /// True when nothing is batched.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.wrs.is_empty()
-    }
-
-    /// Posts everything batched, in order.
-    pub(crate) fn post(&mut self, qp: &dyn QueuePair) -> Result<(), VerbsError> {
-        let wrs = std::mem::take(&mut self.wrs);
-        // SAFETY: every SGE was built by `send_shared` (from
-        // `SharedSendPool::fill`) or `read_into` over registered pooled
-        // memory that stays allocated until deregistered, and marked in
-        // flight there: no reference to a slot or to a pooled buffer with
-        // READs in flight is handed out until the driver reports the
-        // completion it polled (`SharedSendPool::completed`, `PooledBuffer::read_completed`; the
-        // shared pools outlive the connection's QP, whose `Arc`s the
-        // driver drops first), and a pooled buffer dropped with a
-        // READ in flight is deregistered instead of reused. A request that
-        // fails to post leaves its memory marked: the connection fails.
-        unsafe { qp.post_send(wrs) }.map_err(|failed| failed.error)
-    }
-}
+use crate::{AccessFlags, ProtectionDomain, RegisteredBuffer, VerbsError};
 
 /// Rendezvous buffers from this size up ask for transparent huge pages.
 const HUGE_PAGES_FROM: usize = 2 << 20;
@@ -314,7 +240,7 @@ impl LargePool {
         // Resident from the start (as a hardware registration pins it): a
         // buffer registered ahead of a peak costs its memory now, and the
         // frame that first lands in it takes no page faults.
-        super::make_resident(buffer.as_mut_slice());
+        crate::make_resident(buffer.as_mut_slice());
         Ok(buffer)
     }
 
@@ -378,7 +304,6 @@ impl LargePool {
         Ok(PooledBuffer {
             buffer: Some(buffer),
             pool: self.clone(),
-            reads_in_flight: 0,
         })
     }
 
@@ -432,11 +357,13 @@ impl LargePool {
 }
 
 /// A buffer of a [`LargePool`], returned to it on drop.
+///
+/// Whoever holds one may read and write it: no work request names it (a
+/// READ into it is posted only by [`crate::pooled::PooledQp`], which holds
+/// the buffer until that READ's completion).
 pub struct PooledBuffer {
     buffer: Option<RegisteredBuffer>,
     pool: Arc<LargePool>,
-    /// READs posted into it and not completed yet.
-    reads_in_flight: usize,
 }
 
 impl std::fmt::Debug for PooledBuffer {
@@ -446,39 +373,19 @@ impl std::fmt::Debug for PooledBuffer {
 }
 
 impl PooledBuffer {
-    fn assert_idle(&self) {
-        assert_eq!(
-            self.reads_in_flight, 0,
-            "a pooled buffer is the device's while READs into it are in flight"
-        );
-    }
-
-    /// The registered buffer (for SGEs; its bytes only once no READ is in flight).
-    fn buffer(&self) -> &RegisteredBuffer {
+    /// The registered buffer.
+    pub fn buffer(&self) -> &RegisteredBuffer {
         self.buffer.as_ref().expect("present until drop")
     }
 
     /// The registered buffer, writable.
-    ///
-    /// # Panics
-    /// While a READ into it is in flight.
     pub fn buffer_mut(&mut self) -> &mut RegisteredBuffer {
-        self.assert_idle();
         self.buffer.as_mut().expect("present until drop")
-    }
-
-    /// One READ into this buffer completed (its completion was polled).
-    pub(crate) fn read_completed(&mut self) {
-        self.reads_in_flight = self.reads_in_flight.saturating_sub(1);
     }
 
     /// Takes the buffer out of the pool's care (e.g. to expose it); give it
     /// back with [`PooledBuffer::restore`].
-    ///
-    /// # Panics
-    /// While a READ into it is in flight.
     pub fn into_parts(mut self) -> (RegisteredBuffer, Arc<LargePool>) {
-        self.assert_idle();
         let buffer = self.buffer.take().expect("present until drop");
         (buffer, self.pool.clone())
     }
@@ -488,7 +395,6 @@ impl PooledBuffer {
         PooledBuffer {
             buffer: Some(buffer),
             pool,
-            reads_in_flight: 0,
         }
     }
 
@@ -496,24 +402,27 @@ impl PooledBuffer {
     /// to the pool when the last clone of those bytes drops.
     ///
     /// # Panics
-    /// While a READ into it is in flight.
+    /// When `len` exceeds the buffer.
     pub fn into_bytes(self, len: usize) -> Bytes {
-        self.assert_idle();
         assert!(len <= self.buffer().len(), "length within the buffer");
         Bytes::from_owner(PulledFrame { buffer: self, len })
+    }
+
+    /// Never frees, deregisters or reuses the buffer: the device may still
+    /// write it (a READ whose completion cannot come any more). The pool
+    /// counts it as returned.
+    pub(crate) fn leak(mut self) {
+        if let Some(buffer) = self.buffer.take() {
+            self.pool.returned(buffer.len());
+            buffer.leak();
+        }
     }
 }
 
 impl Drop for PooledBuffer {
     fn drop(&mut self) {
         if let Some(buffer) = self.buffer.take() {
-            if self.reads_in_flight == 0 {
-                self.pool.put_back(buffer);
-            } else {
-                // Dropped here: deregistered first, so a READ still in
-                // flight can never land in it, nor in another connection's frame.
-                self.pool.returned(buffer.len());
-            }
+            self.pool.put_back(buffer);
         }
     }
 }
@@ -532,7 +441,7 @@ impl AsRef<[u8]> for PulledFrame {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::verbs::{Provider, soft::SoftProvider};
+    use crate::{Provider, soft::SoftProvider};
 
     fn pd() -> Arc<dyn ProtectionDomain> {
         let provider = SoftProvider;

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use loom::thread;
-use rpc_transport_rdma::verbs::soft::sync::{self, ARMED_ANY, CLAIMED, DISARMED, Word32, Word64};
+use rdma_verbs::soft::sync::{self, ARMED_ANY, CLAIMED, DISARMED, Word32, Word64};
 
 struct L32(AtomicU32);
 struct L64(AtomicU64);

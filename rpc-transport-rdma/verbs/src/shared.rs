@@ -15,19 +15,46 @@
 //! a cap, and never shrink: after warm-up nothing is registered on the hot
 //! path, and what is registered is what the busiest moment needed.
 //!
-//! **Ownership while the device works**, as in [`crate::pool`]: a slot named
-//! by a posted request is marked so until the driver hands in the completion
-//! it polled for it; no reference to it is handed out meanwhile (asserted).
-//! A receive slot's wr_id is its index in the pool (below the driver's tag
-//! bits), a send slot's index is the driver's to encode.
+//! **Ownership while the device works.** A slot named by a posted request is
+//! marked so until the completion polled for it comes back, and no
+//! reference to it is handed out meanwhile (asserted). Only this crate posts
+//! requests naming slots, and only this crate's pollers hand completions
+//! in: the receive pool's own posts on its SRQ (which it does not hand out),
+//! and [`crate::pooled::PooledQp`], which owns a connection's QP and CQ. A
+//! receive slot's wr_id is its index in the pool (the pooled QP's tag bits
+//! clear). A pool whose slots are still the device's when it is dropped
+//! leaks their memory instead of freeing it.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 
-use crate::verbs::{
+use crate::{
     AccessFlags, ProtectionDomain, RecvWr, RegisteredBuffer, Sge, SharedReceiveQueue, VerbsError,
 };
+
+/// A device's shared receive and send slots of one slot length.
+#[derive(Debug)]
+pub struct SharedPools {
+    /// The SRQ and its slots.
+    pub receive: SharedReceivePool,
+    /// Send slots.
+    pub send: SharedSendPool,
+}
+
+impl SharedPools {
+    /// Both pools, for slots of `slot_len` bytes, up to about `max_slots` each.
+    pub fn new(
+        pd: &Arc<dyn ProtectionDomain>,
+        slot_len: usize,
+        max_slots: usize,
+    ) -> Result<SharedPools, VerbsError> {
+        Ok(SharedPools {
+            receive: SharedReceivePool::new(pd, slot_len, max_slots)?,
+            send: SharedSendPool::new(pd, slot_len, max_slots),
+        })
+    }
+}
 
 /// Slots per registration of either pool.
 pub const CHUNK_SLOTS: usize = 256;
@@ -156,8 +183,9 @@ impl SharedReceivePool {
         })
     }
 
-    /// The SRQ every connection's QP is created with.
-    pub fn srq(&self) -> &Arc<dyn SharedReceiveQueue> {
+    /// The SRQ every connection's QP is created with
+    /// ([`crate::pooled::PooledQp::new`]).
+    pub(crate) fn srq(&self) -> &Arc<dyn SharedReceiveQueue> {
         &self.srq
     }
 
@@ -289,6 +317,7 @@ struct SendState {
     chunks: Chunks,
     slots: Vec<SendSlot>,
     free: Vec<usize>,
+    lost: usize,
 }
 
 /// Send slots shared by the connections of a device (see the module docs).
@@ -327,6 +356,7 @@ impl SharedSendPool {
                 },
                 slots: Vec::new(),
                 free: Vec::new(),
+                lost: 0,
             }),
         }
     }
@@ -377,6 +407,21 @@ impl SharedSendPool {
         state.chunks.sge(slot, len)
     }
 
+    /// The SEND from `slot` will never complete where anyone polls it: the
+    /// slot stays in flight for good (its memory is the device's as far as
+    /// anyone can tell), and the pool leaks its chunk when dropped.
+    pub(crate) fn lose(&self, slot: usize) {
+        let mut state = lock(&self.state);
+        if state.slots.get(slot) == Some(&SendSlot::InFlight) {
+            state.lost += 1;
+        }
+    }
+
+    /// Send slots lost for good ([`SharedSendPool::lose`]).
+    pub fn lost(&self) -> usize {
+        lock(&self.state).lost
+    }
+
     /// The SEND from `slot` completed (or was flushed): the slot is free.
     pub(crate) fn completed(&self, slot: usize) -> Result<(), VerbsError> {
         let mut state = lock(&self.state);
@@ -389,6 +434,32 @@ impl SharedSendPool {
             _ => Err(VerbsError::InvalidArgument(
                 "a send completion for a slot not in flight",
             )),
+        }
+    }
+}
+
+impl Drop for SharedSendPool {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(|poison| poison.into_inner());
+        if state.slots.contains(&SendSlot::InFlight) {
+            // A SEND the device may still read: never free its memory.
+            for chunk in state.chunks.chunks.drain(..) {
+                chunk.leak();
+            }
+        }
+    }
+}
+
+impl Drop for SharedReceivePool {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(|poison| poison.into_inner());
+        // Posted receives are the SRQ's until it is destroyed, which happens
+        // when its last `Arc` goes: this pool's, unless a QP still holds
+        // one. Then the device may still write them: never free them.
+        if Arc::strong_count(&self.srq) > 1 && state.posted.contains(&true) {
+            for chunk in state.chunks.chunks.drain(..) {
+                chunk.leak();
+            }
         }
     }
 }

@@ -10,8 +10,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rpc_transport_rdma::verbs::{
-    self, AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, Context, DeviceCaps,
+use rdma_verbs::{
+    self as verbs,
+    AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, Context, DeviceCaps,
     PostError, ProtectionDomain, QpCaps, QpInit, QueuePair, RecvWr, RegisteredBuffer, SendOp,
     SendWr, Sge, SharedReceiveQueue, WorkCompletion,
 };
@@ -180,9 +181,15 @@ pub struct Buffer {
 }
 
 impl Buffer {
+    #[allow(unsafe_code)]
     pub fn new(pd: &Arc<dyn ProtectionDomain>, len: usize, access: AccessFlags) -> Buffer {
+        // SAFETY: the suite reads and writes a buffer's bytes only before it
+        // posts the requests (its own or the peer's WRITEs and atomics) that
+        // reach them, or after it polled the completions that end them; the
+        // peer is this very process.
+        let inner = unsafe { RegisteredBuffer::new_remote_writable(pd, len, access) };
         Buffer {
-            inner: RegisteredBuffer::new(pd, len, access).expect("register"),
+            inner: inner.expect("register"),
         }
     }
 

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use harness::*;
-use rpc_transport_rdma::verbs::{
+use rdma_verbs::{
+    self as verbs,
     self, AccessFlags, ConnectOptions, ExposedBytes, QpAddress, QpCaps, QpState, RecvWr, SendOp,
     SendWr, Sge, WcOpcode, WcStatus, wait_readable,
 };
@@ -356,12 +357,12 @@ fn a_bound_window_confines_reads_to_its_range() {
 /// into, or a frozen `SendBuffer`): `len` bytes at `offset` of a buffer of
 /// `offset + len + tail` bytes, so that the buffer extends on both sides.
 fn recycled_bytes(offset: usize, len: usize, tail: usize) -> Bytes {
-    let mut buffer = rpc_core::SendBuffer::with_capacity(offset + len + tail);
+    let mut buffer = rpc_recycle::take(offset + len + tail);
     buffer.resize(offset + len + tail, 0xee);
     for (i, byte) in buffer[offset..offset + len].iter_mut().enumerate() {
         *byte = (i * 13 % 251) as u8;
     }
-    buffer.freeze().slice(offset..offset + len)
+    rpc_recycle::into_bytes(buffer).slice(offset..offset + len)
 }
 
 /// Sends a window's address and key from `b` to `a`, as an ANNOUNCE does:
@@ -1127,7 +1128,7 @@ fn error_state_flushes_everything_outstanding_and_posted() {
     pair.b.post_recv(9, vec![buf.sge(0, 64)]);
     assert_eq!(
         wait(&pair.b.recv_cq, 1)[0],
-        rpc_transport_rdma::verbs::WorkCompletion {
+        rdma_verbs::WorkCompletion {
             wr_id: 9,
             status: WcStatus::WrFlushErr,
             opcode: WcOpcode::Recv,
@@ -1332,7 +1333,7 @@ fn srq_feeds_several_queue_pairs() {
     for _ in 0..3 {
         let sender = Side::new(&device, &pd_a, SideOptions::default());
         let qp = pd_b
-            .create_qp(rpc_transport_rdma::verbs::QpInit {
+            .create_qp(rdma_verbs::QpInit {
                 send_cq: send_cq.clone(),
                 recv_cq: recv_cq.clone(),
                 srq: Some(srq.clone()),
@@ -1507,7 +1508,7 @@ struct Child {
     address: QpAddress,
     region_addr: u64,
     region_rkey: u32,
-    _cm: Option<rpc_transport_rdma::verbs::CmConnection>,
+    _cm: Option<rdma_verbs::CmConnection>,
 }
 
 impl Drop for Child {
@@ -1835,8 +1836,50 @@ fn peer_killed_mid_transfer_errors_everything_within_a_second() {
 
 /// One poll of `cq` into `batch`; how many completions came.
 fn pair_poll(
-    cq: &Arc<dyn rpc_transport_rdma::verbs::CompletionQueue>,
-    batch: &mut [rpc_transport_rdma::verbs::WorkCompletion],
+    cq: &Arc<dyn rdma_verbs::CompletionQueue>,
+    batch: &mut [rdma_verbs::WorkCompletion],
 ) -> usize {
     cq.poll(batch).unwrap()
+}
+
+// ------------------------------------------- soft: deregistration semantics
+
+/// Soft only: a receive buffer freed while its receive is still posted is
+/// never written — deregistration (in `RegisteredBuffer`'s drop) waits for
+/// copies in progress, and the copy checks the key at the time it runs.
+/// rdma-core promises no such thing, which is why the library's own queues
+/// (`OwnedQueue`, `PooledQp`) keep every buffer until its completion; this
+/// test pins down that soft at least fails safe when a caller of the
+/// `unsafe` post breaks that rule.
+#[test]
+fn soft_never_writes_a_buffer_freed_with_a_receive_posted() {
+    let Some(device) = device() else { return };
+    if !device.context.device_name().starts_with("soft") {
+        skip(
+            "soft_never_writes_a_buffer_freed_with_a_receive_posted",
+            "soft's own guarantee; rdma-core makes none",
+        );
+        return;
+    }
+    let pair = Pair::new(&device);
+    let inbox = verbs::RegisteredBuffer::new(&pair.a.pd, 1 << 20, LW).unwrap();
+    let receive = RecvWr {
+        wr_id: 7,
+        sg_list: vec![inbox.sge(0, 1 << 20)],
+    };
+    // Deliberately breaks the "keep it alive" half of `post_recv`'s
+    // contract in the one way soft promises to survive: the buffer is
+    // deregistered before it is freed, then never touched.
+    post_recvs(&pair.a.qp, vec![receive]).unwrap();
+    drop(inbox);
+    // Whatever the allocator hands out next (likely the same block) must
+    // not receive the peer's bytes.
+    let reused = vec![0u8; 1 << 20];
+    let mut payload = Buffer::new(&pair.b.pd, 1 << 20, LW);
+    payload.fill(0xee);
+    pair.b
+        .post_send(wr(1, SendOp::Send, vec![payload.sge(0, 1 << 20)]));
+    let received = wait(&pair.a.recv_cq, 1);
+    assert_eq!(received[0].status, WcStatus::LocProtErr);
+    assert!(reused.iter().all(|&b| b == 0), "freed memory was written");
 }

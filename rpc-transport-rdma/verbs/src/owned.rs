@@ -11,15 +11,10 @@
 //! reported for it.
 //!
 //! ```compile_fail
-//! # use std::sync::Arc;
-//! # use rpc_transport_rdma::verbs::{self, AccessFlags, QpCaps, QpInit, RegisteredBuffer, owned::OwnedQueue};
+//! # use rdma_verbs::{self as verbs, AccessFlags, QpCaps, RegisteredBuffer, owned::OwnedQueue};
 //! # let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
 //! # let pd = context.alloc_pd().unwrap();
-//! # let cq = context.create_cq(16, None).unwrap();
-//! # let qp = pd.create_qp(QpInit { send_cq: cq.clone(), recv_cq: cq.clone(), srq: None,
-//! #     caps: QpCaps::default(), sq_sig_all: false }).unwrap();
-//! # qp.to_init().unwrap();
-//! let mut queue = OwnedQueue::new(qp, cq);
+//! let mut queue = OwnedQueue::new(&context, &pd, QpCaps::default()).unwrap();
 //! let mut buffer = RegisteredBuffer::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
 //! queue.post_recv(buffer).unwrap();
 //! buffer.as_mut_slice()[0] = 1; // error[E0382]: the device owns it now
@@ -28,31 +23,37 @@
 //! The same without the offending line compiles and runs:
 //!
 //! ```
-//! # use std::sync::Arc;
-//! # use rpc_transport_rdma::verbs::{self, AccessFlags, QpCaps, QpInit, RegisteredBuffer, owned::OwnedQueue};
+//! # use rdma_verbs::{self as verbs, AccessFlags, QpCaps, RegisteredBuffer, owned::OwnedQueue};
 //! # let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
 //! # let pd = context.alloc_pd().unwrap();
-//! # let cq = context.create_cq(16, None).unwrap();
-//! # let qp = pd.create_qp(QpInit { send_cq: cq.clone(), recv_cq: cq.clone(), srq: None,
-//! #     caps: QpCaps::default(), sq_sig_all: false }).unwrap();
-//! # qp.to_init().unwrap();
-//! let mut queue = OwnedQueue::new(qp, cq);
+//! let mut queue = OwnedQueue::new(&context, &pd, QpCaps::default()).unwrap();
 //! let buffer = RegisteredBuffer::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
 //! queue.post_recv(buffer).unwrap();
 //! assert_eq!(queue.in_flight(), 1);
+//! ```
+//!
+//! A queue creates its own CQ and never hands it out, so no other queue's
+//! completions can reach it (a queue that took another's completion would
+//! hand back a buffer the device still owns). There is no way to build one
+//! over a CQ of your own:
+//!
+//! ```compile_fail
+//! # use rdma_verbs::{self as verbs, QpCaps, QpInit, owned::OwnedQueue};
+//! # let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
+//! # let pd = context.alloc_pd().unwrap();
+//! let cq = context.create_cq(16, None).unwrap();
+//! let qp = pd.create_qp(QpInit { send_cq: cq.clone(), recv_cq: cq.clone(), srq: None,
+//!     caps: QpCaps::default(), sq_sig_all: false }).unwrap();
+//! let queue = OwnedQueue::new(qp, cq); // error[E0308]: it takes a context and a PD
 //! ```
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{
-    CompletionQueue, QueuePair, RecvWr, RegisteredBuffer, SendOp, SendWr, VerbsError,
-    WorkCompletion,
+    CompletionChannel, CompletionQueue, Context, ProtectionDomain, QpCaps, QpInit, QueuePair,
+    RecvWr, RegisteredBuffer, SendOp, SendWr, VerbsError, WorkCompletion,
 };
-
-/// The top bit of every wr_id an [`OwnedQueue`] posts (raw posts on the same
-/// QP keep it clear, so completions are never mistaken for each other).
-pub const OWNED_WR_ID_BIT: u64 = 1 << 63;
 
 /// A posted buffer that came back: its completion (status, bytes, imm) and the buffer.
 #[derive(Debug)]
@@ -75,10 +76,14 @@ pub struct PostFailed {
 
 /// A queue pair whose requests own their buffers until completion.
 ///
-/// Poll its CQ only through [`OwnedQueue::poll`]: completions polled
-/// elsewhere never return their buffers (they are freed with the queue,
-/// each deregistered first, which is safe but leaks them until then).
+/// It creates its QP and CQ together and is the CQ's only poller: a
+/// completion is matched to its buffer by QP number and wr_id, and every
+/// buffer comes back through [`OwnedQueue::poll`] only. Dropped with
+/// buffers still posted, it moves the QP to ERROR, takes back what is
+/// flushed, and leaks (never frees or deregisters) any buffer whose
+/// completion did not come.
 pub struct OwnedQueue {
+    // Drop order: `Drop` settles `in_flight` first; then the QP goes, then the CQ.
     qp: Arc<dyn QueuePair>,
     cq: Arc<dyn CompletionQueue>,
     in_flight: HashMap<u64, RegisteredBuffer>,
@@ -96,20 +101,45 @@ impl std::fmt::Debug for OwnedQueue {
 }
 
 impl OwnedQueue {
-    /// Wraps `qp`, whose send and receive completions go to `cq`.
-    pub fn new(qp: Arc<dyn QueuePair>, cq: Arc<dyn CompletionQueue>) -> OwnedQueue {
-        OwnedQueue {
+    /// A new RC QP of `caps` (in RESET) on `pd`, with a CQ of its own that
+    /// holds a completion for every request it can have posted.
+    pub fn new(
+        context: &Arc<dyn Context>,
+        pd: &Arc<dyn ProtectionDomain>,
+        caps: QpCaps,
+    ) -> Result<OwnedQueue, VerbsError> {
+        Self::with_channel(context, pd, caps, None)
+    }
+
+    /// [`OwnedQueue::new`], with the CQ tied to `channel` (to wait for its
+    /// completions: [`CompletionChannel`]).
+    pub fn with_channel(
+        context: &Arc<dyn Context>,
+        pd: &Arc<dyn ProtectionDomain>,
+        caps: QpCaps,
+        channel: Option<&Arc<dyn CompletionChannel>>,
+    ) -> Result<OwnedQueue, VerbsError> {
+        let depth = caps.max_send_wr.saturating_add(caps.max_recv_wr).max(1);
+        let cq = context.create_cq(depth, channel)?;
+        let qp = pd.create_qp(QpInit {
+            send_cq: cq.clone(),
+            recv_cq: cq.clone(),
+            srq: None,
+            caps,
+            sq_sig_all: true,
+        })?;
+        Ok(OwnedQueue {
             qp,
             cq,
             in_flight: HashMap::new(),
             next: 0,
             polled: vec![WorkCompletion::BLANK; 32],
-        }
+        })
     }
 
     fn next_wr_id(&mut self) -> u64 {
-        self.next = self.next.wrapping_add(1) & !OWNED_WR_ID_BIT;
-        self.next | OWNED_WR_ID_BIT
+        self.next = self.next.wrapping_add(1);
+        self.next
     }
 
     /// Posts a receive into the whole of `buffer`; returns its wr_id.
@@ -120,9 +150,10 @@ impl OwnedQueue {
             sg_list: vec![buffer.sge(0, buffer.len())],
         };
         // SAFETY: the SGE covers `buffer`, which moves into `in_flight` (or
-        // back to the caller on failure) in `track`: nothing can reach it
-        // until `poll` returns it with this wr_id's completion, and if the
-        // queue is dropped first the buffer is deregistered before it is freed.
+        // back to the caller on failure) in `track`: nothing else can reach
+        // it until `poll` matches this wr_id's completion on this QP, polled
+        // from the CQ only this queue holds. If the queue is dropped first,
+        // `Drop` keeps the buffer until its flush, or leaks it.
         let posted = unsafe { self.qp.post_recv(vec![wr]) };
         self.track(wr_id, buffer, posted.map_err(|failed| failed.error))
     }
@@ -161,17 +192,19 @@ impl OwnedQueue {
         let wr_id = self.next_wr_id();
         let wr = SendWr::new(wr_id, op, vec![sge]);
         // SAFETY: as in `post_recv`: the buffer is owned by `in_flight` until
-        // its completion is polled (or deregistered before it is freed).
+        // this wr_id's completion on this QP is polled from this queue's own
+        // CQ (or `Drop` leaks it). Signaled: every request completes.
         let posted = unsafe { self.qp.post_send(vec![wr]) };
         self.track(wr_id, buffer, posted.map_err(|failed| failed.error))
     }
 
-    /// Polls the CQ once: every completion of ours that arrived, each with
-    /// its buffer (completions of raw posts on the same CQ are dropped).
+    /// Polls the CQ once: every completion that arrived, each with its buffer.
     pub fn poll(&mut self) -> Result<Vec<Completed>, VerbsError> {
         let count = self.cq.poll(&mut self.polled)?;
+        let qp_num = self.qp.qp_num();
         Ok(self.polled[..count]
             .iter()
+            .filter(|completion| completion.qp_num == qp_num)
             .filter_map(|completion| {
                 self.in_flight
                     .remove(&completion.wr_id)
@@ -188,8 +221,31 @@ impl OwnedQueue {
         self.in_flight.len()
     }
 
-    /// The queue pair.
+    /// The queue pair (to connect it). Posting on it directly is `unsafe`
+    /// and not allowed: its wr_ids are this queue's.
     pub fn qp(&self) -> &Arc<dyn QueuePair> {
         &self.qp
+    }
+}
+
+impl Drop for OwnedQueue {
+    fn drop(&mut self) {
+        if self.in_flight.is_empty() {
+            return;
+        }
+        // Flush what is posted and take it back; a buffer whose completion
+        // does not come may still be the device's: leak it.
+        let _ = self.qp.to_error();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+        while !self.in_flight.is_empty() && std::time::Instant::now() < deadline {
+            match self.poll() {
+                Ok(done) if done.is_empty() => std::thread::yield_now(),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        for (_, buffer) in self.in_flight.drain() {
+            buffer.leak();
+        }
     }
 }

@@ -17,7 +17,7 @@
 //! them instead of the payload (UCX's registration cache needs hooks into
 //! `malloc`/`munmap` for this reason). So [`WindowCache`] caches
 //! registrations only of rpc-core's recycled large buffers
-//! (`rpc_core::codec::recycle`: encoded large messages, frozen
+//! (`rpc_recycle`, re-exported as `rpc_core::codec::recycle`: encoded large messages, frozen
 //! `SendBuffer`s, large frames read from sockets), whose memory that module
 //! tracks: it recognises bytes inside a live recycled buffer
 //! (`recycled_memory`), and calls this module's hook before that memory is
@@ -68,7 +68,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use rpc_core::codec::recycle::{self, RecycledMemory};
+use rpc_recycle::{self as recycle, RecycledMemory};
 
 use super::{AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, VerbsError};
 
@@ -383,7 +383,13 @@ impl WindowCache {
     /// Deregistering the window invalidates it, then lets its registration
     /// be evicted again. The window does not keep `bytes` alive: its owner
     /// must, until it is deregistered ([`super::ExposedBytes`] does).
-    pub(crate) fn bind(
+    ///
+    /// # Safety
+    /// Until the returned window is deregistered (or leaked, never freed),
+    /// `bytes` must stay allocated and must not be written by anyone (the
+    /// peer READs them behind the compiler's back); when they lie in a
+    /// [`super::RegisteredBuffer`], that buffer must stay alive until then.
+    pub(crate) unsafe fn bind(
         self: &Arc<Self>,
         pd: &dyn ProtectionDomain,
         qp: &Arc<dyn QueuePair>,
@@ -415,12 +421,13 @@ impl WindowCache {
                 return Ok(None);
             };
             if !self.exact {
-                // SAFETY: `bytes` lie inside a registered buffer of this PD,
-                // whose memory the caller's bytes keep alive (a `Bytes` over
-                // a registered buffer owns it, as a pulled frame does) and
-                // immutable until the window is deregistered; the buffer's
-                // region stays registered as long as the buffer lives. The
-                // window is READ-only.
+                // SAFETY: `bytes` lie inside `region`, the registration of a
+                // live registered buffer of this PD (`registered_buffer`
+                // found it under its lock). This function's caller keeps
+                // that buffer alive, and `bytes` allocated and unwritten,
+                // until the window is deregistered; the buffer's region
+                // stays registered as long as the buffer lives. The window
+                // is READ-only, so the device never writes the bytes.
                 let window = unsafe {
                     pd.bind_window(
                         &region,
@@ -439,19 +446,21 @@ impl WindowCache {
                 len: bytes.len(),
             }
         };
-        // The caller keeps `bytes`, inside the memory of `key.owner`, alive
-        // (and frozen: `Bytes` are immutable) until the window is
-        // deregistered; the release hooks cannot run for memory the
-        // caller's bytes keep alive.
-        self.lease_and_bind(pd, qp, key, None, bytes)
+        // SAFETY: `bytes` lie inside `key`'s range (the recycled buffer or
+        // registered buffer found above); this function's caller keeps them
+        // allocated and unwritten until the window is deregistered. The
+        // release hooks cannot run for memory that is still alive.
+        unsafe { self.lease_and_bind(pd, qp, key, None, bytes) }
     }
 
     /// Leases the registration of `key` (registering it on a miss, holding
-    /// `holder` with it) and binds a READ window over exactly `bytes`,
-    /// which lie inside `key`'s range and which the caller keeps alive and
-    /// unchanged until the window is deregistered. `Ok(None)`: the
-    /// registration does not fit.
-    fn lease_and_bind(
+    /// `holder` with it) and binds a READ window over exactly `bytes`.
+    /// `Ok(None)`: the registration does not fit.
+    ///
+    /// # Safety
+    /// `bytes` lie inside `key`'s range, and stay allocated and unwritten
+    /// until the window is deregistered (or leaked).
+    unsafe fn lease_and_bind(
         self: &Arc<Self>,
         pd: &dyn ProtectionDomain,
         qp: &Arc<dyn QueuePair>,
@@ -462,11 +471,11 @@ impl WindowCache {
         let Some(region) = self.lease(pd, key, holder)? else {
             return Ok(None);
         };
-        // SAFETY: `bytes` lie inside `key`'s memory, which the caller keeps
-        // alive and unchanged until the window is deregistered; the window
-        // is READ-only, so the device never writes them. The region stays
-        // registered until then: the lease taken above keeps it from
-        // eviction.
+        // SAFETY: `bytes` lie inside `key`'s memory, which this function's
+        // caller keeps alive and unwritten until the window is deregistered;
+        // the window is READ-only, so the device never writes them. `region`
+        // stays registered until then: the lease taken above keeps it from
+        // eviction until `LeasedWindow` gives it back.
         let window = unsafe {
             pd.bind_window(
                 &region,
@@ -499,13 +508,21 @@ impl WindowCache {
     /// keeps them allocated and unchanged while they are registered), within
     /// [`MAX_HELD_BYTES`]. `Ok(None)`: nothing fits; the caller registers
     /// the bytes itself.
-    pub(crate) fn bind_bytes(
+    ///
+    /// # Safety
+    /// A clone of `bytes` stays alive until the returned window is
+    /// deregistered (or is leaked, never dropped).
+    pub(crate) unsafe fn bind_bytes(
         self: &Arc<Self>,
         pd: &dyn ProtectionDomain,
         qp: &Arc<dyn QueuePair>,
         bytes: &bytes::Bytes,
     ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
-        if let Some(window) = self.bind(pd, qp, bytes)? {
+        // SAFETY: the caller keeps a clone of `bytes` alive until the window
+        // is deregistered: their memory stays allocated (and, as `Bytes`,
+        // unwritten) until then, and so does a registered buffer they lie in
+        // (a `Bytes` over one owns it).
+        if let Some(window) = unsafe { self.bind(pd, qp, bytes)? } {
             return Ok(Some(window));
         }
         let known = (self.recycled && recycle::recycled_memory(bytes).is_some())
@@ -532,9 +549,11 @@ impl WindowCache {
                 }
             }
         };
-        // `key`'s range is one allocation: the held `Bytes` it was first
-        // registered for, or these bytes, which the caller keeps alive.
-        self.lease_and_bind(pd, qp, key, Some(bytes), bytes)
+        // SAFETY: `key`'s range is one allocation that covers `bytes`: the
+        // held `Bytes` it was first registered for, or these bytes. The
+        // caller keeps these bytes alive and unwritten (immutable `Bytes`)
+        // until the window is deregistered.
+        unsafe { self.lease_and_bind(pd, qp, key, Some(bytes), bytes) }
     }
 
     /// The registration of `key`, with one more user; registered now on a
@@ -862,8 +881,33 @@ impl Drop for LeasedWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::verbs::soft::SoftProvider;
-    use crate::verbs::{Provider, QpCaps, QpInit, RegisteredBuffer};
+
+    /// The tests keep every payload allocated and unwritten until its
+    /// window is deregistered (or the test ends, leaking nothing the
+    /// device still reads: the windows are dropped first).
+    impl WindowCache {
+        fn bind_kept(
+            self: &Arc<Self>,
+            pd: &dyn ProtectionDomain,
+            qp: &Arc<dyn QueuePair>,
+            bytes: &[u8],
+        ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
+            // SAFETY: see above.
+            unsafe { self.bind(pd, qp, bytes) }
+        }
+
+        fn bind_bytes_kept(
+            self: &Arc<Self>,
+            pd: &dyn ProtectionDomain,
+            qp: &Arc<dyn QueuePair>,
+            bytes: &bytes::Bytes,
+        ) -> Result<Option<Arc<dyn MemoryRegion>>, VerbsError> {
+            // SAFETY: see above.
+            unsafe { self.bind_bytes(pd, qp, bytes) }
+        }
+    }
+    use crate::soft::SoftProvider;
+    use crate::{Provider, QpCaps, QpInit, RegisteredBuffer};
     use bytes::Bytes;
 
     fn soft() -> (Arc<dyn ProtectionDomain>, Arc<dyn QueuePair>) {
@@ -884,9 +928,9 @@ mod tests {
 
     /// A frozen recycled buffer of `len` bytes.
     fn recycled(len: usize, fill: u8) -> Bytes {
-        let mut buffer = rpc_core::SendBuffer::with_capacity(len);
+        let mut buffer = recycle::take(len);
         buffer.resize(len, fill);
-        buffer.freeze()
+        recycle::into_bytes(buffer)
     }
 
     #[test]
@@ -896,14 +940,14 @@ mod tests {
         let payload = recycled((3 << 20) + 4096 * 5, 1);
         let memory = recycle::recycled_memory(&payload).unwrap();
         let first = cache
-            .bind(&*pd, &qp, &payload[..1 << 20])
+            .bind_kept(&*pd, &qp, &payload[..1 << 20])
             .unwrap()
             .expect("a recycled buffer");
         assert_eq!(first.addr(), payload.as_ptr() as u64, "exactly the bytes");
         assert_eq!(first.len(), 1 << 20);
         assert_eq!(first.access(), AccessFlags::REMOTE_READ);
         let second = cache
-            .bind(&*pd, &qp, &payload[1000..2000])
+            .bind_kept(&*pd, &qp, &payload[1000..2000])
             .unwrap()
             .unwrap();
         assert_eq!(second.addr(), payload.as_ptr() as u64 + 1000);
@@ -912,7 +956,7 @@ mod tests {
         assert_eq!(cache.cached_bytes(), memory.len, "all of it");
         first.deregister().unwrap();
         second.deregister().unwrap();
-        let third = cache.bind(&*pd, &qp, &payload).unwrap().unwrap();
+        let third = cache.bind_kept(&*pd, &qp, &payload).unwrap().unwrap();
         third.deregister().unwrap();
         assert_eq!(
             cache.registrations(),
@@ -921,7 +965,7 @@ mod tests {
         );
         // Bytes elsewhere are not the cache's business.
         let plain = Bytes::from(vec![7u8; 2 << 20]);
-        assert!(cache.bind(&*pd, &qp, &plain).unwrap().is_none());
+        assert!(cache.bind_kept(&*pd, &qp, &plain).unwrap().is_none());
     }
 
     /// `Bytes` of `len` bytes whose memory says when it is freed.
@@ -948,7 +992,7 @@ mod tests {
         let cache = WindowCache::new(MAX_CACHED_BYTES, false);
         let (payload, freed) = watched(1 << 20, 4);
         let first = cache
-            .bind_bytes(&*pd, &qp, &payload)
+            .bind_bytes_kept(&*pd, &qp, &payload)
             .unwrap()
             .expect("held");
         assert_eq!(first.addr(), payload.as_ptr() as u64, "exactly the bytes");
@@ -957,11 +1001,11 @@ mod tests {
         first.deregister().unwrap();
         // Short bytes are not held (a registration of their own).
         let short = Bytes::from(vec![1u8; HOLD_FROM - 1]);
-        assert!(cache.bind_bytes(&*pd, &qp, &short).unwrap().is_none());
+        assert!(cache.bind_bytes_kept(&*pd, &qp, &short).unwrap().is_none());
         // The same bytes again, and a part of them: no new registration.
-        let again = cache.bind_bytes(&*pd, &qp, &payload).unwrap().unwrap();
+        let again = cache.bind_bytes_kept(&*pd, &qp, &payload).unwrap().unwrap();
         let part = cache
-            .bind_bytes(&*pd, &qp, &payload.slice(4096..8192))
+            .bind_bytes_kept(&*pd, &qp, &payload.slice(4096..8192))
             .unwrap()
             .unwrap();
         assert_eq!(part.addr(), payload.as_ptr() as u64 + 4096);
@@ -982,17 +1026,17 @@ mod tests {
         let cache = WindowCache::new(MAX_CACHED_BYTES, true);
         let payload = Bytes::from(vec![5u8; 1 << 20]);
         for _ in 0..3 {
-            let window = cache.bind_bytes(&*pd, &qp, &payload).unwrap().unwrap();
+            let window = cache.bind_bytes_kept(&*pd, &qp, &payload).unwrap().unwrap();
             window.deregister().unwrap();
         }
         assert_eq!(cache.registrations(), 1);
         // A part would be bound over a registration of all the bytes, which
         // such a device lets a READ through the window reach: its own.
         let payload = Bytes::from(vec![5u8; 3 << 20]);
-        let whole = cache.bind_bytes(&*pd, &qp, &payload).unwrap().unwrap();
+        let whole = cache.bind_bytes_kept(&*pd, &qp, &payload).unwrap().unwrap();
         whole.deregister().unwrap();
         let part = cache
-            .bind_bytes(&*pd, &qp, &payload.slice(..HOLD_FROM))
+            .bind_bytes_kept(&*pd, &qp, &payload.slice(..HOLD_FROM))
             .unwrap()
             .unwrap();
         assert_eq!(cache.registrations(), 3);
@@ -1008,7 +1052,7 @@ mod tests {
         for fill in 0..5u8 {
             let (bytes, freed) = watched(len, fill);
             cache
-                .bind_bytes(&*pd, &qp, &bytes)
+                .bind_bytes_kept(&*pd, &qp, &bytes)
                 .unwrap()
                 .unwrap()
                 .deregister()
@@ -1028,10 +1072,10 @@ mod tests {
         let held: Vec<Bytes> = (0..4u8).map(|fill| watched(len, fill).0).collect();
         let windows: Vec<_> = held
             .iter()
-            .map(|bytes| cache.bind_bytes(&*pd, &qp, bytes).unwrap().unwrap())
+            .map(|bytes| cache.bind_bytes_kept(&*pd, &qp, bytes).unwrap().unwrap())
             .collect();
         let extra = watched(len, 9).0;
-        assert!(cache.bind_bytes(&*pd, &qp, &extra).unwrap().is_none());
+        assert!(cache.bind_bytes_kept(&*pd, &qp, &extra).unwrap().is_none());
         for window in windows {
             window.deregister().unwrap();
         }
@@ -1047,7 +1091,7 @@ mod tests {
             assert_eq!(recycle::recycled_memory(other).unwrap().len, size);
         }
         let cache = WindowCache::new(2 * size, false);
-        let bind = |bytes: &Bytes| cache.bind(&*pd, &qp, bytes).unwrap();
+        let bind = |bytes: &Bytes| cache.bind_kept(&*pd, &qp, bytes).unwrap();
         bind(&a).unwrap().deregister().unwrap();
         bind(&b).unwrap().deregister().unwrap();
         assert_eq!(cache.registrations(), 2);
@@ -1076,13 +1120,12 @@ mod tests {
         let cache = WindowCache::new(usize::MAX, false);
         // Larger than the recycled buffers' idle cap: freed when the last
         // bytes go (only reserved, never touched: it costs no memory).
-        let mut buffer =
-            rpc_core::SendBuffer::with_capacity(rpc_core::codec::recycle::MAX_IDLE_BYTES + 4096);
+        let mut buffer = recycle::take(recycle::MAX_IDLE_BYTES + 4096);
         buffer.extend_from_slice(b"payload");
-        let payload = buffer.freeze();
-        let window = cache.bind(&*pd, &qp, &payload).unwrap().unwrap();
+        let payload = recycle::into_bytes(buffer);
+        let window = cache.bind_kept(&*pd, &qp, &payload).unwrap().unwrap();
         window.deregister().unwrap();
-        assert!(cache.cached_bytes() > rpc_core::codec::recycle::MAX_IDLE_BYTES);
+        assert!(cache.cached_bytes() > recycle::MAX_IDLE_BYTES);
         drop(payload);
         assert_eq!(cache.cached_bytes(), 0, "deregistered by the hook");
     }
@@ -1096,7 +1139,7 @@ mod tests {
         let cache = WindowCache::new(256 << 20, true);
         assert!(cache.exact_extents());
         let payload = recycled((5 << 20) + 4096 * 7, 4);
-        let bind = |bytes: &[u8]| cache.bind(&*pd, &qp, bytes).unwrap().expect("bound");
+        let bind = |bytes: &[u8]| cache.bind_kept(&*pd, &qp, bytes).unwrap().expect("bound");
         let whole = bind(&payload[..1 << 20]);
         assert_eq!(
             (whole.addr(), whole.len()),
@@ -1143,7 +1186,7 @@ mod tests {
         .unwrap();
         let without = RegisteredBuffer::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
         let window = cache
-            .bind(&*pd, &qp, &with.as_slice()[4096..8192])
+            .bind_kept(&*pd, &qp, &with.as_slice()[4096..8192])
             .unwrap()
             .expect("a registered buffer with MW_BIND");
         assert_eq!(window.addr(), with.addr() + 4096);
@@ -1151,7 +1194,7 @@ mod tests {
         window.deregister().unwrap();
         assert!(
             cache
-                .bind(&*pd, &qp, &without.as_slice()[..4096])
+                .bind_kept(&*pd, &qp, &without.as_slice()[..4096])
                 .unwrap()
                 .is_none()
         );
@@ -1166,7 +1209,7 @@ mod tests {
         .unwrap();
         assert!(
             cache
-                .bind(&*pd, &qp, &foreign.as_slice()[..4096])
+                .bind_kept(&*pd, &qp, &foreign.as_slice()[..4096])
                 .unwrap()
                 .is_none()
         );

@@ -24,7 +24,7 @@ use super::wire::{
     Response,
 };
 use super::{ContextShared, CqShared, MrEntry, SrqShared, lock, rendezvous_name};
-use crate::verbs::{
+use crate::{
     AccessFlags, ConnectOptions, PostError, QpAddress, QpCaps, QpInit, QpState, QueuePair, RecvWr,
     SendOp, SendWr, Sge, VerbsError, WcOpcode, WcStatus, WorkCompletion,
 };
@@ -123,8 +123,8 @@ pub(crate) struct QpShared {
     peer_wakers: OnceLock<PeerWakers>,
 }
 
-fn cq_of(cq: &Arc<dyn crate::verbs::CompletionQueue>) -> Result<Arc<CqShared>, VerbsError> {
-    crate::verbs::own::<super::SoftCq>(cq.as_any(), "completion queue of another provider")
+fn cq_of(cq: &Arc<dyn crate::CompletionQueue>) -> Result<Arc<CqShared>, VerbsError> {
+    crate::own::<super::SoftCq>(cq.as_any(), "completion queue of another provider")
         .map(|cq| cq.inner.clone())
 }
 
@@ -144,7 +144,7 @@ pub(crate) fn create(
     }
     let srq = match &init.srq {
         Some(srq) => {
-            let srq = crate::verbs::own::<super::SoftSrq>(srq.as_any(), "SRQ of another provider")?
+            let srq = crate::own::<super::SoftSrq>(srq.as_any(), "SRQ of another provider")?
                 .inner
                 .clone();
             if srq.pd != pd {
@@ -272,7 +272,7 @@ impl SoftQp {
 /// The acceptor's reply to a dialer's handshake: accepted (and its
 /// channels' wake-up fds, checked), refused, or silent past the time-out.
 fn await_reply(stream: &UnixStream) -> std::io::Result<PeerWakers> {
-    if !crate::verbs::wait_readable(stream.as_raw_fd(), DIAL_REPLY_TIMEOUT)? {
+    if !crate::wait_readable(stream.as_raw_fd(), DIAL_REPLY_TIMEOUT)? {
         return Err(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             "the soft peer did not answer the handshake",

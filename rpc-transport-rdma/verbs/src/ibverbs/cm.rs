@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use rdma_mummy_sys as sys;
 
 use super::{IbvQp, errno_error, lock, os_error};
-use crate::verbs::{
+use crate::{
     CmConnection, CmListener, ConnectOptions, ConnectionManager, QpState, QueuePair, VerbsError,
 };
 
@@ -48,7 +48,7 @@ impl Channel {
 
     /// The next event, or `None` after `timeout`. The caller acks it.
     fn next(&self, timeout: Duration) -> Result<Option<Event>, VerbsError> {
-        if !crate::verbs::wait_readable(self.fd(), timeout).map_err(VerbsError::Io)? {
+        if !crate::wait_readable(self.fd(), timeout).map_err(VerbsError::Io)? {
             return Ok(None);
         }
         let mut event: *mut sys::rdma_cm_event = std::ptr::null_mut();
@@ -228,7 +228,7 @@ fn sockaddr(addr: SocketAddr) -> libc::sockaddr_storage {
 }
 
 fn ibv_qp(qp: &Arc<dyn QueuePair>) -> Result<&IbvQp, VerbsError> {
-    crate::verbs::own(
+    crate::own(
         qp.as_any(),
         "rdma_cm connects only QPs of the ibverbs provider",
     )

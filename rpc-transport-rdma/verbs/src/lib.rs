@@ -27,6 +27,7 @@
 pub mod ibverbs;
 pub mod owned;
 pub mod pool;
+pub mod pooled;
 pub mod reactor;
 pub mod shared;
 pub mod soft;
@@ -896,12 +897,78 @@ impl Drop for RegistrationTally {
     }
 }
 
-/// `rdma_registered_bytes`, while `rpc_core::metrics` records.
+/// Whether [`record_registered`] publishes the `rdma_registered_bytes` gauge.
+static METRICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Publishes `rdma_registered_bytes` (a `metrics` gauge: bytes registered
+/// through [`RegisteredBuffer`]s and windows, process-wide) from now on.
+/// Off until called: the RDMA transport calls it when the application
+/// enabled rpc-core's metrics.
+pub fn enable_metrics() {
+    METRICS.store(true, AtomicOrdering::Relaxed);
+}
+
+/// `rdma_registered_bytes`, once [`enable_metrics`] was called.
 fn record_registered(total: u64) {
-    if rpc_core::metrics::enabled() {
+    if METRICS.load(AtomicOrdering::Relaxed) {
         metrics::gauge!("rdma_registered_bytes").set(total as f64);
     }
 }
+
+/// Memory of a [`RegisteredBuffer`]: a raw allocation, not a `Box`, since
+/// the device writes it behind the compiler's back (moving a `Box` would
+/// assert a uniqueness the device does not respect).
+struct RawMemory {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: `RawMemory` is a plain heap allocation with no thread affinity;
+// every access to its bytes goes through `RegisteredBuffer`'s `&self` /
+// `&mut self` methods, which follow Rust's aliasing rules across threads.
+unsafe impl Send for RawMemory {}
+// SAFETY: as above; `&RawMemory` only hands out `&[u8]`.
+unsafe impl Sync for RawMemory {}
+
+impl RawMemory {
+    /// Alignment of every buffer: a cache line (and atomics' 8 bytes).
+    const ALIGN: usize = 64;
+
+    fn layout(len: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(len, Self::ALIGN).expect("buffer size within isize")
+    }
+
+    /// `len` zeroed bytes.
+    fn zeroed(len: usize) -> RawMemory {
+        if len == 0 {
+            return RawMemory {
+                ptr: std::ptr::NonNull::<u64>::dangling().cast(),
+                len,
+            };
+        }
+        let layout = Self::layout(len);
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(ptr) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        RawMemory { ptr, len }
+    }
+}
+
+impl Drop for RawMemory {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: allocated in `zeroed` with this very layout, and freed
+            // only here, once.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
+        }
+    }
+}
+
+/// Access a peer may use to write into memory: [`RegisteredBuffer::new`]
+/// refuses it (a peer's write would race the safe slices it hands out).
+const REMOTE_WRITES: AccessFlags = AccessFlags::REMOTE_WRITE.union(AccessFlags::REMOTE_ATOMIC);
 
 /// A heap buffer registered with a protection domain, owning both: the region
 /// is deregistered before the memory is freed (and the memory is leaked, not
@@ -910,23 +977,39 @@ fn record_registered(total: u64) {
 /// copied anywhere; what makes them harmless after the drop is
 /// [`MemoryRegion::deregister`]'s contract.
 ///
-/// The device writes into the buffer behind the compiler's back: read it only
-/// after the completion of the request that wrote it.
+/// Only the local device writes a buffer made by [`RegisteredBuffer::new`],
+/// and only for a work request that names it, which safe code posts only
+/// by moving the buffer in ([`owned::OwnedQueue`], [`pooled::PooledQp`]):
+/// so `as_slice` and `as_mut_slice` never race the device. A peer may write
+/// only into one made by the `unsafe` [`RegisteredBuffer::new_remote_writable`]:
+/// a safe constructor refuses remote writes and atomics.
+///
+/// ```
+/// # use rdma_verbs::{self as verbs, AccessFlags, RegisteredBuffer};
+/// # let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
+/// # let pd = context.alloc_pd().unwrap();
+/// let refused = RegisteredBuffer::new(&pd, 64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+/// assert!(refused.is_err(), "memory a peer may write gives no safe slices");
+/// ```
 pub struct RegisteredBuffer {
     // Field order matters: `region` is dropped (deregistered) before `data` is freed.
     region: Arc<dyn MemoryRegion>,
     pd: Arc<dyn ProtectionDomain>,
-    data: Box<[u8]>,
+    data: RawMemory,
     _tally: RegistrationTally,
 }
 
 impl RegisteredBuffer {
-    /// Allocates `len` zeroed bytes and registers them with `access`.
+    /// Allocates `len` zeroed bytes and registers them with `access`, which
+    /// may not include [`AccessFlags::REMOTE_WRITE`] or
+    /// [`AccessFlags::REMOTE_ATOMIC`] (`InvalidArgument`; see
+    /// [`RegisteredBuffer::new_remote_writable`]).
     pub fn new(
         pd: &Arc<dyn ProtectionDomain>,
         len: usize,
         access: AccessFlags,
     ) -> Result<RegisteredBuffer, VerbsError> {
+        refuse_remote_writes(access)?;
         Self::allocate(pd, len, access, false)
     }
 
@@ -938,7 +1021,27 @@ impl RegisteredBuffer {
         len: usize,
         access: AccessFlags,
     ) -> Result<RegisteredBuffer, VerbsError> {
+        refuse_remote_writes(access)?;
         Self::allocate(pd, len, access, true)
+    }
+
+    /// A buffer the peer may write (RDMA WRITE) or run atomics on, as
+    /// `access` says.
+    ///
+    /// # Safety
+    /// While the region is registered, any holder of its rkey may write the
+    /// bytes at any moment. The caller must not read or write them through
+    /// [`RegisteredBuffer::as_slice`] or [`RegisteredBuffer::as_mut_slice`]
+    /// (or a post that names them) while a peer may be writing: only after
+    /// the peer said, through a completion this side polled (a SEND or a
+    /// WRITE_WITH_IMM that follows the writes on the same QP), that it is
+    /// done and will not write again until told.
+    pub unsafe fn new_remote_writable(
+        pd: &Arc<dyn ProtectionDomain>,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<RegisteredBuffer, VerbsError> {
+        Self::allocate(pd, len, access, false)
     }
 
     fn allocate(
@@ -947,17 +1050,18 @@ impl RegisteredBuffer {
         access: AccessFlags,
         huge: bool,
     ) -> Result<RegisteredBuffer, VerbsError> {
-        let mut data = vec![0u8; len].into_boxed_slice();
+        let data = RawMemory::zeroed(len);
         if huge {
-            advise_huge_pages_in(data.as_mut_ptr() as usize, len);
+            advise_huge_pages_in(data.ptr.as_ptr() as usize, len);
         }
-        // SAFETY: the boxed slice never moves (a Box's heap block is fixed),
-        // and `Drop` frees it only after the region was deregistered
-        // successfully (it leaks it otherwise); the region itself stays
-        // private to this struct.
-        let region = unsafe { pd.register(data.as_mut_ptr(), len, access)? };
+        // SAFETY: `data` is a heap allocation of `len` bytes that this struct
+        // owns and never moves; `Drop` frees it only after the region was
+        // deregistered successfully, and `leak` never frees it. The region
+        // is not handed out (only its keys and address), so it lives exactly
+        // as long as this buffer.
+        let region = unsafe { pd.register(data.ptr.as_ptr(), len, access)? };
         if access.contains(AccessFlags::MW_BIND) && len > 0 {
-            windows::track_registered(data.as_ptr() as usize, len, &**pd, region.clone());
+            windows::track_registered(data.ptr.as_ptr() as usize, len, &**pd, region.clone());
         }
         Ok(RegisteredBuffer {
             region,
@@ -965,6 +1069,16 @@ impl RegisteredBuffer {
             data,
             _tally: RegistrationTally::new(len, &REGISTRATIONS),
         })
+    }
+
+    /// Gives the buffer up without deregistering or freeing it: for memory
+    /// the device may still write (a request whose completion cannot come).
+    pub(crate) fn leak(self) {
+        tracing::warn!(
+            len = self.len(),
+            "a registered buffer is leaked: the device may still reach it"
+        );
+        std::mem::forget(self);
     }
 
     /// Lets the peer reach exactly the first `len` bytes with `access` (e.g.
@@ -993,13 +1107,22 @@ impl RegisteredBuffer {
         access: AccessFlags,
         qp: Option<&Arc<dyn QueuePair>>,
     ) -> Result<ExposedBuffer, ExposeError> {
-        if len > self.data.len() {
+        if len > self.len() {
             return Err(ExposeError {
                 error: VerbsError::InvalidArgument("exposed length exceeds the buffer"),
                 buffer: self,
             });
         }
-        let addr = self.data.as_ptr() as *mut u8;
+        if access.intersects(REMOTE_WRITES) {
+            // An exposed buffer hands out `&[u8]`: the peer may only READ it.
+            return Err(ExposeError {
+                error: VerbsError::InvalidArgument(
+                    "a buffer is exposed for remote reads only (remote writes race its slices)",
+                ),
+                buffer: self,
+            });
+        }
+        let addr = self.data.ptr.as_ptr();
         // A memory window over the buffer's registration (or one of exactly
         // the window's bytes, where the device needs it: `WindowCache`),
         // where the device binds them and the buffer was registered for it.
@@ -1008,7 +1131,12 @@ impl RegisteredBuffer {
             if self.region.access().contains(AccessFlags::MW_BIND) && len > 0 {
                 // The window owns this buffer until it is deregistered: its
                 // bytes stay allocated, registered and unwritten until then.
-                match cache.bind(&*self.pd, qp, &self.data[..len]) {
+                // SAFETY: the bytes lie in this buffer's memory, which this
+                // window (holding the buffer) keeps allocated, registered
+                // (its region deregisters only when the buffer drops, after
+                // the window) and unwritten (an exposed buffer gives `&[u8]`
+                // only) until the window is deregistered or leaked.
+                match unsafe { cache.bind(&*self.pd, qp, &self.as_slice()[..len]) } {
                     Ok(window) => bound = window,
                     Err(error) => {
                         tracing::debug!(%error, "binding a memory window failed; registering a window instead");
@@ -1019,11 +1147,12 @@ impl RegisteredBuffer {
         let is_bound = bound.is_some();
         let window = match bound {
             Some(window) => Ok(window),
-            // SAFETY: the range lies inside `data`, which stays allocated and
-            // unmoved while the window exists: `ExposedBuffer` owns this buffer and
-            // hands it back (or frees it) only after the window was deregistered,
-            // leaking it if that fails; the buffer is never written through
-            // `&mut` while exposed (ExposedBuffer only gives `&[u8]`).
+            // SAFETY: the range lies inside `data` (checked above), which
+            // stays allocated and unmoved while the window exists: the
+            // `Window` below owns this buffer and hands it back (or frees it)
+            // only after the window was deregistered, leaking it if that
+            // fails. The access is REMOTE_READ at most (checked above), and
+            // while exposed the buffer is only read (`Window` gives `&[u8]`).
             None => unsafe {
                 match qp {
                     Some(qp) => self.pd.register_window(addr, len, access, qp),
@@ -1047,22 +1176,30 @@ impl RegisteredBuffer {
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        &self.data
+        // SAFETY: `data` is `len` initialised (zeroed) bytes owned by this
+        // buffer. Nothing writes them while this borrow lives: the local
+        // device writes only for a posted request, and safe code posts one
+        // only by moving the buffer away (`OwnedQueue`, `PooledQp`); a peer
+        // writes only into a buffer made by `new_remote_writable`, whose
+        // caller promised not to read while it may.
+        unsafe { std::slice::from_raw_parts(self.data.ptr.as_ptr(), self.data.len) }
     }
 
     /// The bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.data
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only
+        // borrow of the bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.data.ptr.as_ptr(), self.data.len) }
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.data.len
     }
 
     /// True when empty.
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.data.len == 0
     }
 
     /// Start address.
@@ -1098,7 +1235,7 @@ impl RegisteredBuffer {
     /// inside the buffer.
     pub fn try_sge(&self, offset: usize, len: usize) -> Option<Sge> {
         let end = offset.checked_add(len)?;
-        if end > self.data.len() {
+        if end > self.data.len {
             return None;
         }
         Some(Sge {
@@ -1112,12 +1249,13 @@ impl RegisteredBuffer {
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
         if self.region.access().contains(AccessFlags::MW_BIND) {
-            windows::untrack_registered(self.data.as_ptr() as usize);
+            windows::untrack_registered(self.data.ptr.as_ptr() as usize);
         }
         if let Err(error) = self.region.deregister() {
             // The device may still reach these bytes: never free them.
-            tracing::error!(%error, len = self.data.len(), "deregistering memory failed; leaking it");
-            std::mem::forget(std::mem::take(&mut self.data));
+            tracing::error!(%error, len = self.data.len, "deregistering memory failed; leaking it");
+            let leaked = std::mem::replace(&mut self.data, RawMemory::zeroed(0));
+            std::mem::forget(leaked);
         }
     }
 }
@@ -1261,7 +1399,10 @@ impl Window<Bytes> {
             return Err(VerbsError::InvalidArgument("exposing no bytes"));
         }
         if let Some(cache) = pd.window_cache() {
-            match cache.bind_bytes(&**pd, qp, &bytes) {
+            // SAFETY: `bytes` moves into the `Window` built from this window,
+            // which drops it only after deregistering the window (and leaks
+            // it if that fails).
+            match unsafe { cache.bind_bytes(&**pd, qp, &bytes) } {
                 Ok(Some(window)) => {
                     BYTES_WINDOWS.fetch_add(1, AtomicOrdering::Relaxed);
                     return Ok(Window {
@@ -1298,6 +1439,17 @@ impl Window<Bytes> {
     pub fn bytes(&self) -> &Bytes {
         self.held()
     }
+}
+
+/// `InvalidArgument` when `access` lets a peer write.
+fn refuse_remote_writes(access: AccessFlags) -> Result<(), VerbsError> {
+    if access.intersects(REMOTE_WRITES) {
+        return Err(VerbsError::InvalidArgument(
+            "memory a peer may write is registered only through the unsafe \
+             RegisteredBuffer::new_remote_writable",
+        ));
+    }
+    Ok(())
 }
 
 /// [`RegisteredBuffer::expose`] failed; the buffer comes back.
@@ -1359,26 +1511,6 @@ pub(crate) fn make_resident(bytes: &mut [u8]) {
             // SAFETY: `page` is a valid, exclusively borrowed, non-empty slice.
             unsafe { std::ptr::write_volatile(page.as_mut_ptr(), page[0]) };
         }
-    }
-}
-
-/// The CPU the calling thread runs on (tests).
-#[cfg(all(test, target_os = "linux"))]
-pub(crate) fn current_cpu() -> Option<usize> {
-    // SAFETY: no arguments; returns a CPU number or -1.
-    let cpu = unsafe { libc::sched_getcpu() };
-    usize::try_from(cpu).ok()
-}
-
-/// Pins the calling thread to `cpu` (tests).
-#[cfg(all(test, target_os = "linux"))]
-pub(crate) fn pin_to_cpu(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it;
-    // sched_setaffinity reads the set we own for the calling thread (0).
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 

@@ -1,0 +1,469 @@
+//! A connection's queue pair over a device's shared pools: the one place that
+//! posts requests naming pooled memory, and the one poller of their
+//! completions.
+//!
+//! The shared pools ([`SharedPools`]: receive slots on an SRQ, send slots)
+//! and the rendezvous pool ([`crate::pool::LargePool`]) hand their memory to
+//! the device and must not hand it to anyone else until the device is done
+//! with it. A [`PooledQp`] keeps that rule by itself, with nothing trusted
+//! from its caller:
+//!
+//! - it creates its QP and CQ together (the CQ is never handed out, so no
+//!   other poller can take its completions, and no other QP completes into
+//!   it), and encodes in every wr_id what the request holds;
+//! - a send slot is written by [`PooledQp::send`] and marked in flight in
+//!   the same step; it goes back to its pool only when [`PooledQp::poll`]
+//!   polled that SEND's completion (or its flush);
+//! - a READ's destination ([`PooledQp::pull_into`]) is held here, out of
+//!   everyone's reach, until the completion or flush of every READ into it
+//!   was polled ([`PooledQp::finish_pull`] hands it back only then);
+//! - a receive slot's message is copied out when its completion is polled,
+//!   and the slot is posted again;
+//! - when it is dropped with requests still outstanding (the peer never
+//!   answered, the CQ failed), the QP goes to ERROR and what it can poll
+//!   comes back; whatever is still outstanding is leaked: a send slot stays
+//!   out of its pool, a READ destination is never freed or deregistered.
+//!   Deregistering memory under outstanding requests is something rdma-core
+//!   does not promise to survive, so no provider is asked to.
+//!
+//! ```
+//! # use std::sync::Arc;
+//! # use rdma_verbs::{self as verbs, pooled::{PooledQp, PooledQpConfig}, shared::SharedPools};
+//! let context = verbs::provider("soft")?.open("soft0")?;
+//! let pd = context.alloc_pd()?;
+//! let pools = Arc::new(SharedPools::new(&pd, 256, 1024)?);
+//! let qp = PooledQp::new(&context, &pd, pools, None, PooledQpConfig::default())?;
+//! assert_eq!(qp.outstanding(), 0);
+//! # Ok::<(), verbs::VerbsError>(())
+//! ```
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::pool::PooledBuffer;
+use crate::shared::SharedPools;
+use crate::{
+    CompletionChannel, CompletionQueue, Context, ProtectionDomain, QpCaps, QpInit, QueuePair,
+    SendOp, SendWr, VerbsError, WcStatus, WorkCompletion,
+};
+
+/// The top two bits of a wr_id say what a request holds.
+const TAG_SHIFT: u32 = 62;
+const INDEX_MASK: u64 = (1 << TAG_SHIFT) - 1;
+/// A receive slot of the shared receive pool (its index is the pool's).
+const TAG_RECV: u64 = 0;
+/// A send slot of the shared send pool.
+const TAG_SEND: u64 = 1;
+/// A READ into a held destination.
+const TAG_READ: u64 = 2;
+
+/// Completions taken from the CQ per poll.
+pub const POLL_BATCH: usize = 32;
+
+/// Sizes of a [`PooledQp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PooledQpConfig {
+    /// Send queue depth: SENDs, READs and window binds in flight.
+    pub max_send_wr: u32,
+    /// Completion queue depth (receives of the SRQ land here too).
+    pub cq_depth: u32,
+    /// Largest inline SEND.
+    pub max_inline_data: u32,
+}
+
+impl Default for PooledQpConfig {
+    fn default() -> Self {
+        PooledQpConfig {
+            max_send_wr: 128,
+            cq_depth: 512,
+            max_inline_data: 64,
+        }
+    }
+}
+
+/// A send slot taken from the shared send pool and not sent yet: write a
+/// message into it with [`PooledQp::send`], or give it back with
+/// [`PooledQp::put_back`]. Only a [`PooledQp`] makes one.
+#[derive(Debug, PartialEq, Eq)]
+pub struct SendSlot(usize);
+
+/// What a polled completion did.
+#[derive(Debug)]
+pub enum Polled {
+    /// A receive: the message it carried (copied out of its slot, which is
+    /// posted again), or `None` when it failed (`completion.status`).
+    Received(Option<Bytes>),
+    /// A SEND completed or failed; its slot is back in the pool.
+    Sent,
+    /// A READ into pull `key` completed or failed (`len` is what it asked for).
+    Read {
+        /// The pull ([`PooledQp::pull_into`]).
+        key: u64,
+        /// The READ's length.
+        len: u64,
+    },
+    /// A completion of no request of this queue's pools (a window bind's
+    /// failure, reported by the provider with its own wr_id).
+    Other,
+}
+
+/// One polled completion and what it did.
+#[derive(Debug)]
+pub struct PolledCompletion {
+    /// The completion as the CQ reported it.
+    pub completion: WorkCompletion,
+    /// What it released.
+    pub polled: Polled,
+}
+
+/// A READ destination held while READs into it are in flight.
+#[derive(Debug)]
+struct Pull {
+    buffer: PooledBuffer,
+    reads: usize,
+    /// Its owner let go of it: freed once its last READ is polled.
+    abandoned: bool,
+}
+
+/// A connection's QP and CQ over the device's shared pools (see the module docs).
+pub struct PooledQp {
+    // Drop order: `Drop` leaks what is outstanding first; then the QP goes
+    // before the CQ.
+    qp: Arc<dyn QueuePair>,
+    cq: Arc<dyn CompletionQueue>,
+    pools: Arc<SharedPools>,
+    batch: Vec<SendWr>,
+    sends_in_flight: HashMap<u64, usize>,
+    pulls: HashMap<u64, Pull>,
+    /// READs in flight: wr index → (pull key, length).
+    reads: HashMap<u64, (u64, u64)>,
+    next_read: u64,
+    reposts: Vec<usize>,
+    polled: Vec<WorkCompletion>,
+    max_inline: usize,
+}
+
+impl std::fmt::Debug for PooledQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PooledQp")
+            .field("qp", &self.qp.qp_num())
+            .field("sends_in_flight", &self.sends_in_flight.len())
+            .field("reads_in_flight", &self.reads.len())
+            .finish()
+    }
+}
+
+impl PooledQp {
+    /// Creates a CQ of `config.cq_depth` entries (tied to `channel`, if
+    /// any) and an RC QP in INIT that takes its receives from `pools`'
+    /// shared receive queue and completes into that CQ.
+    pub fn new(
+        context: &Arc<dyn Context>,
+        pd: &Arc<dyn ProtectionDomain>,
+        pools: Arc<SharedPools>,
+        channel: Option<&Arc<dyn CompletionChannel>>,
+        config: PooledQpConfig,
+    ) -> Result<PooledQp, VerbsError> {
+        let cq = context.create_cq(config.cq_depth, channel)?;
+        let qp = pd.create_qp(QpInit {
+            send_cq: cq.clone(),
+            recv_cq: cq.clone(),
+            srq: Some(pools.receive.srq().clone()),
+            caps: QpCaps {
+                max_send_wr: config.max_send_wr,
+                max_recv_wr: 0,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: config.max_inline_data,
+            },
+            sq_sig_all: false,
+        })?;
+        qp.to_init()?;
+        let max_inline = qp.caps().max_inline_data as usize;
+        Ok(PooledQp {
+            qp,
+            cq,
+            pools,
+            batch: Vec::new(),
+            sends_in_flight: HashMap::new(),
+            pulls: HashMap::new(),
+            reads: HashMap::new(),
+            next_read: 0,
+            reposts: Vec::new(),
+            polled: vec![WorkCompletion::BLANK; POLL_BATCH],
+            max_inline,
+        })
+    }
+
+    /// The queue pair (to connect it, move it to ERROR, bind windows on
+    /// it). Posting on it directly is `unsafe` and not allowed: its wr_ids
+    /// are this queue's.
+    pub fn qp(&self) -> &Arc<dyn QueuePair> {
+        &self.qp
+    }
+
+    /// The pools it draws from.
+    pub fn pools(&self) -> &Arc<SharedPools> {
+        &self.pools
+    }
+
+    /// Arms the CQ ([`CompletionQueue::req_notify`]).
+    pub fn req_notify(&self, solicited_only: bool) -> Result<(), VerbsError> {
+        self.cq.req_notify(solicited_only)
+    }
+
+    /// A free send slot, registering a chunk when none is free and the
+    /// pool's cap allows (or `past_cap`). `None`: wait for a completion.
+    pub fn take_send_slot(&mut self, past_cap: bool) -> Result<Option<SendSlot>, VerbsError> {
+        Ok(self.pools.send.take(past_cap)?.map(SendSlot))
+    }
+
+    /// Gives back a slot taken and not sent.
+    pub fn put_back(&mut self, slot: SendSlot) {
+        self.pools.send.put_back(slot.0);
+    }
+
+    /// Writes a message into `slot` with `write` (which returns its length)
+    /// and batches a SEND of it (inline when it fits; solicited, so that a
+    /// peer asleep on a solicited-only arm wakes for it). Posted by
+    /// [`PooledQp::post`].
+    pub fn send(&mut self, slot: SendSlot, write: impl FnOnce(&mut [u8]) -> usize) {
+        let index = slot.0;
+        let sge = self.pools.send.fill(index, write);
+        let wr_id = (TAG_SEND << TAG_SHIFT) | index as u64;
+        let mut wr = SendWr::new(wr_id, SendOp::Send, vec![sge]);
+        wr.inline = sge.length as usize <= self.max_inline;
+        wr.solicited = true;
+        self.batch.push(wr);
+        self.sends_in_flight.insert(wr_id, index);
+    }
+
+    /// SENDs batched or posted and not completed.
+    pub fn sends_in_flight(&self) -> usize {
+        self.sends_in_flight.len()
+    }
+
+    /// Holds `destination` for pull `key` (READs into it follow with
+    /// [`PooledQp::read`]). A destination already held under `key` is
+    /// abandoned ([`PooledQp::abandon_pull`]).
+    pub fn pull_into(&mut self, key: u64, destination: PooledBuffer) {
+        self.abandon_pull(key);
+        self.pulls.insert(
+            key,
+            Pull {
+                buffer: destination,
+                reads: 0,
+                abandoned: false,
+            },
+        );
+    }
+
+    /// Batches a READ of `len` bytes at `remote_addr` (the peer's `rkey`)
+    /// into pull `key`'s destination at `offset`. Posted by [`PooledQp::post`].
+    pub fn read(
+        &mut self,
+        key: u64,
+        offset: usize,
+        len: usize,
+        remote_addr: u64,
+        rkey: u32,
+    ) -> Result<(), VerbsError> {
+        let pull = match self.pulls.get_mut(&key) {
+            Some(pull) if !pull.abandoned => pull,
+            _ => return Err(VerbsError::InvalidArgument("READ for a pull with no destination")),
+        };
+        let sge = pull
+            .buffer
+            .buffer()
+            .try_sge(offset, len)
+            .ok_or(VerbsError::InvalidArgument("READ outside its destination buffer"))?;
+        let index = self.next_read;
+        self.next_read = (self.next_read + 1) & INDEX_MASK;
+        let wr_id = (TAG_READ << TAG_SHIFT) | index;
+        pull.reads += 1;
+        self.batch.push(SendWr::new(
+            wr_id,
+            SendOp::RdmaRead { remote_addr, rkey },
+            vec![sge],
+        ));
+        self.reads.insert(index, (key, len as u64));
+        Ok(())
+    }
+
+    /// READs batched or posted and not completed.
+    pub fn reads_in_flight(&self) -> usize {
+        self.reads.len()
+    }
+
+    /// Pull `key`'s destination, once no READ into it is in flight (`None`
+    /// while one is, or when there is no such pull).
+    pub fn finish_pull(&mut self, key: u64) -> Option<PooledBuffer> {
+        match self.pulls.get(&key) {
+            Some(pull) if pull.reads == 0 && !pull.abandoned => {
+                self.pulls.remove(&key).map(|pull| pull.buffer)
+            }
+            _ => None,
+        }
+    }
+
+    /// Lets go of pull `key`'s destination: back to its pool now if no READ
+    /// into it is in flight, else when the last one is polled.
+    pub fn abandon_pull(&mut self, key: u64) {
+        if let Some(pull) = self.pulls.get_mut(&key) {
+            if pull.reads == 0 {
+                self.pulls.remove(&key);
+            } else {
+                pull.abandoned = true;
+            }
+        }
+    }
+
+    /// Pulls whose destinations are held (finished or not).
+    pub fn pulls(&self) -> usize {
+        self.pulls.len()
+    }
+
+    /// True when something is batched and not posted.
+    pub fn has_batch(&self) -> bool {
+        !self.batch.is_empty()
+    }
+
+    /// Posts everything batched, in order. On failure the requests stay
+    /// counted as outstanding (their memory is never reused): the
+    /// connection is broken, and dropping this queue leaks them.
+    pub fn post(&mut self) -> Result<(), VerbsError> {
+        if self.batch.is_empty() {
+            return Ok(());
+        }
+        let wrs = std::mem::take(&mut self.batch);
+        // SAFETY: every SGE names pooled memory that this queue holds until
+        // the request's completion is polled from its own CQ (which nothing
+        // else polls, and into which no other QP completes): a send slot,
+        // written by `send` and marked in flight in the pool (`fill`), no
+        // reference to which the pool hands out until `completed`; or a
+        // READ destination held in `pulls` with its READ counted, handed
+        // back only once the count is zero. The memory stays allocated and
+        // registered: the pools outlive this queue (it holds their `Arc`),
+        // and `Drop` leaks whatever is still outstanding. Inline SENDs' slots
+        // are readable during the call. Every wr_id carries its tag, none
+        // the provider's own (window binds).
+        unsafe { self.qp.post_send(wrs) }.map_err(|failed| failed.error)
+    }
+
+    /// Moves up to [`POLL_BATCH`] completions from the CQ into `out`, each
+    /// with what it released; returns how many. Receive slots whose
+    /// completions came are posted again before this returns.
+    pub fn poll(&mut self, out: &mut Vec<PolledCompletion>) -> Result<usize, VerbsError> {
+        let count = self.cq.poll(&mut self.polled)?;
+        let mut failure = None;
+        for index in 0..count {
+            let completion = self.polled[index];
+            let polled = match self.release(&completion) {
+                Ok(polled) => polled,
+                Err(error) => {
+                    failure.get_or_insert(error);
+                    Polled::Other
+                }
+            };
+            out.push(PolledCompletion { completion, polled });
+        }
+        if !self.reposts.is_empty() {
+            let reposts = std::mem::take(&mut self.reposts);
+            let reposted = self.pools.receive.repost(&reposts);
+            self.reposts = reposts;
+            self.reposts.clear();
+            reposted?;
+        }
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(count),
+        }
+    }
+
+    /// Gives back what `completion`'s request held, whatever its status.
+    fn release(&mut self, completion: &WorkCompletion) -> Result<Polled, VerbsError> {
+        if completion.qp_num != self.qp.qp_num() {
+            return Ok(Polled::Other);
+        }
+        let index = completion.wr_id & INDEX_MASK;
+        match completion.wr_id >> TAG_SHIFT {
+            TAG_RECV => {
+                let slot = index as usize;
+                let message = if completion.status == WcStatus::Success {
+                    Some(
+                        self.pools
+                            .receive
+                            .take(slot, completion.byte_len as usize)?,
+                    )
+                } else {
+                    self.pools.receive.take_failed(slot)?;
+                    None
+                };
+                self.reposts.push(slot);
+                Ok(Polled::Received(message))
+            }
+            TAG_SEND => match self.sends_in_flight.remove(&completion.wr_id) {
+                Some(slot) => {
+                    self.pools.send.completed(slot)?;
+                    Ok(Polled::Sent)
+                }
+                None => Ok(Polled::Other),
+            },
+            TAG_READ => {
+                let Some((key, len)) = self.reads.remove(&index) else {
+                    return Ok(Polled::Other);
+                };
+                if let Some(pull) = self.pulls.get_mut(&key) {
+                    pull.reads -= 1;
+                    if pull.reads == 0 && pull.abandoned {
+                        self.pulls.remove(&key);
+                    }
+                }
+                Ok(Polled::Read { key, len })
+            }
+            _ => Ok(Polled::Other),
+        }
+    }
+
+    /// Requests posted whose completions were not polled yet.
+    pub fn outstanding(&self) -> usize {
+        self.sends_in_flight.len() + self.reads.len()
+    }
+}
+
+impl Drop for PooledQp {
+    fn drop(&mut self) {
+        if self.outstanding() == 0 {
+            return;
+        }
+        // Flush what can be flushed and take back what comes.
+        let _ = self.qp.to_error();
+        let mut out = Vec::new();
+        for _ in 0..64 {
+            out.clear();
+            match self.poll(&mut out) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            if self.outstanding() == 0 {
+                return;
+            }
+        }
+        // The rest may still be the device's: never reuse or free it.
+        tracing::warn!(
+            sends = self.sends_in_flight.len(),
+            reads = self.reads.len(),
+            "requests never completed: their memory stays out of the pools"
+        );
+        for (_, slot) in self.sends_in_flight.drain() {
+            self.pools.send.lose(slot);
+        }
+        for (_, pull) in self.pulls.drain() {
+            if pull.reads > 0 {
+                pull.buffer.leak();
+            }
+        }
+    }
+}
