@@ -26,6 +26,8 @@
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
 pub mod owned;
+#[cfg(test)]
+pub(crate) mod mock;
 pub mod pool;
 pub mod pooled;
 pub mod reactor;
@@ -877,6 +879,17 @@ pub fn windows_exposed() -> u64 {
     WINDOWS.load(AtomicOrdering::Relaxed)
 }
 
+/// [`RegisteredBuffer`]s leaked so far (see [`leaked_buffers`]).
+static LEAKED: AtomicU64 = AtomicU64::new(0);
+
+/// Registered buffers given up without being deregistered or freed, because
+/// a work request naming them never completed where its owner could poll it
+/// (a device that stopped reporting, a completion queue that failed). Zero
+/// on a healthy device: flushes bring everything back.
+pub fn leaked_buffers() -> u64 {
+    LEAKED.load(AtomicOrdering::Relaxed)
+}
+
 /// Counts one live registration of `len` bytes; uncounts on drop.
 struct RegistrationTally(usize);
 
@@ -1074,6 +1087,7 @@ impl RegisteredBuffer {
     /// Gives the buffer up without deregistering or freeing it: for memory
     /// the device may still write (a request whose completion cannot come).
     pub(crate) fn leak(self) {
+        LEAKED.fetch_add(1, AtomicOrdering::Relaxed);
         tracing::warn!(
             len = self.len(),
             "a registered buffer is leaked: the device may still reach it"
@@ -1473,6 +1487,9 @@ pub fn advise_huge_pages(memory: &mut [std::mem::MaybeUninit<u8>]) {
 /// [`advise_huge_pages`] for the whole pages of `start..start + len`, which
 /// the caller holds a mutable borrow of.
 fn advise_huge_pages_in(start: usize, len: usize) {
+    if cfg!(miri) {
+        return; // No system calls under Miri; a hint is all this was.
+    }
     const PAGE: usize = 4096;
     let first = start.next_multiple_of(PAGE);
     let end = (start + len) & !(PAGE - 1);
@@ -1491,7 +1508,7 @@ fn advise_huge_pages_in(start: usize, len: usize) {
 /// frame that lands in them, and no first-touch page fault lands on the
 /// data path (the soft provider copies into them with `process_vm_readv`).
 pub(crate) fn make_resident(bytes: &mut [u8]) {
-    if bytes.is_empty() {
+    if bytes.is_empty() || cfg!(miri) {
         return;
     }
     // SAFETY: the range is exactly the slice we borrow mutably;

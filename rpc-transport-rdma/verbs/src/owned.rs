@@ -249,3 +249,79 @@ impl Drop for OwnedQueue {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mock::{MockContext, MockQp};
+    use crate::{AccessFlags, ConnectOptions, QpAddress, WcStatus};
+
+    fn queue() -> (OwnedQueue, Arc<dyn ProtectionDomain>) {
+        let context = MockContext::open();
+        let pd = context.alloc_pd().unwrap();
+        let queue = OwnedQueue::new(&context, &pd, QpCaps::default()).unwrap();
+        let remote = QpAddress {
+            qp_num: 1,
+            psn: 0,
+            lid: 0,
+            gid: [0; 16],
+            mtu: 4096,
+            extra: Vec::new(),
+        };
+        queue.qp().connect(&remote, &ConnectOptions::default()).unwrap();
+        (queue, pd)
+    }
+
+    fn buffer(pd: &Arc<dyn ProtectionDomain>) -> RegisteredBuffer {
+        RegisteredBuffer::new(pd, 64, AccessFlags::LOCAL_WRITE).unwrap()
+    }
+
+    #[test]
+    fn two_queues_number_alike_and_never_take_each_others_buffers() {
+        let (mut a, pd) = queue();
+        let (mut b, _) = queue();
+        let a_buffer = buffer(&pd);
+        let a_addr = a_buffer.addr();
+        let b_buffer = buffer(&pd);
+        let b_addr = b_buffer.addr();
+        let a_id = a.post_recv(a_buffer).unwrap();
+        let b_id = b.post_send(SendOp::Send, b_buffer, 8).unwrap();
+        assert_eq!(a_id, b_id, "both number from the same start");
+        // B's send completes: only B hears of it, with B's buffer.
+        MockQp::of(b.qp()).complete_send(WcStatus::Success);
+        assert!(a.poll().unwrap().is_empty());
+        assert_eq!(a.in_flight(), 1);
+        let done = b.poll().unwrap();
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].buffer.addr(), b_addr);
+        // A's receive is flushed when its QP breaks: back with A's buffer.
+        a.qp().to_error().unwrap();
+        let done = a.poll().unwrap();
+        assert_eq!(done[0].completion.status, WcStatus::WrFlushErr);
+        assert_eq!(done[0].buffer.addr(), a_addr);
+    }
+
+    #[test]
+    fn dropped_with_buffers_posted_it_takes_back_flushes_and_leaks_the_rest() {
+        let _counter = crate::mock::LEAK_COUNTER.lock();
+        let (mut flushing, pd) = queue();
+        flushing.post_recv(buffer(&pd)).unwrap();
+        let leaked = crate::leaked_buffers();
+        drop(flushing);
+        assert_eq!(crate::leaked_buffers(), leaked, "flushed, then freed");
+
+        let (mut silent, pd) = queue();
+        silent.post_recv(buffer(&pd)).unwrap();
+        MockQp::of(silent.qp()).go_silent();
+        drop(silent);
+        assert_eq!(crate::leaked_buffers(), leaked + 1, "no flush: leaked");
+    }
+
+    #[test]
+    fn a_post_past_the_buffer_hands_it_back() {
+        let (mut queue, pd) = queue();
+        let failed = queue.post_send(SendOp::Send, buffer(&pd), 65).unwrap_err();
+        assert_eq!(failed.buffer.len(), 64);
+        assert_eq!(queue.in_flight(), 0);
+    }
+}

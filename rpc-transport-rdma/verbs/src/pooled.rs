@@ -467,3 +467,182 @@ impl Drop for PooledQp {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mock::{MockContext, MockQp};
+    use crate::pool::{LargePool, LargePoolConfig};
+    use crate::{ConnectOptions, QpAddress, SendOp};
+
+    struct Bed {
+        queue: PooledQp,
+        large: Arc<LargePool>,
+    }
+
+    impl Bed {
+        fn new() -> Bed {
+            let context = MockContext::open();
+            let pd = context.alloc_pd().unwrap();
+            let pools = Arc::new(SharedPools::new(&pd, 256, 256).unwrap());
+            pools.receive.commit(4, 4).unwrap();
+            let queue = PooledQp::new(&context, &pd, pools, None, PooledQpConfig::default())
+                .unwrap();
+            let remote = QpAddress {
+                qp_num: 1,
+                psn: 0,
+                lid: 0,
+                gid: [0; 16],
+                mtu: 4096,
+                extra: Vec::new(),
+            };
+            queue.qp().connect(&remote, &ConnectOptions::default()).unwrap();
+            let config = LargePoolConfig {
+                prealloc_per_class: 0,
+                max_cached_bytes: 1 << 20,
+            };
+            let large = LargePool::new(pd, config).unwrap();
+            Bed { queue, large }
+        }
+
+        fn mock(&self) -> &MockQp {
+            MockQp::of(self.queue.qp())
+        }
+
+        fn poll(&mut self) -> Vec<PolledCompletion> {
+            let mut out = Vec::new();
+            self.queue.poll(&mut out).unwrap();
+            out
+        }
+    }
+
+    #[test]
+    fn a_read_destination_comes_back_only_with_its_completion() {
+        let mut bed = Bed::new();
+        let destination = bed.large.take(4096).unwrap();
+        // (A miss registers a spare too.)
+        let cached = bed.large.cached_bytes();
+        let addr = destination.buffer().addr();
+        bed.queue.pull_into(7, destination);
+        bed.queue.read(7, 0, 2048, 0x1000, 42).unwrap();
+        bed.queue.read(7, 2048, 2048, 0x1800, 42).unwrap();
+        bed.queue.post().unwrap();
+        let posted = bed.mock().sends();
+        assert_eq!(posted.len(), 2);
+        assert_eq!(posted[0].sg_list[0].addr, addr);
+        assert!(matches!(posted[0].op, SendOp::RdmaRead { rkey: 42, .. }));
+        // Not handed back, nor back in the pool, while READs are in flight.
+        assert!(bed.queue.finish_pull(7).is_none());
+        bed.queue.abandon_pull(7);
+        assert_eq!(bed.large.cached_bytes(), cached);
+        assert!(bed.mock().complete_send(WcStatus::Success));
+        let polled = bed.poll();
+        assert!(matches!(
+            polled[0].polled,
+            Polled::Read { key: 7, len: 2048 }
+        ));
+        assert_eq!(bed.large.cached_bytes(), cached, "one READ still in flight");
+        // The second READ is flushed: that too ends it.
+        bed.queue.qp().to_error().unwrap();
+        let polled = bed.poll();
+        assert_eq!(polled[0].completion.status, WcStatus::WrFlushErr);
+        assert_eq!(bed.queue.outstanding(), 0);
+        assert_eq!(bed.large.cached_bytes(), cached + (64 << 10), "back in the pool");
+    }
+
+    #[test]
+    fn a_finished_pull_hands_its_destination_back_once_every_read_completed() {
+        let mut bed = Bed::new();
+        bed.queue.pull_into(1, bed.large.take(100).unwrap());
+        bed.queue.read(1, 0, 100, 0x1000, 9).unwrap();
+        assert!(bed.queue.read(2, 0, 100, 0x1000, 9).is_err(), "no such pull");
+        assert!(
+            bed.queue.read(1, 64 << 10, 1, 0x1000, 9).is_err(),
+            "outside the destination"
+        );
+        bed.queue.post().unwrap();
+        assert!(bed.queue.finish_pull(1).is_none());
+        bed.mock().complete_send(WcStatus::Success);
+        bed.poll();
+        let destination = bed.queue.finish_pull(1).expect("every READ completed");
+        assert_eq!(destination.buffer().len(), 64 << 10);
+    }
+
+    #[test]
+    fn dropped_with_reads_no_device_will_complete_it_leaks_their_memory() {
+        let mut bed = Bed::new();
+        bed.queue.pull_into(3, bed.large.take(4096).unwrap());
+        let cached = bed.large.cached_bytes();
+        bed.queue.read(3, 0, 4096, 0x1000, 5).unwrap();
+        let slot = bed.queue.take_send_slot(true).unwrap().unwrap();
+        bed.queue.send(slot, |buffer| {
+            buffer[..5].copy_from_slice(b"hello");
+            5
+        });
+        bed.queue.post().unwrap();
+        bed.mock().go_silent();
+        let _counter = crate::mock::LEAK_COUNTER.lock();
+        let leaked = crate::leaked_buffers();
+        let pools = bed.queue.pools().clone();
+        drop(bed.queue);
+        assert_eq!(crate::leaked_buffers(), leaked + 1, "the READ's destination");
+        assert_eq!(bed.large.cached_bytes(), cached, "never back in the pool");
+        assert_eq!(pools.send.lost(), 1, "the SEND's slot stays out");
+    }
+
+    #[test]
+    fn a_send_slot_is_reused_only_after_its_completion() {
+        let mut bed = Bed::new();
+        let first = bed.queue.take_send_slot(true).unwrap().unwrap();
+        let first_index = first.0;
+        bed.queue.send(first, |buffer| {
+            buffer[..2].copy_from_slice(b"hi");
+            2
+        });
+        bed.queue.post().unwrap();
+        assert_eq!(bed.mock().sends()[0].sg_list[0].length, 2);
+        assert!(bed.mock().sends()[0].inline);
+        let second = bed.queue.take_send_slot(true).unwrap().unwrap();
+        assert_ne!(second.0, first_index, "a slot in flight is not handed out");
+        bed.queue.put_back(second);
+        bed.mock().complete_send(WcStatus::Success);
+        assert!(matches!(bed.poll()[0].polled, Polled::Sent));
+        assert_eq!(bed.queue.sends_in_flight(), 0);
+    }
+
+    #[test]
+    fn a_received_message_is_copied_out_and_its_slot_posted_again() {
+        let mut bed = Bed::new();
+        let srq = bed.queue.pools().receive.srq().clone();
+        let srq = crate::own::<crate::mock::MockSrq>(srq.as_any(), "mock").unwrap();
+        let posted = srq.posted();
+        assert!(posted >= 4);
+        bed.mock().deliver(b"a message");
+        assert_eq!(srq.posted(), posted - 1);
+        let polled = bed.poll();
+        match &polled[0].polled {
+            Polled::Received(Some(message)) => assert_eq!(&message[..], b"a message"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(srq.posted(), posted, "posted again");
+    }
+
+    #[test]
+    fn completions_of_another_qp_release_nothing() {
+        let mut bed = Bed::new();
+        bed.queue.pull_into(1, bed.large.take(100).unwrap());
+        bed.queue.read(1, 0, 100, 0x1000, 9).unwrap();
+        bed.queue.post().unwrap();
+        let wr_id = bed.mock().sends()[0].wr_id;
+        let forged = WorkCompletion {
+            wr_id,
+            status: WcStatus::Success,
+            opcode: crate::WcOpcode::RdmaRead,
+            byte_len: 100,
+            imm_data: None,
+            qp_num: bed.queue.qp().qp_num() + 1,
+        };
+        assert!(matches!(bed.queue.release(&forged).unwrap(), Polled::Other));
+        assert_eq!(bed.queue.reads_in_flight(), 1);
+    }
+}
