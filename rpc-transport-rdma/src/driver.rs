@@ -49,10 +49,10 @@ use tokio::sync::{Notify, mpsc};
 use crate::config::{Fault, PollMode, RdmaConfig};
 use crate::device::{Device, SharedPools};
 use crate::pool::{LargePool, PooledBuffer};
-use crate::verbs::pooled::{Polled, PolledCompletion, PooledQp, SendSlot};
 use crate::protocol::{Body, Event, HEADER_LEN, Inbound, Message, Protocol, Route};
 use crate::setup_socket::{SetupSocket, SocketRead};
 use crate::spin::SpinPolicy;
+use crate::verbs::pooled::{Polled, PolledCompletion, PooledQp, SendSlot};
 use crate::verbs::{
     AccessFlags, AsyncCompletionChannel, CmConnection, ExposedBuffer, ExposedBytes, WcOpcode,
     WcStatus, WorkCompletion, pooled::POLL_BATCH,
@@ -702,13 +702,14 @@ impl Driver {
             .map_err(|error| format!("rendezvous buffer of {} bytes: {error}", frame.len()))?;
         buffer.buffer_mut().as_mut_slice()[..frame.len()].copy_from_slice(&frame);
         let (registered, pool) = buffer.into_parts();
-        let window = match registered.expose_to(self.queue.qp(), frame.len(), AccessFlags::REMOTE_READ) {
-            Ok(window) => window,
-            Err(failed) => {
-                drop(PooledBuffer::restore(failed.buffer, pool));
-                return Err(format!("exposing a rendezvous frame: {}", failed.error));
-            }
-        };
+        let window =
+            match registered.expose_to(self.queue.qp(), frame.len(), AccessFlags::REMOTE_READ) {
+                Ok(window) => window,
+                Err(failed) => {
+                    drop(PooledBuffer::restore(failed.buffer, pool));
+                    return Err(format!("exposing a rendezvous frame: {}", failed.error));
+                }
+            };
         let (addr, len, rkey) = self.forged(window.addr(), window.len() as u64, window.rkey());
         let token = self.protocol.send_rendezvous(
             Bytes::new(),

@@ -699,7 +699,16 @@ async fn establish(
             peer_geometry = Some(check_peer(hello, device.provider, &host)?.geometry);
             Ok(())
         },
-        |peer| connect_queue_pair(device, endpoint.queue.qp(), &config.connect, role, peer, peer_ip),
+        |peer| {
+            connect_queue_pair(
+                device,
+                endpoint.queue.qp(),
+                &config.connect,
+                role,
+                peer,
+                peer_ip,
+            )
+        },
     )
     .await
     .map_err(other)?;

@@ -10,7 +10,7 @@ use rpc_core::Channel;
 use rpc_transport_rdma::verbs;
 
 use crate::common::{RdmaBed, echo};
-use crate::suite::{pattern, start};
+use crate::suite::{ChildServer, pattern, start};
 
 /// Calls `total` echoes with `in_flight` outstanding at a time; sizes cycle
 /// from 1 byte to the eager threshold.
@@ -478,6 +478,85 @@ async fn idle_connections_register_at_most_64_kib_each(server: &crate::suite::Ru
     );
 }
 
+const CHILD_SERVER_ENV: &str = "RDMA_RPC_ACCOUNTING_CHILD_SERVER";
+
+/// Not a test: the server process of
+/// [`a_connection_torn_down_with_reads_in_flight_frees_nothing_the_device_targets`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper process for the accounting test"]
+async fn accounting_child_server() {
+    if std::env::var(CHILD_SERVER_ENV).is_err() {
+        return;
+    }
+    let server = start(&RdmaBed).await;
+    println!("LISTENING {}", server.endpoint);
+    std::future::pending::<()>().await;
+}
+
+/// A client pulling a large answer (READs in flight) whose server process is
+/// killed: its READs end with errors or flushes, and only then are their
+/// destinations let go; nothing is leaked (the flushes came) and every
+/// rendezvous buffer is back in the pool.
+async fn a_connection_torn_down_with_reads_in_flight_frees_nothing_the_device_targets() {
+    let large = rpc_transport_rdma::device::open(&crate::common::strict_config())
+        .unwrap()
+        .large
+        .clone();
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let mut child = ChildServer::spawn("accounting_child_server", CHILD_SERVER_ENV);
+        let channel = Channel::connect(child.endpoint.clone()).await.unwrap();
+        assert!(echo(&channel, pattern(64, 1)).await == pattern(64, 1));
+        let (leaked, failed, posted) = (
+            verbs::leaked_buffers(),
+            verbs::pooled::reads_failed(),
+            verbs::pooled::reads_posted(),
+        );
+        // The server pulls the request, then answers: this side pulls the
+        // answer with READs (posted in this process).
+        let payload = pattern(48 << 20, 7);
+        let call = tokio::spawn({
+            let channel = channel.clone();
+            async move { crate::common::try_echo(&channel, payload).await }
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while verbs::pooled::reads_posted() == posted {
+            assert!(std::time::Instant::now() < deadline, "no READ was posted");
+            assert!(
+                !call.is_finished(),
+                "the call ended before this side pulled its answer"
+            );
+            tokio::time::sleep(std::time::Duration::from_micros(200)).await;
+        }
+        child.kill();
+        assert!(
+            call.await.unwrap().is_err(),
+            "the call fails with its server"
+        );
+        drop(channel);
+        // The connection ends (and drains) shortly after the call failed.
+        let settle = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while large.buffers_out() > 0 && std::time::Instant::now() < settle {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let failed_now = verbs::pooled::reads_failed() - failed;
+        println!(
+            "torn down with READs in flight (attempt {attempts}): {failed_now} READs ended by error or flush, \
+             {} buffers leaked, {} rendezvous buffers out",
+            verbs::leaked_buffers() - leaked,
+            large.buffers_out()
+        );
+        assert_eq!(verbs::leaked_buffers(), leaked, "leaked buffers");
+        assert_eq!(large.buffers_out(), 0, "every rendezvous buffer is back");
+        if failed_now > 0 {
+            return;
+        }
+        // Every READ had completed before the kill: try again.
+        assert!(attempts < 5, "the kill never caught a READ in flight");
+    }
+}
+
 /// One test, so the phases never overlap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_memory_stays_flat_under_load() {
@@ -492,4 +571,5 @@ async fn registered_memory_stays_flat_under_load() {
     send_buffer_fields_go_out_without_a_copy(&channel).await;
     large_calls_register_nothing_after_warm_up_where_windows_bind(&channel).await;
     silent_set_ups_hold_bounded_registered_memory(&server, &channel).await;
+    a_connection_torn_down_with_reads_in_flight_frees_nothing_the_device_targets().await;
 }

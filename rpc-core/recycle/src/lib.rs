@@ -47,7 +47,6 @@ use std::sync::Mutex;
 
 use bytes::{Bytes, BytesMut};
 
-
 /// Messages at least this long (by the codec's length hint) are encoded into
 /// recycled buffers; smaller ones into an ordinary allocation.
 pub const RECYCLE_FROM: usize = 1 << 20;

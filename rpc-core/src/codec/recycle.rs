@@ -26,7 +26,6 @@ pub(crate) fn encode_to_bytes<C: Codec>(codec: &mut C, item: C::Encode) -> Resul
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

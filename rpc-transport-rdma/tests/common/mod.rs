@@ -70,6 +70,18 @@ pub(crate) fn register_scheme(scheme: &str, config: RdmaConfig) {
 
 /// One Echo call of the suite's probe service; the payload that came back.
 #[allow(dead_code)] // not every test binary calls it
+/// An echo that may fail.
+#[allow(dead_code)]
+pub(crate) async fn try_echo(
+    channel: &rpc_core::Channel,
+    payload: bytes::Bytes,
+) -> Result<bytes::Bytes, rpc_core::Status> {
+    Ok(channel
+        .unary(crate::suite::probe("Echo", payload))
+        .await?
+        .into_inner())
+}
+
 pub(crate) async fn echo(channel: &rpc_core::Channel, payload: bytes::Bytes) -> bytes::Bytes {
     channel
         .unary(crate::suite::probe("Echo", payload))

@@ -25,9 +25,9 @@
 
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
-pub mod owned;
 #[cfg(test)]
 pub(crate) mod mock;
+pub mod owned;
 pub mod pool;
 pub mod pooled;
 pub mod reactor;

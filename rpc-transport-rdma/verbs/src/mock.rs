@@ -64,7 +64,9 @@ impl Context for MockContext {
     }
 
     fn create_comp_channel(&self) -> Result<Arc<dyn CompletionChannel>, VerbsError> {
-        Err(VerbsError::Unsupported("completion channels on the mock device"))
+        Err(VerbsError::Unsupported(
+            "completion channels on the mock device",
+        ))
     }
 
     fn create_cq(
@@ -290,11 +292,7 @@ impl MockQp {
         // polled (the contract of `post_recv`), so nothing else reads or
         // writes them now.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                message.as_ptr(),
-                sge.addr as *mut u8,
-                message.len(),
-            );
+            std::ptr::copy_nonoverlapping(message.as_ptr(), sge.addr as *mut u8, message.len());
         }
         let mut done = completion(self.qp_num, wr.wr_id, WcStatus::Success, WcOpcode::Recv);
         done.byte_len = message.len() as u32;
@@ -331,7 +329,11 @@ impl QueuePair for MockQp {
         lock(&self.state).state = QpState::Init;
         Ok(())
     }
-    fn to_rtr(&self, _remote: &QpAddress, _options: &crate::ConnectOptions) -> Result<(), VerbsError> {
+    fn to_rtr(
+        &self,
+        _remote: &QpAddress,
+        _options: &crate::ConnectOptions,
+    ) -> Result<(), VerbsError> {
         lock(&self.state).state = QpState::Rtr;
         Ok(())
     }

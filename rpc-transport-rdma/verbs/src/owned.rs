@@ -268,7 +268,10 @@ mod tests {
             mtu: 4096,
             extra: Vec::new(),
         };
-        queue.qp().connect(&remote, &ConnectOptions::default()).unwrap();
+        queue
+            .qp()
+            .connect(&remote, &ConnectOptions::default())
+            .unwrap();
         (queue, pd)
     }
 

@@ -39,6 +39,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 
@@ -58,6 +59,21 @@ const TAG_RECV: u64 = 0;
 const TAG_SEND: u64 = 1;
 /// A READ into a held destination.
 const TAG_READ: u64 = 2;
+
+static READS_POSTED: AtomicU64 = AtomicU64::new(0);
+static READS_FAILED: AtomicU64 = AtomicU64::new(0);
+
+/// READs [`PooledQp`]s batched for posting so far, process-wide.
+pub fn reads_posted() -> u64 {
+    READS_POSTED.load(Ordering::Relaxed)
+}
+
+/// READs of [`PooledQp`]s that ended with an error or a flush (a
+/// connection torn down under them), process-wide: each held its
+/// destination until that completion was polled.
+pub fn reads_failed() -> u64 {
+    READS_FAILED.load(Ordering::Relaxed)
+}
 
 /// Completions taken from the CQ per poll.
 pub const POLL_BATCH: usize = 32;
@@ -272,13 +288,19 @@ impl PooledQp {
     ) -> Result<(), VerbsError> {
         let pull = match self.pulls.get_mut(&key) {
             Some(pull) if !pull.abandoned => pull,
-            _ => return Err(VerbsError::InvalidArgument("READ for a pull with no destination")),
+            _ => {
+                return Err(VerbsError::InvalidArgument(
+                    "READ for a pull with no destination",
+                ));
+            }
         };
         let sge = pull
             .buffer
             .buffer()
             .try_sge(offset, len)
-            .ok_or(VerbsError::InvalidArgument("READ outside its destination buffer"))?;
+            .ok_or(VerbsError::InvalidArgument(
+                "READ outside its destination buffer",
+            ))?;
         let index = self.next_read;
         self.next_read = (self.next_read + 1) & INDEX_MASK;
         let wr_id = (TAG_READ << TAG_SHIFT) | index;
@@ -289,6 +311,7 @@ impl PooledQp {
             vec![sge],
         ));
         self.reads.insert(index, (key, len as u64));
+        READS_POSTED.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -415,6 +438,9 @@ impl PooledQp {
                 let Some((key, len)) = self.reads.remove(&index) else {
                     return Ok(Polled::Other);
                 };
+                if completion.status != WcStatus::Success {
+                    READS_FAILED.fetch_add(1, Ordering::Relaxed);
+                }
                 if let Some(pull) = self.pulls.get_mut(&key) {
                     pull.reads -= 1;
                     if pull.reads == 0 && pull.abandoned {
@@ -486,8 +512,8 @@ mod tests {
             let pd = context.alloc_pd().unwrap();
             let pools = Arc::new(SharedPools::new(&pd, 256, 256).unwrap());
             pools.receive.commit(4, 4).unwrap();
-            let queue = PooledQp::new(&context, &pd, pools, None, PooledQpConfig::default())
-                .unwrap();
+            let queue =
+                PooledQp::new(&context, &pd, pools, None, PooledQpConfig::default()).unwrap();
             let remote = QpAddress {
                 qp_num: 1,
                 psn: 0,
@@ -496,7 +522,10 @@ mod tests {
                 mtu: 4096,
                 extra: Vec::new(),
             };
-            queue.qp().connect(&remote, &ConnectOptions::default()).unwrap();
+            queue
+                .qp()
+                .connect(&remote, &ConnectOptions::default())
+                .unwrap();
             let config = LargePoolConfig {
                 prealloc_per_class: 0,
                 max_cached_bytes: 1 << 20,
@@ -547,7 +576,11 @@ mod tests {
         let polled = bed.poll();
         assert_eq!(polled[0].completion.status, WcStatus::WrFlushErr);
         assert_eq!(bed.queue.outstanding(), 0);
-        assert_eq!(bed.large.cached_bytes(), cached + (64 << 10), "back in the pool");
+        assert_eq!(
+            bed.large.cached_bytes(),
+            cached + (64 << 10),
+            "back in the pool"
+        );
     }
 
     #[test]
@@ -555,7 +588,10 @@ mod tests {
         let mut bed = Bed::new();
         bed.queue.pull_into(1, bed.large.take(100).unwrap());
         bed.queue.read(1, 0, 100, 0x1000, 9).unwrap();
-        assert!(bed.queue.read(2, 0, 100, 0x1000, 9).is_err(), "no such pull");
+        assert!(
+            bed.queue.read(2, 0, 100, 0x1000, 9).is_err(),
+            "no such pull"
+        );
         assert!(
             bed.queue.read(1, 64 << 10, 1, 0x1000, 9).is_err(),
             "outside the destination"
@@ -585,7 +621,11 @@ mod tests {
         let leaked = crate::leaked_buffers();
         let pools = bed.queue.pools().clone();
         drop(bed.queue);
-        assert_eq!(crate::leaked_buffers(), leaked + 1, "the READ's destination");
+        assert_eq!(
+            crate::leaked_buffers(),
+            leaked + 1,
+            "the READ's destination"
+        );
         assert_eq!(bed.large.cached_bytes(), cached, "never back in the pool");
         assert_eq!(pools.send.lost(), 1, "the SEND's slot stays out");
     }

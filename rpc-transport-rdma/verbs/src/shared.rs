@@ -440,7 +440,10 @@ impl SharedSendPool {
 
 impl Drop for SharedSendPool {
     fn drop(&mut self) {
-        let state = self.state.get_mut().unwrap_or_else(|poison| poison.into_inner());
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|poison| poison.into_inner());
         if state.slots.contains(&SendSlot::InFlight) {
             // A SEND the device may still read: never free its memory.
             for chunk in state.chunks.chunks.drain(..) {
@@ -452,7 +455,10 @@ impl Drop for SharedSendPool {
 
 impl Drop for SharedReceivePool {
     fn drop(&mut self) {
-        let state = self.state.get_mut().unwrap_or_else(|poison| poison.into_inner());
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|poison| poison.into_inner());
         // Posted receives are the SRQ's until it is destroyed, which happens
         // when its last `Arc` goes: this pool's, unless a QP still holds
         // one. Then the device may still write them: never free them.

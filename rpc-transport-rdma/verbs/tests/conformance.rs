@@ -17,9 +17,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use harness::*;
 use rdma_verbs::{
-    self as verbs,
-    self, AccessFlags, ConnectOptions, ExposedBytes, QpAddress, QpCaps, QpState, RecvWr, SendOp,
-    SendWr, Sge, WcOpcode, WcStatus, wait_readable,
+    self as verbs, self, AccessFlags, ConnectOptions, ExposedBytes, QpAddress, QpCaps, QpState,
+    RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, wait_readable,
 };
 
 const LW: AccessFlags = AccessFlags::LOCAL_WRITE;

@@ -11,10 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_verbs::{
-    self as verbs,
-    AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, Context, DeviceCaps,
-    PostError, ProtectionDomain, QpCaps, QpInit, QueuePair, RecvWr, RegisteredBuffer, SendOp,
-    SendWr, Sge, SharedReceiveQueue, WorkCompletion,
+    self as verbs, AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, Context,
+    DeviceCaps, PostError, ProtectionDomain, QpCaps, QpInit, QueuePair, RecvWr, RegisteredBuffer,
+    SendOp, SendWr, Sge, SharedReceiveQueue, WorkCompletion,
 };
 
 /// How long a test waits for a completion before failing (generous: rxe under TCG is slow).
