@@ -50,8 +50,10 @@ impl PollMode {
 }
 
 /// Test-only fault injection (eRPC's `fault_inject`): makes this side break
-/// the protocol on purpose so tests can prove the peer copes.
-#[doc(hidden)]
+/// the protocol on purpose so tests can prove the peer copes. Only with the
+/// cargo feature `fault-injection` (the crate's own tests turn it on); a
+/// build without it has no such setting.
+#[cfg(feature = "fault-injection")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// Announce rendezvous frames with a wrong rkey.
@@ -98,8 +100,8 @@ pub struct RdmaConfig {
     pub large_pool: LargePoolConfig,
     /// QP reliability settings.
     pub connect: ConnectOptions,
-    /// Test-only: break the protocol on purpose.
-    #[doc(hidden)]
+    /// Test-only (feature `fault-injection`): break the protocol on purpose.
+    #[cfg(feature = "fault-injection")]
     pub fault: Option<Fault>,
 }
 
@@ -117,6 +119,7 @@ impl Default for RdmaConfig {
             poll_mode: PollMode::Adaptive { spin: DEFAULT_SPIN },
             large_pool: LargePoolConfig::default(),
             connect: ConnectOptions::default(),
+            #[cfg(feature = "fault-injection")]
             fault: None,
         }
     }

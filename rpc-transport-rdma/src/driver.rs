@@ -46,7 +46,9 @@ use rpc_core::frame::EncodedFrame;
 use rpc_core::transport::{ConnectionBudget, Reservation, TransportError};
 use tokio::sync::{Notify, mpsc};
 
-use crate::config::{Fault, PollMode, RdmaConfig};
+#[cfg(feature = "fault-injection")]
+use crate::config::Fault;
+use crate::config::{PollMode, RdmaConfig};
 use crate::device::{Device, SharedPools};
 use crate::pool::{LargePool, PooledBuffer};
 use crate::protocol::{Body, Event, HEADER_LEN, Inbound, Message, Protocol, Route};
@@ -202,6 +204,7 @@ pub(crate) struct Driver {
     poll_mode: PollMode,
     /// The device raises events for solicited SENDs on solicited-only arms.
     solicited_events: bool,
+    #[cfg(feature = "fault-injection")]
     fault: Option<Fault>,
     completions: Vec<PolledCompletion>,
 }
@@ -268,6 +271,7 @@ impl Driver {
             flushed: false,
             poll_mode: config.poll_mode,
             solicited_events,
+            #[cfg(feature = "fault-injection")]
             fault: config.fault,
             completions: Vec::with_capacity(POLL_BATCH),
         }
@@ -683,7 +687,9 @@ impl Driver {
 
     /// What the announcement says about a window: the truth, unless a test
     /// asked this side to forge it.
+    #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
     fn forged(&self, mut addr: u64, mut len: u64, mut rkey: u32) -> (u64, u64, u32) {
+        #[cfg(feature = "fault-injection")]
         match self.fault {
             Some(Fault::ForgeRkey) => rkey ^= 0x5a5a_0000,
             Some(Fault::ForgeRange) => addr += 1 << 30,
@@ -691,6 +697,14 @@ impl Driver {
             Some(Fault::ForgeBatch) | None => {}
         }
         (addr, len, rkey)
+    }
+
+    /// A test asked this side to send broken BATCH messages.
+    fn forges_batches(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.fault == Some(Fault::ForgeBatch);
+        #[cfg(not(feature = "fault-injection"))]
+        false
     }
 
     /// Copies a large frame into a pooled buffer and exposes exactly its bytes.
@@ -899,7 +913,7 @@ impl Driver {
                 break;
             };
             progressed = true;
-            let forge = self.fault == Some(Fault::ForgeBatch);
+            let forge = self.forges_batches();
             self.queue.send(slot, |buffer| {
                 let len = message.encode_into(buffer);
                 if forge {

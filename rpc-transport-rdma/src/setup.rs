@@ -184,7 +184,7 @@ fn take<'a>(rest: &mut &'a [u8], n: usize) -> Result<&'a [u8], SetupError> {
 /// Fuzzing entry point (not API): decodes `body` as a peer's hello (what
 /// follows the length prefix) and, when it is accepted, checks that it
 /// re-encodes to the same bytes and decodes again to the same hello.
-#[doc(hidden)]
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_decode_hello(body: &[u8]) -> Result<Hello, SetupError> {
     let hello = Hello::decode(body)?;
     let again = hello.encode();

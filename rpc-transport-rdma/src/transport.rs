@@ -504,7 +504,7 @@ fn check_peer(hello: &Hello, provider: &str, host: &str) -> Result<TransportHell
 /// Fuzzing entry point (not API): decodes `payload` as the transport's part
 /// of a peer's hello and, when it is accepted, checks that it re-encodes to
 /// the same bytes and that [`check_peer`] agrees with the decoder.
-#[doc(hidden)]
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_decode_transport_hello(payload: &[u8]) -> Result<(), SetupError> {
     let decoded = TransportHello::decode(payload);
     let hello = Hello {

@@ -68,10 +68,8 @@ pub(crate) fn register_scheme(scheme: &str, config: RdmaConfig) {
     );
 }
 
-/// One Echo call of the suite's probe service; the payload that came back.
+/// One Echo call of the suite's probe service that may fail.
 #[allow(dead_code)] // not every test binary calls it
-/// An echo that may fail.
-#[allow(dead_code)]
 pub(crate) async fn try_echo(
     channel: &rpc_core::Channel,
     payload: bytes::Bytes,
@@ -82,6 +80,8 @@ pub(crate) async fn try_echo(
         .into_inner())
 }
 
+/// One Echo call of the suite's probe service; the payload that came back.
+#[allow(dead_code)] // not every test binary calls it
 pub(crate) async fn echo(channel: &rpc_core::Channel, payload: bytes::Bytes) -> bytes::Bytes {
     channel
         .unary(crate::suite::probe("Echo", payload))
