@@ -1,4 +1,7 @@
-//! The verbs layer: RDMA's vocabulary, behind provider traits.
+//! rdma-verbs: RDMA's vocabulary behind provider traits, with a safe API
+//! that is sound. The only crate of rdma-rpc with `unsafe` code; it knows
+//! nothing of the RPC layer (see the crate's README for a two-process READ
+//! and the ownership rules in full).
 //!
 //! The names and semantics are those of libibverbs, so that what you know
 //! from `man ibv_post_send` holds here:
@@ -19,12 +22,36 @@
 //! requests back ([`PostError`]).
 //!
 //! Providers: [`soft`] (always built) — our own software device with faithful
-//! RC semantics between processes of one host.
+//! RC semantics between processes of one host; `ibverbs` (feature `ibverbs`)
+//! — real rdma-core.
+//!
+//! # Memory and ownership
+//!
+//! Posting a raw work request is `unsafe` ([`QueuePair::post_send`]): the
+//! memory it names is the device's until its completion. The safe side:
+//!
+//! - [`RegisteredBuffer`]: registered heap memory that only the local device
+//!   writes, and only for a request that owns it; memory a peer may write
+//!   comes from the `unsafe` [`RegisteredBuffer::new_remote_writable`].
+//! - [`owned::OwnedQueue`]: a QP with its own CQ; buffers move in with a post
+//!   and come back with their completion.
+//! - [`pooled::PooledQp`]: a connection's QP over the device's shared pools
+//!   ([`shared`], [`pool`]), the only poster of requests naming pooled memory
+//!   and the only poller of their completions.
+//!
+//! Memory under an outstanding request is never freed or deregistered: it
+//! comes back with the completion or flush, or is leaked
+//! ([`leaked_buffers`]) when none can come.
 
 #![allow(unsafe_code)]
 
 #[cfg(feature = "ibverbs")]
 pub mod ibverbs;
+/// The README's code, compiled as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 #[cfg(test)]
 pub(crate) mod mock;
 pub mod owned;

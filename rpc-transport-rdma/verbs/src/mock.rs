@@ -130,6 +130,26 @@ impl ProtectionDomain for MockPd {
         }))
     }
 
+    unsafe fn bind_window(
+        &self,
+        region: &Arc<dyn MemoryRegion>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        _qp: &Arc<dyn QueuePair>,
+    ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        let end = addr.checked_add(len as u64);
+        if addr < region.addr() || end > Some(region.addr() + region.len() as u64) {
+            return Err(VerbsError::InvalidArgument("window outside its region"));
+        }
+        Ok(Arc::new(MockMr {
+            addr,
+            len,
+            key: next_id(),
+            access,
+        }))
+    }
+
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
         Ok(Arc::new(MockQp {
             qp_num: next_id(),
