@@ -827,26 +827,29 @@ pub trait QueuePair: Send + Sync {
     /// Posts send requests, in order. On failure the failing request and all after it come back.
     ///
     /// # Safety
-    /// Until the request completes (or is flushed), the memory every SGE
-    /// names must stay allocated and registered, and must not be accessed
-    /// through a Rust reference: the device reads a send's or write's source
-    /// and writes a receive's, READ's or atomic's destination behind the
-    /// compiler's back. (Deregistering is allowed: no provider touches
-    /// memory through a key after its deregistration returned, and the
-    /// request then fails with a protection error.) An `inline` request's
-    /// SGEs are read during the call itself and must be readable then.
+    /// Until the request completes (or is flushed) and that completion was
+    /// polled, the memory every SGE names must stay allocated and
+    /// registered: the device reads a SEND's or WRITE's source, and writes a
+    /// READ's or atomic's destination, behind the compiler's back. A
+    /// destination must not be read or written through a Rust reference
+    /// meanwhile, a source not written. Do not deregister or free the
+    /// memory before then (rdma-core does not promise that is safe; leak it
+    /// if no completion can come). An `inline` request's SGEs are read
+    /// during the call itself and must be readable then. The QP must not be
+    /// one an [`owned::OwnedQueue`] or a [`pooled::PooledQp`] owns: their
+    /// wr_ids are theirs.
     unsafe fn post_send(&self, wrs: Vec<SendWr>) -> Result<(), PostError<SendWr>>;
     /// Posts receives, in order. On failure the failing request and all after it come back.
     ///
     /// # Safety
-    /// Until the request completes (or is flushed), the memory every SGE
-    /// names must stay allocated and registered, and must not be accessed
-    /// through a Rust reference: the device reads a send's or write's source
-    /// and writes a receive's, READ's or atomic's destination behind the
-    /// compiler's back. (Deregistering is allowed: no provider touches
-    /// memory through a key after its deregistration returned, and the
-    /// request then fails with a protection error.) An `inline` request's
-    /// SGEs are read during the call itself and must be readable then.
+    /// Until the receive completes (or is flushed) and that completion was
+    /// polled, the memory every SGE names must stay allocated and
+    /// registered, and must not be read or written through a Rust
+    /// reference: the device writes the incoming message there behind the
+    /// compiler's back. Do not deregister or free it before then (rdma-core
+    /// does not promise that is safe; leak it if no completion can come).
+    /// The QP must not be one an [`owned::OwnedQueue`] or a
+    /// [`pooled::PooledQp`] owns: their wr_ids are theirs.
     unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
 
     /// Lets a provider recognise its own QPs (e.g. its connection manager).
@@ -867,14 +870,11 @@ pub trait SharedReceiveQueue: Send + Sync {
     /// Posts receives shared by every QP attached to this SRQ.
     ///
     /// # Safety
-    /// Until the request completes (or is flushed), the memory every SGE
-    /// names must stay allocated and registered, and must not be accessed
-    /// through a Rust reference: the device reads a send's or write's source
-    /// and writes a receive's, READ's or atomic's destination behind the
-    /// compiler's back. (Deregistering is allowed: no provider touches
-    /// memory through a key after its deregistration returned, and the
-    /// request then fails with a protection error.) An `inline` request's
-    /// SGEs are read during the call itself and must be readable then.
+    /// As for [`QueuePair::post_recv`]: until the receive's completion (on
+    /// the CQ of whichever QP consumed it) or its flush was polled, the
+    /// memory every SGE names stays allocated and registered and is not
+    /// read or written through a Rust reference. The SRQ must not be a
+    /// [`shared::SharedReceivePool`]'s.
     unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>>;
     /// Lets a provider recognise its own SRQs.
     fn as_any(&self) -> &dyn std::any::Any;

@@ -417,7 +417,8 @@ impl SharedSendPool {
         }
     }
 
-    /// Send slots lost for good ([`SharedSendPool::lose`]).
+    /// Send slots lost for good: their SEND never completed where a poller
+    /// could see it, so they stay out of the pool.
     pub fn lost(&self) -> usize {
         lock(&self.state).lost
     }
