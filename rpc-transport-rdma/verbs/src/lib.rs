@@ -744,7 +744,17 @@ pub trait ProtectionDomain: Send + Sync {
 }
 
 /// A registered memory region; deregistered on drop.
-pub trait MemoryRegion: Send + Sync {
+///
+/// # Safety
+/// Implementing this trait vouches for the device behind it, as safe code
+/// relies on it ([`RegisteredBuffer`], the window cache): `addr`, `len` and
+/// the keys describe what was registered; the device reaches the memory
+/// only through those keys, only within the range and with the rights
+/// registered (a region without `REMOTE_WRITE`/`REMOTE_ATOMIC` is never
+/// written by a peer; without `LOCAL_WRITE`, never by the local device);
+/// and once [`MemoryRegion::deregister`] returned `Ok` (or the region was
+/// dropped), the device never reads or writes the memory through it again.
+pub unsafe trait MemoryRegion: Send + Sync {
     /// Start address.
     fn addr(&self) -> u64;
     /// Length in bytes.
@@ -770,7 +780,15 @@ pub trait MemoryRegion: Send + Sync {
 }
 
 /// A completion queue.
-pub trait CompletionQueue: Send + Sync {
+///
+/// # Safety
+/// Implementing this trait vouches for the device behind it, as the safe
+/// owners ([`owned::OwnedQueue`], [`pooled::PooledQp`]) rely on it: `poll`
+/// reports each work request at most once, only after the device is done
+/// with the memory the request names (every read and write of it has
+/// finished), with the request's `wr_id` and the number of the QP that
+/// posted it, and reports only requests of QPs created with this CQ.
+pub unsafe trait CompletionQueue: Send + Sync {
     /// Entries it holds.
     fn capacity(&self) -> u32;
     /// Moves up to `out.len()` completions into `out`; returns how many.
@@ -807,7 +825,15 @@ pub unsafe trait CompletionChannel: Send + Sync {
 }
 
 /// A reliable-connected queue pair.
-pub trait QueuePair: Send + Sync {
+///
+/// # Safety
+/// Implementing this trait vouches for the device behind it, as the safe
+/// owners rely on it: the device reads and writes local memory only as the
+/// posted requests' SGEs say (checked against the lkeys' regions), every
+/// posted request completes on the CQ the QP was created with (or is
+/// flushed there once the QP is in ERROR, which [`QueuePair::to_error`]
+/// brings about), and `qp_num` is unique among the device's live QPs.
+pub unsafe trait QueuePair: Send + Sync {
     /// The queue pair number.
     fn qp_num(&self) -> u32;
     /// Current state.
@@ -866,7 +892,12 @@ pub trait QueuePair: Send + Sync {
 }
 
 /// A shared receive queue.
-pub trait SharedReceiveQueue: Send + Sync {
+///
+/// # Safety
+/// As for [`QueuePair`]: a posted receive is consumed only by a QP created
+/// with this SRQ, its memory written only as its SGEs say, and its
+/// completion (or flush) reported on that QP's receive CQ.
+pub unsafe trait SharedReceiveQueue: Send + Sync {
     /// Posts receives shared by every QP attached to this SRQ.
     ///
     /// # Safety

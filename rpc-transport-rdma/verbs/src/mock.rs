@@ -91,7 +91,9 @@ struct MockMr {
     access: AccessFlags,
 }
 
-impl MemoryRegion for MockMr {
+// SAFETY: the mock device accesses no memory at all but what `MockQp::deliver` writes, exactly as a
+// posted receive names it; deregistering ends nothing because nothing reads through a key.
+unsafe impl MemoryRegion for MockMr {
     fn addr(&self) -> u64 {
         self.addr
     }
@@ -190,7 +192,10 @@ impl MockCq {
     }
 }
 
-impl CompletionQueue for MockCq {
+// SAFETY: completions are pushed only by `MockQp` (for requests it holds, once each, after
+// `deliver` wrote a receive's memory, or as flushes), with their QP's number, into the CQ that QP
+// was created with.
+unsafe impl CompletionQueue for MockCq {
     fn capacity(&self) -> u32 {
         self.capacity
     }
@@ -229,7 +234,9 @@ impl MockSrq {
     }
 }
 
-impl SharedReceiveQueue for MockSrq {
+// SAFETY: receives are consumed only by `MockQp::deliver` of a QP created with this SRQ, which
+// writes within the first SGE and completes on that QP's receive CQ.
+unsafe impl SharedReceiveQueue for MockSrq {
     unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
         lock(&self.posted).extend(wrs);
         Ok(())
@@ -325,7 +332,10 @@ impl MockQp {
     }
 }
 
-impl QueuePair for MockQp {
+// SAFETY: the mock touches memory only in `deliver` (within a posted receive's SGE), completes each
+// request once on its own CQs, flushes everything on `to_error` unless a test made it silent (then
+// nothing is ever completed, which the owners must survive by leaking), and numbers QPs uniquely.
+unsafe impl QueuePair for MockQp {
     fn qp_num(&self) -> u32 {
         self.qp_num
     }

@@ -840,7 +840,9 @@ struct LeasedWindow {
     lease: Mutex<Option<Lease>>,
 }
 
-impl MemoryRegion for LeasedWindow {
+// SAFETY: delegates to the bound window of a provider's `MemoryRegion`, whose contract carries
+// over; deregistering invalidates that window before the lease goes back.
+unsafe impl MemoryRegion for LeasedWindow {
     fn addr(&self) -> u64 {
         self.window.addr()
     }

@@ -707,7 +707,9 @@ struct IbvMr {
     _pd: Arc<RawPd>,
 }
 
-impl MemoryRegion for IbvMr {
+// SAFETY: rdma-core's `ibv_reg_mr` registration: the HCA enforces range and rights by key, and
+// `ibv_dereg_mr` returning 0 ends every access through it.
+unsafe impl MemoryRegion for IbvMr {
     fn addr(&self) -> u64 {
         self.addr
     }
@@ -778,7 +780,9 @@ struct IbvMw {
     _pd: Arc<RawPd>,
 }
 
-impl MemoryRegion for IbvMw {
+// SAFETY: a type-2 memory window: the HCA enforces its range and rights, and `ibv_dealloc_mw`
+// returning 0 invalidates it.
+unsafe impl MemoryRegion for IbvMw {
     fn addr(&self) -> u64 {
         self.addr
     }
@@ -966,7 +970,9 @@ fn wc_opcode(opcode: u32) -> WcOpcode {
     }
 }
 
-impl CompletionQueue for IbvCq {
+// SAFETY: `ibv_poll_cq` reports each request once, after the HCA finished with its memory; the
+// wr_id and qp_num are the HCA's (window binds' success completions are consumed here).
+unsafe impl CompletionQueue for IbvCq {
     fn capacity(&self) -> u32 {
         self.capacity
     }
@@ -1113,7 +1119,9 @@ fn post_receives(
     ))
 }
 
-impl SharedReceiveQueue for IbvSrq {
+// SAFETY: rdma-core's SRQ: receives are consumed only by QPs created with it and complete on their
+// receive CQs.
+unsafe impl SharedReceiveQueue for IbvSrq {
     unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
         // SAFETY: live SRQ; the linked list and its SGE arrays live through the call.
         post_receives(wrs, |first, bad| unsafe {
@@ -1235,7 +1243,10 @@ impl IbvQp {
     }
 }
 
-impl QueuePair for IbvQp {
+// SAFETY: rdma-core's RC QP: the HCA accesses memory as the SGEs say (lkeys checked), completes
+// every request on the QP's CQs and flushes them in ERROR; QP numbers are the HCA's, unique among
+// live QPs.
+unsafe impl QueuePair for IbvQp {
     fn as_any(&self) -> &dyn Any {
         self
     }

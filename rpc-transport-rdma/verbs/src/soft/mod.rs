@@ -697,7 +697,10 @@ struct SoftMr {
     entry: MrEntry,
 }
 
-impl MemoryRegion for SoftMr {
+// SAFETY: soft reaches registered memory only through its key table, checking range and rights on
+// every access under the region lock; deregistering removes the key under that lock, after which no
+// copy can start through it.
+unsafe impl MemoryRegion for SoftMr {
     fn addr(&self) -> u64 {
         self.entry.addr
     }
@@ -812,7 +815,9 @@ struct SoftCq {
     inner: Arc<CqShared>,
 }
 
-impl CompletionQueue for SoftCq {
+// SAFETY: soft pushes a completion once per request, after the engine finished every copy the
+// request makes, tagged with its QP's number, into the CQ that QP was created with.
+unsafe impl CompletionQueue for SoftCq {
     fn capacity(&self) -> u32 {
         self.inner.capacity
     }
@@ -970,7 +975,9 @@ struct SoftSrq {
     inner: Arc<SrqShared>,
 }
 
-impl SharedReceiveQueue for SoftSrq {
+// SAFETY: a soft SRQ's receives are taken only by QPs created with it; the copy into one is checked
+// against its SGEs' keys and completes on that QP's receive CQ.
+unsafe impl SharedReceiveQueue for SoftSrq {
     unsafe fn post_recv(&self, wrs: Vec<RecvWr>) -> Result<(), PostError<RecvWr>> {
         let mut queue = lock(&self.inner.queue);
         let mut wrs = wrs.into_iter();

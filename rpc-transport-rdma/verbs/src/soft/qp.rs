@@ -1292,7 +1292,10 @@ impl QpShared {
     }
 }
 
-impl QueuePair for SoftQp {
+// SAFETY: soft executes requests exactly as their SGEs say (keys checked), completes each on the
+// QP's own CQs once, flushes all outstanding ones on ERROR, and numbers QPs uniquely within the
+// process.
+unsafe impl QueuePair for SoftQp {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
