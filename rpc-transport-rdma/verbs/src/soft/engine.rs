@@ -20,11 +20,13 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, Timespec, epoll};
 
 use super::lock;
 use super::qp::QpShared;
@@ -141,22 +143,9 @@ pub(crate) fn attach(
 
 impl Engine {
     fn new() -> io::Result<&'static Engine> {
-        // SAFETY: plain system calls; each result is checked before use and
-        // owned at once.
-        let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if epoll < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nobody else owns.
-        let epoll = unsafe { OwnedFd::from_raw_fd(epoll) };
-        // SAFETY: as above.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if wake < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nobody else owns.
-        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
-        epoll_add(&epoll, wake.as_raw_fd(), WAKE_KEY)?;
+        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        let wake = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
+        epoll_add(&epoll, &wake, WAKE_KEY)?;
         // Lives as long as the process, like its thread.
         Ok(Box::leak(Box::new(Engine {
             epoll,
@@ -166,23 +155,21 @@ impl Engine {
     }
 
     fn wake(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: 8 readable bytes to an eventfd we own; a full counter
-        // (EAGAIN) already means "wake up".
-        let _ = unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        // A full counter (EAGAIN) already means "wake up".
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
     }
 
     fn drain_wake(&self) {
         let mut count = [0u8; 8];
-        // SAFETY: 8 writable bytes from an eventfd we own (non-blocking).
-        let _ = unsafe { libc::read(self.wake.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
+        // Non-blocking: EAGAIN when nobody woke us.
+        let _ = rustix::io::read(&self.wake, &mut count);
     }
 
     /// The engine thread.
     fn run(&self) {
         let mut entries: HashMap<u64, Entry> = HashMap::new();
         let mut timers: BinaryHeap<Reverse<(Instant, u64)>> = BinaryHeap::new();
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; EVENTS_PER_WAIT];
+        let mut events: Vec<epoll::Event> = Vec::with_capacity(EVENTS_PER_WAIT);
         let mut due: Vec<u64> = Vec::new();
         let mut next_check = Instant::now() + ABANDONED_POLL_CHECK;
         loop {
@@ -192,24 +179,25 @@ impl Engine {
                 .into_iter()
                 .chain((!entries.is_empty()).then_some(next_check))
                 .min();
-            let timeout_ms = wake_at.map_or(-1, |at| {
+            let timeout = wake_at.map(|at| {
                 let left = at.saturating_duration_since(Instant::now());
-                // Rounded up: waking early would only spin.
-                left.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32
+                // Rounded up to whole milliseconds: waking early would only spin.
+                let millis = left.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i64;
+                Timespec {
+                    tv_sec: millis / 1000,
+                    tv_nsec: (millis % 1000) * 1_000_000,
+                }
             });
-            // SAFETY: `events` holds EVENTS_PER_WAIT writable entries; the
-            // epoll descriptor is ours.
-            let ready = unsafe {
-                libc::epoll_wait(
-                    self.epoll.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    EVENTS_PER_WAIT as i32,
-                    timeout_ms,
-                )
-            };
+            events.clear();
+            // An error (EINTR) is a wait that returned nothing.
+            let _ = epoll::wait(
+                &self.epoll,
+                rustix::buffer::spare_capacity(&mut events),
+                timeout.as_ref(),
+            );
             due.clear();
-            for event in events.iter().take(ready.max(0) as usize) {
-                let key = event.u64;
+            for event in &events {
+                let key = event.data.u64();
                 if key == WAKE_KEY {
                     self.drain_wake();
                 } else {
@@ -217,7 +205,7 @@ impl Engine {
                 }
             }
             for (key, entry) in lock(&self.incoming).drain(..) {
-                if epoll_add(&self.epoll, entry.waiter.as_raw_fd(), key).is_err() {
+                if epoll_add(&self.epoll, &entry.waiter, key).is_err() {
                     entry.qp.fail_from_engine();
                     continue;
                 }
@@ -258,7 +246,7 @@ impl Engine {
                     }
                     Next::Done => {
                         if let Some(entry) = entries.remove(&key) {
-                            epoll_delete(&self.epoll, entry.waiter.as_raw_fd());
+                            epoll_delete(&self.epoll, &entry.waiter);
                         }
                     }
                 }
@@ -282,20 +270,16 @@ fn turns(entry: &Entry) -> Next {
     Next::Wait(Some(Instant::now()))
 }
 
-fn epoll_add(epoll: &OwnedFd, fd: RawFd, key: u64) -> io::Result<()> {
-    let mut event = libc::epoll_event {
-        events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32,
-        u64: key,
-    };
-    // SAFETY: both descriptors are open; `event` is a valid epoll_event.
-    if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+fn epoll_add(epoll: &OwnedFd, fd: impl AsFd, key: u64) -> io::Result<()> {
+    epoll::add(
+        epoll,
+        fd,
+        epoll::EventData::new_u64(key),
+        epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
+    )?;
     Ok(())
 }
 
-fn epoll_delete(epoll: &OwnedFd, fd: RawFd) {
-    let mut event = libc::epoll_event { events: 0, u64: 0 };
-    // SAFETY: both descriptors are open (the entry still owns `fd`).
-    let _ = unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut event) };
+fn epoll_delete(epoll: &OwnedFd, fd: impl AsFd) {
+    let _ = epoll::delete(epoll, fd);
 }

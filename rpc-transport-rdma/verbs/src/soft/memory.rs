@@ -49,7 +49,20 @@ fn advance(iovecs: &mut Vec<libc::iovec>, mut n: usize) {
 /// `process_vm_readv`. Lengths must match. The soft provider only ever
 /// moves bytes this way across processes: each process writes its own
 /// memory, never another's.
-pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result<()> {
+///
+/// The remote side needs no promise: the kernel checks every remote
+/// address against `pid`'s mappings and fails with `EFAULT` (or `ESRCH`,
+/// `EPERM`) instead of touching anything else; the bytes are only read.
+///
+/// # Safety
+/// Every `local` span is written, by the kernel, behind the compiler's back.
+/// For the whole call each one must be memory of this process that is valid
+/// for writes of its whole length (a span the kernel finds unmapped fails
+/// the call with `EFAULT`, but one that is mapped is written whatever it
+/// holds), and nothing may read or write it meanwhile through a Rust
+/// reference (nor hold one to it across the call). On error, any prefix
+/// of the local bytes may have been written.
+pub(crate) unsafe fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result<()> {
     let len = total(local);
     if len != total(remote) {
         return Err(io::Error::new(
@@ -63,12 +76,12 @@ pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result
     while done < len {
         let local_count = local.len().min(libc::UIO_MAXIOV as usize);
         let remote_count = remote.len().min(libc::UIO_MAXIOV as usize);
-        // SAFETY: the iovec arrays are valid for the counts given; the kernel
-        // checks every address against the processes' mappings and fails with
-        // EFAULT instead of touching unmapped memory. The local side is our own
-        // memory that the caller checked against a registered region it keeps
-        // registered for the call (or our own fresh buffer); the registration
-        // contract (`ProtectionDomain::register` is unsafe) lets it be written.
+        // SAFETY: `local` and `remote` are live Vecs of iovecs, and the
+        // counts passed are at most their lengths. The local iovecs cover
+        // only bytes of the caller's `local` spans not written yet (`advance`
+        // drops what is done), which our caller guarantees writable and
+        // unobserved for this call. Remote addresses need nothing of us: the
+        // kernel checks them against `pid`'s mappings and only reads them.
         let moved = unsafe {
             libc::process_vm_readv(
                 pid as libc::pid_t,
@@ -100,11 +113,17 @@ pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result
     Ok(())
 }
 
-/// Reads our own memory into a new buffer (inline sends).
+/// Reads our own memory into a new buffer (inline sends). Any `spans` are
+/// fine: the kernel reads them (an unmapped one fails with `EFAULT`
+/// instead of crashing), and the only memory written is the new buffer.
 pub(crate) fn gather_own(spans: &[Span]) -> io::Result<Vec<u8>> {
     let mut out = vec![0u8; total(spans)];
     let dst = [(out.as_mut_ptr() as u64, out.len() as u32)];
-    read_from(std::process::id(), spans, &dst)?;
+    // SAFETY: the one local span is the start of `out` and no longer than it
+    // (`as u32` can only shorten it), a buffer this function just allocated
+    // and neither reads nor borrows until the call returns. (`spans` are the
+    // remote side: only read, and checked by the kernel.)
+    unsafe { read_from(std::process::id(), spans, &dst) }?;
     Ok(out)
 }
 
@@ -138,11 +157,12 @@ pub(crate) unsafe fn copy_into_spans(bytes: &[u8], spans: &[Span]) {
 /// # Safety
 /// Every span must be readable memory of this process for its whole length,
 /// kept valid for the call (inside a registered region that cannot be
-/// deregistered meanwhile).
+/// deregistered meanwhile), and must not overlap `out`'s buffer.
 pub(crate) unsafe fn copy_from_spans(spans: &[Span], out: &mut Vec<u8>) {
     for &(addr, len) in spans {
         // SAFETY: the caller vouches for [addr, addr + len) being valid for
-        // reads; `out` is a distinct allocation of ours.
+        // reads for the call and disjoint from `out`'s buffer (which
+        // `extend_from_slice` writes, and may move, while the slice lives).
         let source =
             unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) };
         out.extend_from_slice(source);
@@ -185,7 +205,9 @@ mod tests {
         let mut b = [0u8; 70];
         let local = [(a.as_mut_ptr() as u64, 30), (b.as_mut_ptr() as u64, 70)];
         let remote = [(src.as_ptr() as u64, 10), (src.as_ptr() as u64 + 10, 90)];
-        read_from(std::process::id(), &remote, &local).unwrap();
+        // SAFETY: the local spans are exactly the arrays `a` and `b`, which
+        // nothing touches until the call returns.
+        unsafe { read_from(std::process::id(), &remote, &local) }.unwrap();
         assert_eq!(&a[..], &src[..30]);
         assert_eq!(&b[..], &src[30..]);
         assert_eq!(gather_own(&remote).unwrap(), src);
@@ -203,7 +225,8 @@ mod tests {
         assert_eq!(&b[..70], &src[30..]);
         assert_eq!(&b[70..], &[0u8; 10]);
         let mut out = vec![9u8];
-        // SAFETY: both spans are live local arrays.
+        // SAFETY: both spans are live local arrays, disjoint from `out`'s
+        // heap buffer.
         unsafe {
             copy_from_spans(
                 &[(a.as_ptr() as u64, 30), (b.as_ptr() as u64, 70)],
@@ -228,11 +251,15 @@ mod tests {
     #[test]
     fn bad_addresses_fail_instead_of_crashing() {
         let mut dst = [0u8; 8];
-        let err = read_from(
-            std::process::id(),
-            &[(8, 8)],
-            &[(dst.as_mut_ptr() as u64, 8)],
-        )
+        // SAFETY: the local span is exactly the array `dst`, which nothing
+        // touches until the call returns.
+        let err = unsafe {
+            read_from(
+                std::process::id(),
+                &[(8, 8)],
+                &[(dst.as_mut_ptr() as u64, 8)],
+            )
+        }
         .unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
     }

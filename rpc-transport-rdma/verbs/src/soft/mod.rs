@@ -42,12 +42,14 @@ mod wire;
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
 
 pub use peer::PeerPolicy;
 
@@ -156,7 +158,17 @@ impl ContextShared {
 
     /// Registers `entry` under a fresh random key (keys are not guessable:
     /// 32 random bits, never 0, never one in use).
-    fn insert_region(&self, entry: MrEntry) -> Result<u32, VerbsError> {
+    ///
+    /// # Safety
+    /// While the key is in the table, work requests and peers that name it
+    /// make this process copy into, out of, and run atomics on
+    /// `[entry.addr, entry.addr + entry.len)` directly (see
+    /// [`ContextShared::with_regions`]). Until the key is removed (by
+    /// `SoftMr::deregister`, at the latest when the region is dropped) that
+    /// memory must stay allocated and in place, and be memory the device may
+    /// read and write behind the compiler's back: the contract of
+    /// [`ProtectionDomain::register`].
+    unsafe fn insert_region(&self, entry: MrEntry) -> Result<u32, VerbsError> {
         let mut regions = self.mrs.write().unwrap_or_else(|p| p.into_inner());
         loop {
             let mut bytes = [0u8; 4];
@@ -277,44 +289,24 @@ pub fn fuzz_wire(bytes: &[u8]) -> usize {
 /// Connects to an abstract Unix socket without blocking (a listener that
 /// never accepts fills its backlog; then this fails instead of waiting).
 pub(crate) fn connect_abstract_nonblocking(name: &[u8]) -> std::io::Result<UnixStream> {
-    // SAFETY: an all-zero sockaddr_un is valid; the path is filled below.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    if name.len() + 1 > addr.sun_path.len() {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    // `sun_path` of a `sockaddr_un`, whose first byte (0) marks the name abstract.
+    const SUN_PATH_LEN: usize = 108;
+    if name.len() + 1 > SUN_PATH_LEN {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             "abstract socket name too long",
         ));
     }
-    for (slot, byte) in addr.sun_path[1..].iter_mut().zip(name) {
-        *slot = *byte as libc::c_char;
-    }
-    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
-    // SAFETY: plain socket creation; the result is checked.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh fd that nothing else owns.
-    let stream = unsafe { UnixStream::from_raw_fd(fd) };
-    // SAFETY: `addr` is a valid sockaddr_un of `len` bytes for the call.
-    let connected = unsafe {
-        libc::connect(
-            fd,
-            (&addr as *const libc::sockaddr_un).cast(),
-            len as libc::socklen_t,
-        )
-    };
-    if connected != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(stream)
+    let addr = SocketAddrUnix::new_abstract_name(name)?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::connect(&fd, &addr)?;
+    Ok(UnixStream::from(fd))
 }
 
 /// A Unix connection waiting for its handshake.
@@ -332,7 +324,6 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
         return;
     }
     let mut pending: VecDeque<PendingHandshake> = VecDeque::new();
-    let mut pollfds: Vec<libc::pollfd> = Vec::new();
     let mut failed_accepts: u64 = 0;
     let mut last_warning: Option<Instant> = None;
     loop {
@@ -343,31 +334,29 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
             .map(|waiting| waiting.deadline.saturating_duration_since(now))
             .min()
             .unwrap_or(Duration::from_secs(1));
-        pollfds.clear();
-        pollfds.push(libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
-        pollfds.extend(pending.iter().map(|waiting| libc::pollfd {
-            fd: waiting.stream.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }));
-        let millis = timeout.as_millis().clamp(1, 1000) as libc::c_int;
-        // SAFETY: `pollfds` is a live array of that many pollfds.
-        let ready =
-            unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, millis) };
+        let (ready, revents) = {
+            let mut pollfds: Vec<PollFd<'_>> = std::iter::once(listener.as_fd())
+                .chain(pending.iter().map(|waiting| waiting.stream.as_fd()))
+                .map(|fd| PollFd::from_borrowed_fd(fd, PollFlags::IN))
+                .collect();
+            let millis = timeout.as_millis().clamp(1, 1000) as i64;
+            let timeout = Timespec {
+                tv_sec: millis / 1000,
+                tv_nsec: (millis % 1000) * 1_000_000,
+            };
+            // An error (EINTR) is a wait that found nothing.
+            let ready = rustix::event::poll(&mut pollfds, Some(&timeout)).unwrap_or(0);
+            let revents: Vec<bool> = pollfds.iter().map(|fd| !fd.revents().is_empty()).collect();
+            (ready, revents)
+        };
         let Some(context) = context.upgrade() else {
             return;
         };
-        if ready <= 0 {
+        if ready == 0 {
             continue;
         }
         // Handshakes first (their pollfds follow the listener's, in order).
-        let ready_streams: Vec<usize> = (0..pending.len())
-            .filter(|&i| pollfds[i + 1].revents != 0)
-            .collect();
+        let ready_streams: Vec<usize> = (0..pending.len()).filter(|&i| revents[i + 1]).collect();
         for &i in ready_streams.iter().rev() {
             let Some(waiting) = pending.remove(i) else {
                 continue;
@@ -376,7 +365,7 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
                 tracing::debug!(%error, "soft device refused a connection");
             }
         }
-        if pollfds[0].revents != 0 {
+        if revents[0] {
             loop {
                 match listener.accept() {
                     Ok((stream, _)) => {
@@ -559,7 +548,11 @@ struct SoftPd {
 
 impl SoftPd {
     /// A region (or, with `bound_qp`, a window) in the key table.
-    fn insert(
+    ///
+    /// # Safety
+    /// As for [`ContextShared::insert_region`], for the `len` bytes at
+    /// `addr`, until the returned region is deregistered or dropped.
+    unsafe fn insert(
         &self,
         addr: *mut u8,
         len: usize,
@@ -583,7 +576,10 @@ impl SoftPd {
             pd: self.id,
             bound_qp,
         };
-        let key = self.context.insert_region(entry)?;
+        // SAFETY: the entry covers exactly the `len` bytes at `addr`, which
+        // our caller keeps valid until the region we return is deregistered
+        // or dropped; both remove the key (`SoftMr::deregister`, `Drop`).
+        let key = unsafe { self.context.insert_region(entry) }?;
         Ok(Arc::new(SoftMr {
             context: self.context.clone(),
             key,
@@ -599,7 +595,9 @@ impl ProtectionDomain for SoftPd {
         len: usize,
         access: AccessFlags,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
-        let region = self.insert(addr, len, access, None)?;
+        // SAFETY: our caller upholds `register`'s contract for these bytes
+        // until the region we return is dropped, as `insert` needs.
+        let region = unsafe { self.insert(addr, len, access, None) }?;
         super::windows::count_device_registration();
         Ok(region)
     }
@@ -612,7 +610,9 @@ impl ProtectionDomain for SoftPd {
         qp: &Arc<dyn super::QueuePair>,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
         super::own::<qp::SoftQp>(qp.as_any(), "queue pair of another provider")?;
-        let region = self.insert(addr, len, access, Some(qp.qp_num()))?;
+        // SAFETY: our caller upholds `register`'s contract for these bytes
+        // (`register_window`'s), as `insert` needs.
+        let region = unsafe { self.insert(addr, len, access, Some(qp.qp_num())) }?;
         super::windows::count_device_registration();
         Ok(region)
     }
@@ -663,7 +663,10 @@ impl ProtectionDomain for SoftPd {
         if len == 0 || !inside {
             return Err(VerbsError::InvalidArgument("a window outside its region"));
         }
-        self.insert(addr as *mut u8, len, access, Some(qp.qp_num()))
+        // SAFETY: our caller upholds `register`'s contract for the window's
+        // bytes until the window is deregistered (`bind_window`'s), as
+        // `insert` needs.
+        unsafe { self.insert(addr as *mut u8, len, access, Some(qp.qp_num())) }
     }
 
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
@@ -779,9 +782,9 @@ impl CqShared {
 
     /// What a peer needs to wake a caller sleeping on this CQ: the arm
     /// word's memfd and the channel's eventfd (with a channel only).
-    pub(crate) fn wake_fds(&self) -> Option<[RawFd; 2]> {
+    pub(crate) fn wake_fds(&self) -> Option<[BorrowedFd<'_>; 2]> {
         match (&self.arm, &self.channel) {
-            (Some(arm), Some(channel)) => Some([arm.fd(), channel.eventfd.as_raw_fd()]),
+            (Some(arm), Some(channel)) => Some([arm.fd(), channel.eventfd.as_fd()]),
             _ => None,
         }
     }
@@ -885,18 +888,12 @@ pub(crate) struct ChannelShared {
 
 impl ChannelShared {
     fn new() -> Result<ChannelShared, VerbsError> {
-        // SAFETY: eventfd takes no pointers; a negative return is an error.
-        let fd = unsafe {
-            libc::eventfd(
-                0,
-                libc::EFD_NONBLOCK | libc::EFD_CLOEXEC | libc::EFD_SEMAPHORE,
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error().into());
-        }
-        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        use rustix::event::EventfdFlags;
+        let eventfd = rustix::event::eventfd(
+            0,
+            EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC | EventfdFlags::SEMAPHORE,
+        )
+        .map_err(std::io::Error::from)?;
         Ok(ChannelShared {
             eventfd,
             events: Mutex::default(),
@@ -906,22 +903,15 @@ impl ChannelShared {
 
     fn raise(&self, cq_id: u32) {
         lock(&self.events).push_back(cq_id);
-        wake::signal_eventfd(self.eventfd.as_raw_fd());
+        wake::signal_eventfd(self.eventfd.as_fd());
     }
 
     /// Takes one count off the eventfd; false when it is zero (no event).
     fn take_count(&self) -> bool {
-        let mut counter: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64 from our own non-blocking
-        // semaphore eventfd (subtracts one, or fails with EAGAIN at zero).
-        let got = unsafe {
-            libc::read(
-                self.eventfd.as_raw_fd(),
-                (&mut counter as *mut u64).cast(),
-                8,
-            )
-        };
-        got == 8
+        let mut counter = [0u8; 8];
+        // Our own non-blocking semaphore eventfd: subtracts one, or fails
+        // with EAGAIN at zero.
+        matches!(rustix::io::read(&self.eventfd, &mut counter), Ok(8))
     }
 }
 

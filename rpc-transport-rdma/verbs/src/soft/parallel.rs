@@ -44,7 +44,13 @@ const SPIN_BEFORE_SLEEP: u32 = 2_000;
 /// Copies `remote` (in process `pid`) into `local` (ours) like
 /// [`memory::read_from`], on several threads when the copy is large and the
 /// machine has more than one core.
-pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result<()> {
+///
+/// # Safety
+/// As for [`memory::read_from`]: for the whole call every `local` span must
+/// be memory of this process valid for writes of its whole length, which
+/// nothing reads or writes meanwhile through a Rust reference. (Helper
+/// threads write it too, but only before this function returns.)
+pub(crate) unsafe fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result<()> {
     let len = memory::total(local);
     let pool = if len >= SPLIT_FROM && len == memory::total(remote) {
         helpers()
@@ -52,10 +58,17 @@ pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result
         None
     };
     let Some((pool, helpers)) = pool else {
-        return memory::read_from(pid, remote, local);
+        // SAFETY: our caller's guarantee for `local`, for this call, which
+        // ends before ours.
+        return unsafe { memory::read_from(pid, remote, local) };
     };
     let pieces = (len / PIECE_LEN).clamp(helpers + 1, MAX_PIECES);
-    let job = Arc::new(Job::new(pid, remote, local, len, pieces));
+    // SAFETY: our caller guarantees `local` writable and unobserved until we
+    // return; the pieces are cut out of `local` (`memory::slice`); and
+    // `finish`, made right below, calls `run_claimable` then `wait` on the
+    // job when dropped: before we return, or as we unwind.
+    let job = Arc::new(unsafe { Job::new(pid, remote, local, len, pieces) });
+    let finish = Finish(&job);
     {
         let mut queue = lock(&pool.queue);
         queue.push_back(job.clone());
@@ -63,8 +76,21 @@ pub(crate) fn read_from(pid: u32, remote: &[Span], local: &[Span]) -> io::Result
     for _ in 1..pieces {
         pool.ready.notify_one();
     }
-    job.run_claimable();
-    job.wait()
+    // Our own share, then everything no helper claimed, then the wait.
+    drop(finish);
+    job.take_error()
+}
+
+/// Finishes a split copy when dropped, also while unwinding: copies every
+/// piece nobody claimed yet, then waits for the pieces helpers took. After
+/// that no thread writes the copy's local spans.
+struct Finish<'a>(&'a Job);
+
+impl Drop for Finish<'_> {
+    fn drop(&mut self) {
+        self.0.run_claimable();
+        self.0.wait();
+    }
 }
 
 /// One split copy: its pieces, which of them are claimed, how many are
@@ -80,7 +106,19 @@ struct Job {
 }
 
 impl Job {
-    fn new(pid: u32, remote: &[Span], local: &[Span], len: usize, count: usize) -> Job {
+    /// `count` pieces of the copy of the first `len` bytes of `remote` (in
+    /// process `pid`) into `local`.
+    ///
+    /// # Safety
+    /// Every piece is copied into `local` by `run_claimable`, on whichever
+    /// thread calls it, helpers included (they find the job in the pool's
+    /// queue), possibly later than this call. The caller must keep every
+    /// `local` span writable memory of this process that nothing reads or
+    /// writes through a Rust reference until every piece has finished: it
+    /// must call `run_claimable` (which leaves no piece unclaimed) and then
+    /// `wait` (which returns once every claimed piece has finished) before
+    /// the spans stop being such memory.
+    unsafe fn new(pid: u32, remote: &[Span], local: &[Span], len: usize, count: usize) -> Job {
         let each = len.div_ceil(count);
         let pieces = (0..count)
             .map(|i| {
@@ -114,7 +152,11 @@ impl Job {
             let Some((remote, local)) = self.pieces.get(index) else {
                 return;
             };
-            if let Err(error) = memory::read_from(self.pid, remote, local) {
+            // SAFETY: `local` is a piece of the spans `Job::new`'s caller
+            // keeps writable and unobserved until `wait` has returned, and
+            // `wait` cannot return before this piece is done: `unfinished`
+            // counts it until the `fetch_sub` below, after the copy.
+            if let Err(error) = unsafe { memory::read_from(self.pid, remote, local) } {
                 lock(&self.error).get_or_insert(error);
             }
             if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -125,8 +167,8 @@ impl Job {
         }
     }
 
-    /// Waits until every piece has finished; the first error, if any.
-    fn wait(&self) -> io::Result<()> {
+    /// Waits until every piece has finished.
+    fn wait(&self) {
         let mut spins = 0;
         while self.unfinished.load(Ordering::Acquire) > 0 && spins < SPIN_BEFORE_SLEEP {
             std::hint::spin_loop();
@@ -139,7 +181,10 @@ impl Job {
                 .wait(guard)
                 .unwrap_or_else(|poison| poison.into_inner());
         }
-        drop(guard);
+    }
+
+    /// The first error of a finished copy, if any.
+    fn take_error(&self) -> io::Result<()> {
         match lock(&self.error).take() {
             Some(error) => Err(error),
             None => Ok(()),
@@ -230,7 +275,9 @@ mod tests {
         for _ in 0..20 {
             a.fill(0);
             b.fill(0);
-            read_from(std::process::id(), &remote, &local).unwrap();
+            // SAFETY: the local spans are exactly the vectors `a` and `b`,
+            // which nothing touches until the call returns.
+            unsafe { read_from(std::process::id(), &remote, &local) }.unwrap();
             assert_eq!(&a[..], &src[..100_000]);
             assert_eq!(&b[..], &src[100_000..]);
         }
@@ -246,11 +293,15 @@ mod tests {
             (src.as_ptr() as u64, (len - SPLIT_FROM) as u32),
             (8, SPLIT_FROM as u32),
         ];
-        let err = read_from(
-            std::process::id(),
-            &remote,
-            &[(dst.as_mut_ptr() as u64, len as u32)],
-        )
+        // SAFETY: the local span is exactly the vector `dst`, which nothing
+        // touches until the call returns.
+        let err = unsafe {
+            read_from(
+                std::process::id(),
+                &remote,
+                &[(dst.as_mut_ptr() as u64, len as u32)],
+            )
+        }
         .unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
         // Every piece was waited for: the job is done with `dst` here.

@@ -20,8 +20,12 @@
 //!   made non-blocking before we ever write to it.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::fs::{MemfdFlags, OFlags, SealFlags};
+use rustix::process::{Pid, PidfdFlags};
 
 /// Bytes of a queue pair's attach secret.
 pub(crate) const SECRET_LEN: usize = 16;
@@ -78,8 +82,7 @@ impl PeerPolicy {
 
     /// True when a process running as `uid` may connect.
     pub fn allows(&self, uid: u32) -> bool {
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let own = unsafe { libc::geteuid() };
+        let own = rustix::process::geteuid().as_raw();
         match self {
             _ if uid == own => true,
             PeerPolicy::SameUser => false,
@@ -104,8 +107,13 @@ pub(crate) fn peer_credentials(socket: &UnixStream) -> io::Result<Credentials> {
         gid: 0,
     };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are live and sized for SO_PEERCRED's ucred;
-    // the fd belongs to `socket`, alive for the call.
+    // Not `rustix::net::sockopt::socket_peercred`: its `UCred` holds the pid
+    // as a non-zero `Pid`, but the kernel reports pid 0 for a peer outside
+    // our pid namespace (or a socket with no peer), which that type cannot
+    // hold. A plain `ucred` can, and is refused below.
+    // SAFETY: `cred` and `len` are live locals, `len` is the size of `cred`
+    // (what SO_PEERCRED writes); the fd is borrowed from `socket`, which is
+    // alive for the call.
     let got = unsafe {
         libc::getsockopt(
             socket.as_raw_fd(),
@@ -156,14 +164,7 @@ impl PeerProcess {
                 ),
             ));
         }
-        // SAFETY: pidfd_open takes a pid and flags, no pointers; a negative
-        // return is an error.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, cred.pid as libc::pid_t, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor that nothing else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let pidfd = rustix::process::pidfd_open(pid_of(cred.pid)?, PidfdFlags::empty())?;
         let process = PeerProcess {
             pid: cred.pid,
             pidfd,
@@ -195,14 +196,12 @@ impl PeerProcess {
     /// True while the process has not exited (its pidfd is not readable).
     /// While it has not exited, its pid cannot have been reused.
     pub(crate) fn alive(&self) -> bool {
-        let mut pollfd = libc::pollfd {
-            fd: self.pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
+        let mut pollfd = [PollFd::new(&self.pidfd, PollFlags::IN)];
+        let no_wait = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
         };
-        // SAFETY: one live pollfd, zero timeout.
-        let ready = unsafe { libc::poll(&mut pollfd, 1, 0) };
-        ready == 0
+        matches!(rustix::event::poll(&mut pollfd, Some(&no_wait)), Ok(0))
     }
 
     /// Runs `transfer` with the peer's pid and keeps its result only if the
@@ -221,6 +220,20 @@ impl PeerProcess {
         }
         result
     }
+}
+
+/// `pid` (as `SO_PEERCRED` reported it, already checked to be positive)
+/// as rustix's `Pid`.
+fn pid_of(pid: u32) -> io::Result<Pid> {
+    i32::try_from(pid)
+        .ok()
+        .and_then(Pid::from_raw)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "soft peer: the kernel reports no process for the socket",
+            )
+        })
 }
 
 /// The effective uid of process `pid` (`/proc/<pid>/status`, second field of `Uid:`).
@@ -245,17 +258,11 @@ pub(crate) fn random_secret() -> io::Result<Secret> {
 pub(crate) fn fill_random(out: &mut [u8]) -> io::Result<()> {
     let mut filled = 0;
     while filled < out.len() {
-        // SAFETY: writes at most `out.len() - filled` bytes into `out`.
-        let got =
-            unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), out.len() - filled, 0) };
-        if got < 0 {
-            let error = io::Error::last_os_error();
-            if error.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(error);
+        match rustix::rand::getrandom(&mut out[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(got) => filled += got,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(error) => return Err(error.into()),
         }
-        filled += got as usize;
     }
     Ok(())
 }
@@ -267,26 +274,15 @@ pub(crate) fn secrets_match(a: &Secret, b: &Secret) -> bool {
 
 /// Seals that every shared-memory fd of the soft wire carries: it can never
 /// shrink under a mapping (no SIGBUS), nor grow, and the seals are final.
-pub(crate) const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+pub(crate) const SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
 
 /// A memfd of `len` bytes, sealed with [`SEALS`], to share with a peer.
 pub(crate) fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
-    // SAFETY: a NUL-terminated name; the result is checked.
-    let fd =
-        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh fd we own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: a valid fd; the result is checked.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a valid memfd created with MFD_ALLOW_SEALING; the result is checked.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    rustix::fs::ftruncate(&fd, len as u64)?;
+    rustix::fs::fcntl_add_seals(&fd, SEALS)?;
     Ok(fd)
 }
 
@@ -294,24 +290,18 @@ pub(crate) fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<Owne
 /// sealed against shrinking (so the size is final while mapped).
 pub(crate) fn check_sealed_memfd(fd: &OwnedFd, len: usize, what: &str) -> io::Result<()> {
     let invalid = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
-    // SAFETY: F_GET_SEALS takes no pointer; -1 (EINVAL) for a non-memfd.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 {
+    // EINVAL for anything but a memfd (or another sealable file).
+    let Ok(seals) = rustix::fs::fcntl_get_seals(fd) else {
         return Err(invalid(format!(
             "soft peer's {what} is not a sealable memfd"
         )));
-    }
-    if seals & libc::F_SEAL_SHRINK == 0 {
+    };
+    if !seals.contains(SealFlags::SHRINK) {
         return Err(invalid(format!(
             "soft peer's {what} is not sealed against shrinking (F_SEAL_SHRINK)"
         )));
     }
-    // SAFETY: an all-zero stat is valid; fstat fills it for a valid fd.
-    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `stat` is live; the fd is valid.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let stat = rustix::fs::fstat(fd)?;
     if stat.st_size as u64 != len as u64 {
         return Err(invalid(format!(
             "soft peer's {what} has {} bytes, expected {len}",
@@ -334,13 +324,8 @@ pub(crate) fn check_eventfd(fd: &OwnedFd) -> io::Result<()> {
             ),
         ));
     }
-    // SAFETY: F_GETFL/F_SETFL on a valid fd, no pointers.
-    unsafe {
-        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-        if flags < 0 || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
+    let flags = rustix::fs::fcntl_getfl(fd)?;
+    rustix::fs::fcntl_setfl(fd, flags | OFlags::NONBLOCK)?;
     Ok(())
 }
 
@@ -359,8 +344,7 @@ mod tests {
         assert_eq!(PeerPolicy::parse("uids="), None);
         assert_eq!(PeerPolicy::parse("uids=x"), None);
         assert_eq!(PeerPolicy::parse("everyone"), None);
-        // SAFETY: no preconditions.
-        let own = unsafe { libc::geteuid() };
+        let own = rustix::process::geteuid().as_raw();
         assert!(PeerPolicy::SameUser.allows(own));
         assert!(!PeerPolicy::SameUser.allows(own.wrapping_add(1)));
         assert!(PeerPolicy::Users(vec![own.wrapping_add(1)]).allows(own.wrapping_add(1)));
@@ -380,13 +364,10 @@ mod tests {
             .arg("30")
             .spawn()
             .unwrap();
-        // SAFETY: no pointers.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id() as libc::pid_t, 0) };
-        assert!(fd >= 0);
         let process = PeerProcess {
             pid: child.id(),
-            // SAFETY: a fresh pidfd.
-            pidfd: unsafe { OwnedFd::from_raw_fd(fd as RawFd) },
+            pidfd: rustix::process::pidfd_open(pid_of(child.id()).unwrap(), PidfdFlags::empty())
+                .unwrap(),
         };
         assert!(process.alive());
         child.kill().unwrap();
@@ -402,11 +383,7 @@ mod tests {
         check_sealed_memfd(&good, 8192, "ring").unwrap();
         let error = check_sealed_memfd(&good, 4096, "ring").unwrap_err();
         assert!(error.to_string().contains("8192 bytes"), "{error}");
-        // SAFETY: a NUL-terminated name; checked below.
-        let plain = unsafe { libc::memfd_create(c"plain".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(plain >= 0);
-        // SAFETY: fresh fd.
-        let plain = unsafe { OwnedFd::from_raw_fd(plain) };
+        let plain = rustix::fs::memfd_create(c"plain", MemfdFlags::CLOEXEC).unwrap();
         let error = check_sealed_memfd(&plain, 0, "ring").unwrap_err();
         assert!(error.to_string().contains("F_SEAL_SHRINK"), "{error}");
         let (socket, _other) = UnixStream::pair().unwrap();

@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 
 use std::collections::HashMap;
 use std::net::Shutdown;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -246,7 +246,7 @@ impl SoftQp {
             wake_flags: flags,
         };
         let (ring, fd) = RingPair::create()?;
-        let mut fds = vec![fd.as_raw_fd()];
+        let mut fds = vec![fd.as_fd()];
         fds.extend(wake_fds);
         super::ring::send_with_fds(&stream, &handshake.encode(), &fds)?;
         drop(fd);
@@ -431,7 +431,7 @@ impl QpShared {
 
     /// Set-up flags and the eventfds of this QP's completion channels, for
     /// the peer's [`PeerWakers`].
-    pub(crate) fn wake_fds(&self) -> (u8, Vec<RawFd>) {
+    pub(crate) fn wake_fds(&self) -> (u8, Vec<BorrowedFd<'_>>) {
         let recv = self.recv_cq.wake_fds();
         let mut flags = 0;
         let mut fds = Vec::new();
@@ -883,7 +883,13 @@ impl QpShared {
     /// direction the soft provider moves payload across processes. Every
     /// write into a process's memory happens in that process, with the
     /// target checked against its own region table at the time of the copy.
-    fn pull(
+    ///
+    /// # Safety
+    /// As for [`super::memory::read_from`]: for the whole call every `local`
+    /// span must be memory of this process valid for writes of its whole
+    /// length, which nothing reads or writes meanwhile through a Rust
+    /// reference.
+    unsafe fn pull(
         process: Option<&Arc<PeerProcess>>,
         remote: &[Span],
         local: &[Span],
@@ -891,7 +897,9 @@ impl QpShared {
         let process = process.ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::NotConnected, "soft QP has no peer")
         })?;
-        process.transfer(|pid| super::parallel::read_from(pid, remote, local))
+        // SAFETY: our caller's guarantee for `local`, for this call; the
+        // closure runs (once) within it.
+        process.transfer(|pid| unsafe { super::parallel::read_from(pid, remote, local) })
     }
 
     fn execute(&self, inner: &mut QpInner, request: Request) -> Outcome {
@@ -926,11 +934,20 @@ impl QpShared {
                         // allocation.
                         unsafe { memory::copy_into_spans(bytes, &spans) };
                     } else {
-                        Self::pull(
-                            process.as_ref(),
-                            &request.spans,
-                            &memory::truncate(&spans, len),
-                        )
+                        // SAFETY: the destination is the first `len` bytes
+                        // of the receive SGEs, each inside a region of ours
+                        // with LOCAL_WRITE (checked just above) that stays
+                        // in the table until `with_regions` returns; by the
+                        // contract of the unsafe registration that put it
+                        // there, its memory is allocated and may be written
+                        // behind the compiler's back meanwhile.
+                        unsafe {
+                            Self::pull(
+                                process.as_ref(),
+                                &request.spans,
+                                &memory::truncate(&spans, len),
+                            )
+                        }
                         .map_err(|_| (WcStatus::LocProtErr, Outcome::RemoteOperation))?;
                     }
                     Ok(())
@@ -980,7 +997,13 @@ impl QpShared {
                         unsafe { memory::copy_into_spans(bytes, &target) };
                     } else if len > 0 {
                         // Pulled while the target is known registered.
-                        Self::pull(process.as_ref(), &request.spans, &target)
+                        // SAFETY: the target lies in a region of ours with
+                        // REMOTE_WRITE (checked just above) that stays in
+                        // the table until `with_regions` returns; by the
+                        // contract of the unsafe registration that put it
+                        // there, its memory is allocated and may be written
+                        // behind the compiler's back meanwhile.
+                        unsafe { Self::pull(process.as_ref(), &request.spans, &target) }
                             .map_err(|_| Outcome::RemoteOperation)?;
                     }
                     Ok(recv)
@@ -1028,12 +1051,18 @@ impl QpShared {
                             8,
                             AccessFlags::REMOTE_ATOMIC,
                         )?;
-                        // SAFETY: the range is 8 bytes, 8-byte aligned, and inside
-                        // a region registered with REMOTE_ATOMIC in this process,
-                        // which stays registered (so allocated, by the
-                        // registration contract) until `with_regions` returns.
-                        // All soft atomics on a QP's memory go through AtomicU64,
-                        // as an HCA's do through its atomic unit.
+                        // SAFETY: `remote_addr` is 8-byte aligned (checked
+                        // above) and its 8 bytes lie inside a region of ours
+                        // with REMOTE_ATOMIC (checked just above; registering
+                        // that required LOCAL_WRITE) that stays in the table
+                        // until `with_regions` returns: by the contract of the
+                        // unsafe registration that put it there, allocated
+                        // memory the device may write behind the compiler's
+                        // back. The reference does not leave this closure.
+                        // Every soft atomic is an AtomicU64 access like this
+                        // one; keeping other accesses to these bytes from
+                        // racing with it is the application's part, as with
+                        // an HCA's atomic unit.
                         let target = unsafe {
                             std::sync::atomic::AtomicU64::from_ptr(remote_addr as usize as *mut u64)
                         };
@@ -1144,7 +1173,8 @@ impl QpShared {
                     }
                     // SAFETY: every local SGE lies in a region of ours with
                     // LOCAL_WRITE (checked just above), registered until
-                    // `with_regions` returns, and they hold ≥ 8 bytes.
+                    // `with_regions` returns, and they hold ≥ 8 bytes; the
+                    // source is a local array, disjoint from them.
                     unsafe { memory::copy_into_spans(&old.to_le_bytes(), &local) };
                     Ok(())
                 }
@@ -1153,18 +1183,26 @@ impl QpShared {
                     if len == 0 {
                         return Ok(());
                     }
-                    Self::pull(inner.process.as_ref(), &[(remote_addr, len as u32)], &local)
-                        .map_err(|error| {
-                            if error.kind() == std::io::ErrorKind::ConnectionAborted
-                                || error.raw_os_error() == Some(libc::ESRCH)
-                            {
-                                // The responder died under the READ: as on a
-                                // device, its response never comes.
-                                WcStatus::RetryExcErr
-                            } else {
-                                WcStatus::RemOpErr
-                            }
-                        })
+                    // SAFETY: every local SGE lies in a region of ours with
+                    // LOCAL_WRITE (checked just above) that stays in the
+                    // table until `with_regions` returns; by the contract of
+                    // the unsafe registration that put it there, its memory
+                    // is allocated and may be written behind the compiler's
+                    // back meanwhile.
+                    unsafe {
+                        Self::pull(inner.process.as_ref(), &[(remote_addr, len as u32)], &local)
+                    }
+                    .map_err(|error| {
+                        if error.kind() == std::io::ErrorKind::ConnectionAborted
+                            || error.raw_os_error() == Some(libc::ESRCH)
+                        {
+                            // The responder died under the READ: as on a
+                            // device, its response never comes.
+                            WcStatus::RetryExcErr
+                        } else {
+                            WcStatus::RemOpErr
+                        }
+                    })
                 }
                 _ => Ok(()),
             }
@@ -1270,7 +1308,9 @@ impl QpShared {
                 if local_error.is_none() && eager {
                     let mut bytes = Vec::with_capacity(total as usize);
                     // SAFETY: every SGE lies in a region of ours (checked just
-                    // above), registered until `with_regions` returns.
+                    // above), registered until `with_regions` returns, so
+                    // allocated memory (the registration contract); `bytes`
+                    // was just allocated, so its buffer overlaps none of them.
                     unsafe { memory::copy_from_spans(&spans, &mut bytes) };
                     inline = Some(bytes);
                 }

@@ -21,11 +21,19 @@
 //! consumer wakes the consumer's sleeping caller directly instead (see
 //! `wake`); the doorbell is for the consumer's engine thread.
 
-use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use rustix::mm::{MapFlags, ProtFlags};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
 
 /// Bytes of ring data per direction.
 pub(crate) const RING_BYTES: usize = 4 << 20;
@@ -50,17 +58,21 @@ struct Mapping {
     base: *mut u8,
 }
 
-// SAFETY: the mapping is only accessed through the atomics of the control
-// blocks and by the single producer / single consumer of each half, which
-// the QP's locks serialise.
+// SAFETY: a Mapping is the address of a process-wide shared mapping, which
+// it unmaps on drop (from whichever thread); it gives no access to the
+// memory by itself. `RingPair` accesses it: the control words only
+// atomically, each half's data only under that RingPair's producer or
+// consumer lock.
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: the region was mapped with this length by `map` and is unmapped once.
-        unsafe { libc::munmap(self.base.cast(), MAPPED) };
+        // SAFETY: `base` is the start of the MAPPED-byte mapping `map` made
+        // (nothing else builds a Mapping); it is unmapped only here, once,
+        // and the rings' pointers into it do not outlive the Mapping.
+        let _ = unsafe { rustix::mm::munmap(self.base.cast(), MAPPED) };
     }
 }
 
@@ -80,6 +92,12 @@ pub(crate) struct RingPair {
     /// When a caller of this process last polled our side (process-local;
     /// 0: not polling).
     polled_at: AtomicU64,
+    /// Held while copying into the half we produce to: one producer at a
+    /// time, whoever calls.
+    producer: Mutex<()>,
+    /// Held while copying out of the half we consume from: one consumer at
+    /// a time.
+    consumer: Mutex<()>,
 }
 
 impl std::fmt::Debug for RingPair {
@@ -88,23 +106,25 @@ impl std::fmt::Debug for RingPair {
     }
 }
 
-fn map(fd: RawFd) -> io::Result<Mapping> {
-    // SAFETY: maps a memfd of exactly MAPPED bytes that can never shrink
-    // (sealed by `create`, checked by `open`), shared, readable and
-    // writable; the result is checked.
+/// Maps both rings, shared, readable and writable.
+///
+/// # Safety
+/// `fd` must be a memfd of at least [`MAPPED`] bytes that can never shrink
+/// (sealed with `F_SEAL_SHRINK`): the rings access all of it, and an access
+/// past the end of the file would be SIGBUS.
+unsafe fn map(fd: BorrowedFd<'_>) -> io::Result<Mapping> {
+    // SAFETY: a null hint without MAP_FIXED: the kernel picks unused
+    // addresses, so the call replaces or aliases no memory of ours.
     let base = unsafe {
-        libc::mmap(
+        rustix::mm::mmap(
             std::ptr::null_mut(),
             MAPPED,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED,
             fd,
             0,
         )
-    };
-    if base == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
+    }?;
     Ok(Mapping { base: base.cast() })
 }
 
@@ -113,7 +133,9 @@ impl RingPair {
     /// shrink under either side's mapping; returns the rings and the fd to pass.
     pub(crate) fn create() -> io::Result<(RingPair, OwnedFd)> {
         let fd = super::peer::sealed_memfd(c"rdma-rpc-soft-ring", MAPPED)?;
-        let mapping = map(fd.as_raw_fd())?;
+        // SAFETY: `sealed_memfd` just made `fd` a memfd of MAPPED bytes,
+        // sealed against shrinking.
+        let mapping = unsafe { map(fd.as_fd()) }?;
         Ok((RingPair::new(mapping, 0), fd))
     }
 
@@ -122,7 +144,10 @@ impl RingPair {
     /// our next access into SIGBUS.
     pub(crate) fn open(fd: &OwnedFd) -> io::Result<RingPair> {
         super::peer::check_sealed_memfd(fd, MAPPED, "descriptor ring")?;
-        Ok(RingPair::new(map(fd.as_raw_fd())?, 1))
+        // SAFETY: `check_sealed_memfd` just checked that `fd` is a memfd of
+        // exactly MAPPED bytes, sealed against shrinking.
+        let mapping = unsafe { map(fd.as_fd()) }?;
+        Ok(RingPair::new(mapping, 1))
     }
 
     fn new(mapping: Mapping, tx: usize) -> RingPair {
@@ -133,31 +158,47 @@ impl RingPair {
             local_head: AtomicU64::new(0),
             local_tail: AtomicU64::new(0),
             polled_at: AtomicU64::new(0),
+            producer: Mutex::new(()),
+            consumer: Mutex::new(()),
         }
     }
 
+    /// Control word `slot` (0: head, 1: tail, 2: sleeping) of `half`, each
+    /// on its own cache line.
     fn control(&self, half: usize, slot: usize) -> *mut u8 {
-        // SAFETY: inside the mapping (half ≤ 1, slot < 3).
+        assert!(half < 2 && slot < 3, "no such ring control word");
+        // SAFETY: half * HALF + slot * 64 ≤ HALF + 128 < MAPPED (asserted
+        // just above): the offset stays inside the mapping `base` starts.
         unsafe { self.mapping.base.add(half * HALF + slot * 64) }
     }
 
     fn head(&self, half: usize) -> &AtomicU64 {
-        // SAFETY: an 8-byte aligned word of the shared mapping, only used atomically.
+        // SAFETY: `control` returns an address inside the MAPPED-byte shared
+        // mapping that `self.mapping` keeps mapped while `self` (so the
+        // returned reference) lives, over a memfd that cannot shrink (the
+        // contract of `map`, which both constructors uphold). It is 8-byte
+        // aligned: the mapping is page-aligned, HALF and 64 are multiples of
+        // 8. This process accesses the control words only atomically; a peer
+        // process writing them changes their values, not their validity.
         unsafe { AtomicU64::from_ptr(self.control(half, 0).cast()) }
     }
 
     fn tail(&self, half: usize) -> &AtomicU64 {
-        // SAFETY: as above.
+        // SAFETY: as in `head` (slot 1 is 64 bytes further: 8-byte aligned).
         unsafe { AtomicU64::from_ptr(self.control(half, 1).cast()) }
     }
 
     fn sleeping(&self, half: usize) -> &AtomicU32 {
-        // SAFETY: a 4-byte aligned word of the shared mapping, only used atomically.
+        // SAFETY: as in `head` (slot 2 is 128 bytes further: 4-byte aligned).
         unsafe { AtomicU32::from_ptr(self.control(half, 2).cast()) }
     }
 
+    /// The first of `half`'s RING_BYTES data bytes.
     fn data(&self, half: usize) -> *mut u8 {
-        // SAFETY: inside the mapping.
+        assert!(half < 2, "no such ring half");
+        // SAFETY: half * HALF + CONTROL + RING_BYTES ≤ MAPPED (asserted just
+        // above): the offset, and the RING_BYTES after it, lie inside the
+        // mapping `base` starts.
         unsafe { self.mapping.base.add(half * HALF + CONTROL) }
     }
 
@@ -202,14 +243,21 @@ impl RingPair {
         direct: impl FnOnce() -> bool,
         wait: bool,
     ) -> io::Result<usize> {
+        // One producer at a time (the caller is meant to be the only one).
+        let _producing = super::lock(&self.producer);
         let half = self.tx;
         let mut written = 0;
         let mut consumer_sleeps = false;
         let deadline = Instant::now() + FULL_TIMEOUT;
+        // Free bytes between the consumer's tail and our head; never more
+        // than RING_BYTES, whatever the indices say.
+        let room_between = |head: u64, tail: u64| {
+            (RING_BYTES as u64).saturating_sub(head.wrapping_sub(tail)) as usize
+        };
         while written < bytes.len() {
             let head = self.local_head.load(Ordering::Relaxed);
             let mut tail = self.seen_tail.load(Ordering::Relaxed);
-            if RING_BYTES - (head.wrapping_sub(tail) as usize) < bytes.len() - written {
+            if room_between(head, tail) < bytes.len() - written {
                 tail = self.tail(half).load(Ordering::Acquire);
                 // The consumer's tail is the peer's word: it must lie between
                 // what it had consumed before and what we produced.
@@ -219,7 +267,7 @@ impl RingPair {
                 }
                 self.seen_tail.store(tail, Ordering::Relaxed);
             }
-            let room = RING_BYTES - head.wrapping_sub(tail) as usize;
+            let room = room_between(head, tail);
             if room == 0 {
                 // Wake the consumer if it sleeps, then wait for it to drain.
                 self.doorbell(socket);
@@ -238,9 +286,17 @@ impl RingPair {
             let n = room.min(bytes.len() - written);
             let at = (head as usize) & (RING_BYTES - 1);
             let first = n.min(RING_BYTES - at);
-            // SAFETY: [at, at + first) and [0, n - first) lie inside this
-            // half's data; the consumer does not read past `head`, which is
-            // published only after the copy.
+            // SAFETY: at < RING_BYTES (masked) and first ≤ RING_BYTES - at,
+            // so [at, at + first) lies in this half's RING_BYTES data bytes
+            // (`data`); n ≤ room ≤ RING_BYTES, so [0, n - first) does too.
+            // The sources are n bytes of `bytes` from `written` on (n ≤
+            // bytes.len() - written), our own memory, not in the mapping.
+            // No other thread of ours writes this half: we hold the producer
+            // lock. The consumer (a RingPair of this module, in this or the
+            // peer process) reads only below the head, which moves past
+            // these bytes after the copy (`sync::publish`, Release); a
+            // hostile peer writing them anyway changes their values, not the
+            // validity of the memory (the memfd cannot shrink).
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     bytes[written..].as_ptr(),
@@ -274,23 +330,16 @@ impl RingPair {
     }
 
     fn ring_doorbell(&self, socket: &UnixStream) {
-        let byte = [1u8];
-        // SAFETY: one readable byte; the fd belongs to `socket`. A full
-        // socket buffer already holds doorbells, so EAGAIN is fine.
-        let _ = unsafe {
-            libc::send(
-                socket.as_raw_fd(),
-                byte.as_ptr().cast(),
-                1,
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
-        };
+        // A full socket buffer already holds doorbells, so EAGAIN is fine.
+        let _ = rustix::net::send(socket, &[1u8], SendFlags::DONTWAIT | SendFlags::NOSIGNAL);
     }
 
     /// Copies out up to `out.len()` bytes that arrived (the caller is the
     /// only consumer); 0 when the ring is empty. The head is the peer's word:
     /// one that claims more than a ring's worth of bytes is refused.
     pub(crate) fn receive(&self, out: &mut [u8]) -> io::Result<usize> {
+        // One consumer at a time (the caller is meant to be the only one).
+        let _consuming = super::lock(&self.consumer);
         let half = self.rx();
         let tail = self.local_tail.load(Ordering::Relaxed);
         let head = self.head(half).load(Ordering::SeqCst);
@@ -304,10 +353,15 @@ impl RingPair {
         }
         let at = (tail as usize) & (RING_BYTES - 1);
         let first = n.min(RING_BYTES - at);
-        // SAFETY: [at, at + first) and [0, n - first) lie inside this half's
-        // data (n ≤ RING_BYTES, masked index); the mapping can't shrink
-        // (sealed). Bytes a hostile peer changes meanwhile are only bytes: they
-        // are decoded and validated like any other input.
+        // SAFETY: at < RING_BYTES (masked) and first ≤ RING_BYTES - at, so
+        // [at, at + first) lies in this half's RING_BYTES data bytes
+        // (`data`); n ≤ available ≤ RING_BYTES (checked above), so
+        // [0, n - first) does too; `out` has room for n ≥ first bytes (n ≤
+        // out.len()). No other thread of ours reads this half: we hold the
+        // consumer lock. The producer writes only past the tail, which moves
+        // past these bytes after the copy (Release, below). Bytes a hostile
+        // peer changes meanwhile are only bytes: they are decoded and
+        // validated like any other input.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data(half).add(at), out.as_mut_ptr(), first);
             std::ptr::copy_nonoverlapping(self.data(half), out[first..].as_mut_ptr(), n - first);
@@ -395,112 +449,61 @@ fn corrupt(what: &str) -> io::Error {
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host.
 fn monotonic_ns() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: writes one timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 /// Most fds one set-up message carries.
 pub(crate) const MAX_FDS: usize = 8;
 
-/// Room for one control message carrying up to [`MAX_FDS`] fds.
-fn fd_control_buffer() -> Vec<u8> {
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) };
-    vec![0u8; space as usize]
-}
-
-/// A msghdr over one iovec and a control buffer (both must outlive its use).
-fn fd_message(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
-    // SAFETY: an all-zero msghdr is valid; the fields are set below.
-    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-    message.msg_iov = iov;
-    message.msg_iovlen = 1;
-    message.msg_control = control.as_mut_ptr().cast();
-    message.msg_controllen = control.len();
-    message
-}
+/// Room for one control message carrying up to [`MAX_FDS`] fds (and the
+/// padding that aligns it).
+const FD_CONTROL_SPACE: usize = rustix::cmsg_space!(ScmRights(MAX_FDS));
 
 /// Sends `bytes` and `fds` (at most [`MAX_FDS`]) in one message (SCM_RIGHTS).
-pub(crate) fn send_with_fds(socket: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+pub(crate) fn send_with_fds(
+    socket: &UnixStream,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<()> {
     assert!(fds.len() <= MAX_FDS, "at most MAX_FDS fds");
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    let mut control = fd_control_buffer();
-    let mut message = fd_message(&mut iov, &mut control);
-    if fds.is_empty() {
-        message.msg_control = std::ptr::null_mut();
-        message.msg_controllen = 0;
-    } else {
-        let data_len = std::mem::size_of_val(fds) as u32;
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        message.msg_controllen = unsafe { libc::CMSG_SPACE(data_len) } as usize;
-        // SAFETY: the control buffer has room for one cmsg with MAX_FDS fds
-        // (CMSG_SPACE above); the header pointer comes from CMSG_FIRSTHDR of it.
-        unsafe {
-            let header = libc::CMSG_FIRSTHDR(&message);
-            (*header).cmsg_level = libc::SOL_SOCKET;
-            (*header).cmsg_type = libc::SCM_RIGHTS;
-            (*header).cmsg_len = libc::CMSG_LEN(data_len) as usize;
-            let data = libc::CMSG_DATA(header).cast::<RawFd>();
-            for (i, fd) in fds.iter().enumerate() {
-                std::ptr::write_unaligned(data.add(i), *fd);
-            }
-        }
+    let mut space = [MaybeUninit::<u8>::uninit(); FD_CONTROL_SPACE];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() {
+        let fitted = control.push(SendAncillaryMessage::ScmRights(fds));
+        assert!(fitted, "FD_CONTROL_SPACE holds MAX_FDS fds");
     }
-    // SAFETY: `message` points at live buffers for the duration of the call.
-    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &message, libc::MSG_NOSIGNAL) };
-    if sent < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if sent as usize != bytes.len() {
+    let sent = rustix::net::sendmsg(
+        socket,
+        &[IoSlice::new(bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    if sent != bytes.len() {
         return Err(io::Error::new(io::ErrorKind::WriteZero, "short handshake"));
     }
     Ok(())
 }
 
-/// Receives exactly `out.len()` bytes and the fds sent with them.
+/// Receives exactly `out.len()` bytes and the fds sent with them (opened
+/// close-on-exec; every fd received is owned by the result, or closed).
 pub(crate) fn receive_with_fds(socket: &UnixStream, out: &mut [u8]) -> io::Result<Vec<OwnedFd>> {
-    let mut iov = libc::iovec {
-        iov_base: out.as_mut_ptr().cast(),
-        iov_len: out.len(),
-    };
-    let mut control = fd_control_buffer();
-    let mut message = fd_message(&mut iov, &mut control);
-    // SAFETY: `message` points at live buffers for the duration of the call.
-    let got = unsafe {
-        libc::recvmsg(
-            socket.as_raw_fd(),
-            &mut message,
-            libc::MSG_WAITALL | libc::MSG_CMSG_CLOEXEC,
-        )
-    };
-    if got < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let expected = out.len();
+    let mut space = [MaybeUninit::<u8>::uninit(); FD_CONTROL_SPACE];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = rustix::net::recvmsg(
+        socket,
+        &mut [IoSliceMut::new(out)],
+        &mut control,
+        RecvFlags::WAITALL | RecvFlags::CMSG_CLOEXEC,
+    )?;
     let mut fds = Vec::new();
-    // SAFETY: walks the control buffer the kernel filled, as CMSG_* intend;
-    // every fd it holds is now ours (owned once, closed on drop).
-    unsafe {
-        let mut header = libc::CMSG_FIRSTHDR(&message);
-        while !header.is_null() {
-            if (*header).cmsg_level == libc::SOL_SOCKET && (*header).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(header).cast::<RawFd>();
-                let bytes = (*header).cmsg_len - (data as usize - header as usize);
-                for i in 0..bytes / std::mem::size_of::<RawFd>() {
-                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
-                }
-            }
-            header = libc::CMSG_NXTHDR(&message, header);
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = message {
+            fds.extend(received);
         }
     }
-    if got as usize != out.len() {
+    if got.bytes != expected {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
             "short handshake",
@@ -616,11 +619,7 @@ mod tests {
 
     #[test]
     fn an_unsealed_or_short_memfd_is_refused_before_it_is_mapped() {
-        // SAFETY: a NUL-terminated name; checked below.
-        let raw = unsafe { libc::memfd_create(c"short".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(raw >= 0);
-        // SAFETY: fresh fd.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let fd = rustix::fs::memfd_create(c"short", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         let error = RingPair::open(&fd).unwrap_err();
         assert_eq!(error.kind(), io::ErrorKind::InvalidData);
         let short = super::super::peer::sealed_memfd(c"short", 4096).unwrap();

@@ -19,8 +19,10 @@
 //! one, so the fd is readable exactly while an event waits.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use rustix::mm::{MapFlags, ProtFlags};
 
 pub(crate) use super::sync::{ARMED_ANY, ARMED_SOLICITED, CLAIMED, DISARMED};
 
@@ -40,8 +42,10 @@ unsafe impl Sync for ArmWord {}
 
 impl Drop for ArmWord {
     fn drop(&mut self) {
-        // SAFETY: mapped with this length by `map` and unmapped once.
-        unsafe { libc::munmap(self.base.cast(), PAGE) };
+        // SAFETY: `base` is the start of the PAGE-byte mapping `map` made for
+        // this word (nothing else builds an ArmWord); it is unmapped only
+        // here, once, and no reference into it outlives `self`.
+        let _ = unsafe { rustix::mm::munmap(self.base.cast(), PAGE) };
     }
 }
 
@@ -57,7 +61,10 @@ impl ArmWord {
     /// A fresh, disarmed word (for a CQ with a completion channel), in a
     /// memfd sealed so that it can never shrink under a peer's mapping.
     pub(crate) fn create() -> io::Result<ArmWord> {
-        ArmWord::map(super::peer::sealed_memfd(c"rdma-rpc-soft-arm", PAGE)?)
+        let fd = super::peer::sealed_memfd(c"rdma-rpc-soft-arm", PAGE)?;
+        // SAFETY: `sealed_memfd` just made `fd` a memfd of PAGE bytes,
+        // sealed against shrinking.
+        unsafe { ArmWord::map(fd) }
     }
 
     /// Maps a word a peer passed at set-up, after checking that the memfd
@@ -65,27 +72,30 @@ impl ArmWord {
     /// truncate it and turn our next access into SIGBUS).
     pub(crate) fn map_peer(fd: OwnedFd) -> io::Result<ArmWord> {
         super::peer::check_sealed_memfd(&fd, PAGE, "completion-queue arm word")?;
-        ArmWord::map(fd)
+        // SAFETY: `check_sealed_memfd` just checked that `fd` is a memfd of
+        // exactly PAGE bytes, sealed against shrinking.
+        unsafe { ArmWord::map(fd) }
     }
 
-    /// Maps a word whose memfd is one page that cannot shrink (made by
-    /// `create` or checked by `map_peer`).
-    fn map(fd: OwnedFd) -> io::Result<ArmWord> {
-        // SAFETY: maps one page of a memfd sealed at exactly that size
-        // (see the callers), shared; the result is checked.
+    /// Maps the word's page, shared, readable and writable.
+    ///
+    /// # Safety
+    /// `fd` must be a memfd of at least [`PAGE`] bytes that can never shrink
+    /// (sealed with `F_SEAL_SHRINK`): every later access to the word would
+    /// otherwise risk SIGBUS.
+    unsafe fn map(fd: OwnedFd) -> io::Result<ArmWord> {
+        // SAFETY: a null hint without MAP_FIXED: the kernel picks unused
+        // addresses, so the call replaces or aliases no memory of ours.
         let base = unsafe {
-            libc::mmap(
+            rustix::mm::mmap(
                 std::ptr::null_mut(),
                 PAGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
                 0,
             )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
+        }?;
         Ok(ArmWord {
             base: base.cast(),
             fd,
@@ -93,13 +103,17 @@ impl ArmWord {
     }
 
     /// The memfd, to pass to a peer.
-    pub(crate) fn fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 
     fn word(&self) -> &AtomicU32 {
-        // SAFETY: the first 4 bytes of a live page-aligned shared mapping,
-        // only ever used atomically (here and by peers).
+        // SAFETY: `base` is the start of a live, page-aligned (so 4-byte
+        // aligned) PAGE-byte shared mapping that `self` owns until drop,
+        // backed by a memfd that cannot shrink (`map`'s contract); this
+        // module only ever accesses its first 4 bytes through this atomic.
+        // (A peer process that maps the same page may write it any way it
+        // likes: it can change the value, never the validity of the memory.)
         unsafe { AtomicU32::from_ptr(self.base.cast()) }
     }
 
@@ -130,10 +144,8 @@ impl ArmWord {
 }
 
 /// Adds one to an eventfd (non-blocking; it never saturates in practice).
-pub(crate) fn signal_eventfd(fd: RawFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live u64 to an eventfd we hold open.
-    let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+pub(crate) fn signal_eventfd(fd: BorrowedFd<'_>) {
+    let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
 }
 
 /// One CQ of the peer QP: its arm word and its channel's eventfd.
@@ -149,7 +161,7 @@ impl PeerCq {
     fn claim(&self, solicited_or_error: bool) -> bool {
         let claimed = self.arm.fire(solicited_or_error, CLAIMED);
         if claimed {
-            signal_eventfd(self.eventfd.as_raw_fd());
+            signal_eventfd(self.eventfd.as_fd());
         }
         claimed
     }
@@ -262,16 +274,12 @@ impl PeerWakers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::FromRawFd;
+    use rustix::event::EventfdFlags;
 
     #[test]
     fn an_arm_fires_once_whoever_takes_it() {
         let word = ArmWord::create().unwrap();
-        let peer = ArmWord::map_peer(
-            // SAFETY: dup of a valid fd, owned by the result.
-            unsafe { OwnedFd::from_raw_fd(libc::dup(word.fd())) },
-        )
-        .unwrap();
+        let peer = ArmWord::map_peer(dup(word.fd())).unwrap();
         assert!(!word.fire(true, DISARMED), "not armed");
         word.arm(false);
         assert!(peer.fire(false, CLAIMED), "the peer takes it");
@@ -289,17 +297,16 @@ mod tests {
         assert_eq!(peer.state(), DISARMED);
     }
 
-    fn dup(fd: RawFd) -> OwnedFd {
-        // SAFETY: dup of a valid fd, owned by the result.
-        unsafe { OwnedFd::from_raw_fd(libc::dup(fd)) }
+    /// A second descriptor for `fd` (close-on-exec), as a peer would hold.
+    fn dup(fd: impl AsFd) -> OwnedFd {
+        rustix::io::fcntl_dupfd_cloexec(fd, 0).unwrap()
     }
 
-    fn eventfd_count(fd: RawFd) -> u64 {
+    fn eventfd_count(fd: impl AsFd) -> u64 {
         let mut total = 0;
-        let mut value: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd.
-        while unsafe { libc::read(fd, (&mut value as *mut u64).cast(), 8) } == 8 {
-            total += value;
+        let mut value = [0u8; 8];
+        while matches!(rustix::io::read(fd.as_fd(), &mut value), Ok(8)) {
+            total += u64::from_ne_bytes(value);
         }
         total
     }
@@ -307,11 +314,9 @@ mod tests {
     #[test]
     fn a_peer_wakes_the_caller_only_for_completions_an_armed_cq_fires_on() {
         let arm = ArmWord::create().unwrap();
-        // SAFETY: eventfd takes no pointers; the fd is owned below.
-        let eventfd = unsafe {
-            OwnedFd::from_raw_fd(libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC))
-        };
-        let mut fds = [dup(arm.fd()), dup(eventfd.as_raw_fd())].into_iter();
+        let eventfd =
+            rustix::event::eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC).unwrap();
+        let mut fds = [dup(arm.fd()), dup(&eventfd)].into_iter();
         let wakers = PeerWakers::from_set_up(WAKER_RECV | WAKER_SEND_IS_RECV, &mut fds).unwrap();
 
         assert!(
@@ -324,11 +329,7 @@ mod tests {
             "engine work"
         );
         assert!(wakers.wake(need::RECV_UNSOLICITED | need::SEND_OK));
-        assert_eq!(
-            eventfd_count(eventfd.as_raw_fd()),
-            1,
-            "one write for the one CQ"
-        );
+        assert_eq!(eventfd_count(&eventfd), 1, "one write for the one CQ");
         assert!(!wakers.wake(need::RECV_UNSOLICITED), "the arm is taken");
         assert!(arm.take_claimed());
 
@@ -339,11 +340,11 @@ mod tests {
             wakers.wake(need::RECV_SOLICITED | need::SEND_OK),
             "a solicited receive fires it, whatever else the batch completes"
         );
-        assert_eq!(eventfd_count(eventfd.as_raw_fd()), 1);
+        assert_eq!(eventfd_count(&eventfd), 1);
         assert!(arm.take_claimed());
         arm.arm(true);
         assert!(wakers.wake(need::SEND_ERROR), "an error fires it");
-        assert_eq!(eventfd_count(eventfd.as_raw_fd()), 1);
+        assert_eq!(eventfd_count(&eventfd), 1);
 
         let none = PeerWakers::default();
         assert!(

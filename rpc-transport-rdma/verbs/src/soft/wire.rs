@@ -424,22 +424,8 @@ pub(crate) struct NonBlocking<'a>(pub(crate) &'a std::os::unix::net::UnixStream)
 
 impl Read for NonBlocking<'_> {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: `out` is valid for `out.len()` bytes; the fd is owned by the
-        // borrowed stream, alive for the call.
-        let n = unsafe {
-            libc::recv(
-                self.0.as_raw_fd(),
-                out.as_mut_ptr().cast(),
-                out.len(),
-                libc::MSG_DONTWAIT,
-            )
-        };
-        if n < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(n as usize)
-        }
+        let (n, _) = rustix::net::recv(self.0, out, rustix::net::RecvFlags::DONTWAIT)?;
+        Ok(n)
     }
 }
 
