@@ -15,6 +15,7 @@
 //! # let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
 //! # let pd = context.alloc_pd().unwrap();
 //! let mut queue = OwnedQueue::new(&context, &pd, QpCaps::default()).unwrap();
+//! queue.qp().to_init().unwrap();
 //! let mut buffer = RegisteredBuffer::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
 //! queue.post_recv(buffer).unwrap();
 //! buffer.as_mut_slice()[0] = 1; // error[E0382]: the device owns it now
@@ -27,6 +28,7 @@
 //! # let context = verbs::provider("soft").unwrap().open("soft0").unwrap();
 //! # let pd = context.alloc_pd().unwrap();
 //! let mut queue = OwnedQueue::new(&context, &pd, QpCaps::default()).unwrap();
+//! queue.qp().to_init().unwrap(); // receives may be posted from INIT on
 //! let buffer = RegisteredBuffer::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
 //! queue.post_recv(buffer).unwrap();
 //! assert_eq!(queue.in_flight(), 1);

@@ -34,8 +34,9 @@ mod parallel;
 mod peer;
 mod qp;
 mod ring;
-#[doc(hidden)]
-pub mod sync;
+#[cfg(test)]
+mod loom_model;
+mod sync;
 mod wake;
 mod wire;
 
@@ -244,7 +245,7 @@ impl Handshake {
 
 /// Decodes a handshake from arbitrary bytes (fuzzing entry point): never
 /// panics; `None` unless exactly [`HANDSHAKE_LEN`] bytes.
-#[doc(hidden)]
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_handshake(bytes: &[u8]) -> bool {
     let Ok(array) = <&[u8; HANDSHAKE_LEN]>::try_from(bytes) else {
         return false;
@@ -257,7 +258,7 @@ pub fn fuzz_handshake(bytes: &[u8]) -> bool {
 /// peer's ring would (fuzzing entry point): never panics; returns how many
 /// messages decoded before the end or the first error. Each decoded message
 /// must survive an encode/decode round trip.
-#[doc(hidden)]
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_wire(bytes: &[u8]) -> usize {
     use std::io::Read;
     struct Chunks<'a>(&'a [u8]);

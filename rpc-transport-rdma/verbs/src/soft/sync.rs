@@ -1,7 +1,7 @@
 //! The soft wire's two lock-free handshakes, written once over a small
 //! atomics trait so that the very same code runs in the provider (std
 //! atomics on shared memory) and under the `loom` model checker
-//! (`tests/loom_model.rs`, which explores every interleaving and memory
+//! (`loom_model.rs` beside it, a unit test, which explores every interleaving and memory
 //! ordering the C11 model allows).
 //!
 //! - **Doorbell** (`ring`): a producer publishes the head, then looks at the
@@ -15,7 +15,7 @@
 use std::sync::atomic::Ordering;
 
 /// A 32-bit atomic word.
-pub trait Word32 {
+pub(crate) trait Word32 {
     /// Atomic load.
     fn load(&self, order: Ordering) -> u32;
     /// Atomic store.
@@ -33,7 +33,7 @@ pub trait Word32 {
 }
 
 /// A 64-bit atomic word.
-pub trait Word64 {
+pub(crate) trait Word64 {
     /// Atomic load.
     fn load(&self, order: Ordering) -> u64;
     /// Atomic store.
@@ -75,7 +75,7 @@ impl Word64 for std::sync::atomic::AtomicU64 {
 /// Producer: publishes `new_head`; true when the consumer declared itself
 /// asleep and must be woken (a doorbell). With `wake` false the bytes wait
 /// for the consumer's next look and nobody is woken.
-pub fn publish<H: Word64, S: Word32>(head: &H, sleeping: &S, new_head: u64, wake: bool) -> bool {
+pub(crate) fn publish<H: Word64, S: Word32>(head: &H, sleeping: &S, new_head: u64, wake: bool) -> bool {
     if !wake {
         head.store(new_head, Ordering::Release);
         return false;
@@ -92,7 +92,7 @@ pub fn publish<H: Word64, S: Word32>(head: &H, sleeping: &S, new_head: u64, wake
 /// Consumer about to sleep: declares it, then looks at the head once more;
 /// true when nothing arrived (it may sleep until a doorbell), false when
 /// bytes wait (it must read them; it clears the flag itself).
-pub fn may_sleep<H: Word64, S: Word32>(head: &H, sleeping: &S, tail: u64) -> bool {
+pub(crate) fn may_sleep<H: Word64, S: Word32>(head: &H, sleeping: &S, tail: u64) -> bool {
     sleeping.store(1, Ordering::Relaxed);
     sleeping.fence();
     head.load(Ordering::Acquire) == tail
@@ -101,13 +101,13 @@ pub fn may_sleep<H: Word64, S: Word32>(head: &H, sleeping: &S, tail: u64) -> boo
 // ------------------------------------------------------------ arm word
 
 /// Not armed (or fired already).
-pub const DISARMED: u32 = 0;
+pub(crate) const DISARMED: u32 = 0;
 /// Armed for the next completion.
-pub const ARMED_ANY: u32 = 1;
+pub(crate) const ARMED_ANY: u32 = 1;
 /// Armed for the next solicited or error completion.
-pub const ARMED_SOLICITED: u32 = 2;
+pub(crate) const ARMED_SOLICITED: u32 = 2;
 /// Fired by a peer: an event waits to be taken by `get_event`.
-pub const CLAIMED: u32 = 3;
+pub(crate) const CLAIMED: u32 = 3;
 
 fn update<W: Word32>(word: &W, mut next: impl FnMut(u32) -> Option<u32>) -> bool {
     let mut state = word.load(Ordering::SeqCst);
@@ -125,7 +125,7 @@ fn update<W: Word32>(word: &W, mut next: impl FnMut(u32) -> Option<u32>) -> bool
 /// Arms for the next (solicited-only: solicited or error) completion. An
 /// event a peer claimed and nobody took yet stays: it is the event this arm
 /// would raise.
-pub fn arm<W: Word32>(word: &W, solicited_only: bool) {
+pub(crate) fn arm<W: Word32>(word: &W, solicited_only: bool) {
     let mode = if solicited_only {
         ARMED_SOLICITED
     } else {
@@ -138,7 +138,7 @@ pub fn arm<W: Word32>(word: &W, solicited_only: bool) {
 /// or not; true when taken: the taker raises the one event. `to` is
 /// `DISARMED` (a local completion, queued by the taker) or `CLAIMED` (a
 /// peer's, reported by `get_event`).
-pub fn fire<W: Word32>(word: &W, solicited_or_error: bool, to: u32) -> bool {
+pub(crate) fn fire<W: Word32>(word: &W, solicited_or_error: bool, to: u32) -> bool {
     update(word, |state| {
         let covered = state == ARMED_ANY || (state == ARMED_SOLICITED && solicited_or_error);
         covered.then_some(to)
@@ -146,7 +146,7 @@ pub fn fire<W: Word32>(word: &W, solicited_or_error: bool, to: u32) -> bool {
 }
 
 /// Takes a peer's claimed event; true when there was one.
-pub fn take_claimed<W: Word32>(word: &W) -> bool {
+pub(crate) fn take_claimed<W: Word32>(word: &W) -> bool {
     word.compare_exchange(CLAIMED, DISARMED, Ordering::SeqCst, Ordering::SeqCst)
         .is_ok()
 }

@@ -1,5 +1,5 @@
 //! Model-checks the soft wire's lock-free handshakes with `loom`: the very
-//! functions the provider runs (`verbs::soft::sync`), over loom's atomics,
+//! functions the provider runs (`soft::sync`), over loom's atomics,
 //! in every interleaving (and every outcome of the memory model) loom
 //! explores.
 //!
@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use loom::thread;
-use rdma_verbs::soft::sync::{self, ARMED_ANY, CLAIMED, DISARMED, Word32, Word64};
+use super::sync::{self, ARMED_ANY, CLAIMED, DISARMED, Word32, Word64};
 
 struct L32(AtomicU32);
 struct L64(AtomicU64);
