@@ -138,7 +138,9 @@ pub struct PolledCompletion {
 #[derive(Debug)]
 struct Pull {
     buffer: PooledBuffer,
-    reads: usize,
+    /// READs in flight into it: (wr index, offset, length). Never
+    /// overlapping: two copies into the same bytes at once would race.
+    reads: Vec<(u64, usize, usize)>,
     /// Its owner let go of it: freed once its last READ is polled.
     abandoned: bool,
 }
@@ -270,7 +272,7 @@ impl PooledQp {
             key,
             Pull {
                 buffer: destination,
-                reads: 0,
+                reads: Vec::new(),
                 abandoned: false,
             },
         );
@@ -278,6 +280,9 @@ impl PooledQp {
 
     /// Batches a READ of `len` bytes at `remote_addr` (the peer's `rkey`)
     /// into pull `key`'s destination at `offset`. Posted by [`PooledQp::post`].
+    /// Refused when the range is outside the destination or overlaps a READ
+    /// into it still in flight (the device would write the same bytes twice
+    /// at once).
     pub fn read(
         &mut self,
         key: u64,
@@ -301,10 +306,20 @@ impl PooledQp {
             .ok_or(VerbsError::InvalidArgument(
                 "READ outside its destination buffer",
             ))?;
+        let end = offset + len;
+        if pull
+            .reads
+            .iter()
+            .any(|&(_, start, length)| offset < start + length && start < end)
+        {
+            return Err(VerbsError::InvalidArgument(
+                "READ overlapping another READ in flight into its destination",
+            ));
+        }
         let index = self.next_read;
         self.next_read = (self.next_read + 1) & INDEX_MASK;
         let wr_id = (TAG_READ << TAG_SHIFT) | index;
-        pull.reads += 1;
+        pull.reads.push((index, offset, len));
         self.batch.push(SendWr::new(
             wr_id,
             SendOp::RdmaRead { remote_addr, rkey },
@@ -324,7 +339,7 @@ impl PooledQp {
     /// while one is, or when there is no such pull).
     pub fn finish_pull(&mut self, key: u64) -> Option<PooledBuffer> {
         match self.pulls.get(&key) {
-            Some(pull) if pull.reads == 0 && !pull.abandoned => {
+            Some(pull) if pull.reads.is_empty() && !pull.abandoned => {
                 self.pulls.remove(&key).map(|pull| pull.buffer)
             }
             _ => None,
@@ -335,7 +350,7 @@ impl PooledQp {
     /// into it is in flight, else when the last one is polled.
     pub fn abandon_pull(&mut self, key: u64) {
         if let Some(pull) = self.pulls.get_mut(&key) {
-            if pull.reads == 0 {
+            if pull.reads.is_empty() {
                 self.pulls.remove(&key);
             } else {
                 pull.abandoned = true;
@@ -442,8 +457,8 @@ impl PooledQp {
                     READS_FAILED.fetch_add(1, Ordering::Relaxed);
                 }
                 if let Some(pull) = self.pulls.get_mut(&key) {
-                    pull.reads -= 1;
-                    if pull.reads == 0 && pull.abandoned {
+                    pull.reads.retain(|&(read, _, _)| read != index);
+                    if pull.reads.is_empty() && pull.abandoned {
                         self.pulls.remove(&key);
                     }
                 }
@@ -487,7 +502,7 @@ impl Drop for PooledQp {
             self.pools.send.lose(slot);
         }
         for (_, pull) in self.pulls.drain() {
-            if pull.reads > 0 {
+            if !pull.reads.is_empty() {
                 pull.buffer.leak();
             }
         }
@@ -591,6 +606,10 @@ mod tests {
         assert!(
             bed.queue.read(2, 0, 100, 0x1000, 9).is_err(),
             "no such pull"
+        );
+        assert!(
+            bed.queue.read(1, 99, 10, 0x2000, 9).is_err(),
+            "overlaps a READ in flight"
         );
         assert!(
             bed.queue.read(1, 64 << 10, 1, 0x1000, 9).is_err(),
