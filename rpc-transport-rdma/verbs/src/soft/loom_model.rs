@@ -9,10 +9,10 @@
 
 use std::sync::atomic::Ordering;
 
+use super::sync::{self, ARMED_ANY, CLAIMED, DISARMED, Word32, Word64};
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use loom::thread;
-use super::sync::{self, ARMED_ANY, CLAIMED, DISARMED, Word32, Word64};
 
 struct L32(AtomicU32);
 struct L64(AtomicU64);

@@ -29,13 +29,13 @@
 //!   at once.
 
 mod engine;
+#[cfg(test)]
+mod loom_model;
 mod memory;
 mod parallel;
 mod peer;
 mod qp;
 mod ring;
-#[cfg(test)]
-mod loom_model;
 mod sync;
 mod wake;
 mod wire;

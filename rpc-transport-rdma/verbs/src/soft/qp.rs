@@ -535,11 +535,13 @@ impl QpShared {
         let engine_needed = needs & (need::ENGINE | need::PROMPT_ACK) != 0;
         let direct = || wakers.is_some_and(|wakers| wakers.wake(needs)) || !engine_needed;
         let batch = &inner.unwritten;
+        // SAFETY: this QP's ring pair is produced on only through
+        // `inner.ring`, and only with `&mut QpInner`, which the QP's lock
+        // hands out to one thread at a time: we are its only producer now.
         let written = if wait {
-            ring.send(batch, writer, needs != 0, direct)
-                .map(|()| batch.len())
+            unsafe { ring.send(batch, writer, needs != 0, direct) }.map(|()| batch.len())
         } else {
-            ring.send_some(batch, writer, needs != 0, direct)
+            unsafe { ring.send_some(batch, writer, needs != 0, direct) }
         };
         // Either way a polling caller has nothing left to write: what a
         // full ring kept waits for the engine's next turn.
@@ -583,7 +585,9 @@ impl QpShared {
             inner.writer.as_ref(),
             inner.ring.as_ref(),
         ) {
-            let _ = ring.send_some(&unwritten, writer, true, || false);
+            // SAFETY: as in `write_out`: we hold `&mut QpInner`, so we are
+            // the ring's only producer now.
+            let _ = unsafe { ring.send_some(&unwritten, writer, true, || false) };
         }
         for (i, outstanding) in inner.outstanding.drain(..).enumerate() {
             let status = match (i, first) {
@@ -775,7 +779,10 @@ impl QpShared {
                         break;
                     }
                 }
-                let outcome = match reader.read(&mut RingReader(ring)) {
+                // SAFETY: this QP's ring pair is consumed only here, through
+                // the reader lock we hold (`guard`): no other consumer while
+                // this reader lives.
+                let outcome = match reader.read(&mut unsafe { RingReader::new(ring) }) {
                     Ok(ReadOutcome::TimedOut) if peer_gone => Ok(ReadOutcome::Closed),
                     outcome => outcome,
                 };
@@ -1563,9 +1570,20 @@ unsafe impl QueuePair for SoftQp {
 /// What the wire reader reads: the ring (WouldBlock when it is empty).
 struct RingReader<'a>(&'a RingPair);
 
+impl<'a> RingReader<'a> {
+    /// # Safety
+    /// While the reader lives, no other thread of this process consumes from
+    /// `ring` ([`RingPair::receive`]'s contract).
+    unsafe fn new(ring: &'a RingPair) -> RingReader<'a> {
+        RingReader(ring)
+    }
+}
+
 impl std::io::Read for RingReader<'_> {
     fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        match self.0.receive(out)? {
+        // SAFETY: a RingReader is built only by `new`, whose caller promised
+        // to be the ring's only consumer while the reader lives.
+        match unsafe { self.0.receive(out) }? {
             0 => Err(std::io::ErrorKind::WouldBlock.into()),
             n => Ok(n),
         }

@@ -25,7 +25,6 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -61,8 +60,8 @@ struct Mapping {
 // SAFETY: a Mapping is the address of a process-wide shared mapping, which
 // it unmaps on drop (from whichever thread); it gives no access to the
 // memory by itself. `RingPair` accesses it: the control words only
-// atomically, each half's data only under that RingPair's producer or
-// consumer lock.
+// atomically, each half's data only from its one producer or one consumer
+// at a time (the contracts of its unsafe `send`, `send_some`, `receive`).
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
@@ -92,12 +91,6 @@ pub(crate) struct RingPair {
     /// When a caller of this process last polled our side (process-local;
     /// 0: not polling).
     polled_at: AtomicU64,
-    /// Held while copying into the half we produce to: one producer at a
-    /// time, whoever calls.
-    producer: Mutex<()>,
-    /// Held while copying out of the half we consume from: one consumer at
-    /// a time.
-    consumer: Mutex<()>,
 }
 
 impl std::fmt::Debug for RingPair {
@@ -158,8 +151,6 @@ impl RingPair {
             local_head: AtomicU64::new(0),
             local_tail: AtomicU64::new(0),
             polled_at: AtomicU64::new(0),
-            producer: Mutex::new(()),
-            consumer: Mutex::new(()),
         }
     }
 
@@ -212,30 +203,42 @@ impl RingPair {
     /// nobody needs waking), else the doorbell rings on `socket`. Without
     /// `wake` the bytes wait for the consumer's next look (it is woken for a
     /// full ring all the same).
-    pub(crate) fn send(
+    ///
+    /// # Safety
+    /// No other thread of this process produces on this ring pair (`send`,
+    /// `send_some`) while this call runs: two copies into the same ring
+    /// bytes at once would race.
+    pub(crate) unsafe fn send(
         &self,
         bytes: &[u8],
         socket: &UnixStream,
         wake: bool,
         direct: impl FnOnce() -> bool,
     ) -> io::Result<()> {
-        self.append(bytes, socket, wake, direct, true).map(|_| ())
+        // SAFETY: this function's caller is the only producer meanwhile.
+        unsafe { self.append(bytes, socket, wake, direct, true) }.map(|_| ())
     }
 
     /// Like [`RingPair::send`], but never waits: appends what fits and
     /// returns how many bytes that was (the consumer is rung for a full
     /// ring). For the engine threads, which must not wait on one peer.
-    pub(crate) fn send_some(
+    ///
+    /// # Safety
+    /// As for [`RingPair::send`].
+    pub(crate) unsafe fn send_some(
         &self,
         bytes: &[u8],
         socket: &UnixStream,
         wake: bool,
         direct: impl FnOnce() -> bool,
     ) -> io::Result<usize> {
-        self.append(bytes, socket, wake, direct, false)
+        // SAFETY: this function's caller is the only producer meanwhile.
+        unsafe { self.append(bytes, socket, wake, direct, false) }
     }
 
-    fn append(
+    /// # Safety
+    /// As for [`RingPair::send`].
+    unsafe fn append(
         &self,
         bytes: &[u8],
         socket: &UnixStream,
@@ -243,8 +246,6 @@ impl RingPair {
         direct: impl FnOnce() -> bool,
         wait: bool,
     ) -> io::Result<usize> {
-        // One producer at a time (the caller is meant to be the only one).
-        let _producing = super::lock(&self.producer);
         let half = self.tx;
         let mut written = 0;
         let mut consumer_sleeps = false;
@@ -291,8 +292,8 @@ impl RingPair {
             // (`data`); n ≤ room ≤ RING_BYTES, so [0, n - first) does too.
             // The sources are n bytes of `bytes` from `written` on (n ≤
             // bytes.len() - written), our own memory, not in the mapping.
-            // No other thread of ours writes this half: we hold the producer
-            // lock. The consumer (a RingPair of this module, in this or the
+            // No other thread of ours writes this half: our caller is the
+            // only producer meanwhile (this function's contract). The consumer (a RingPair of this module, in this or the
             // peer process) reads only below the head, which moves past
             // these bytes after the copy (`sync::publish`, Release); a
             // hostile peer writing them anyway changes their values, not the
@@ -337,9 +338,12 @@ impl RingPair {
     /// Copies out up to `out.len()` bytes that arrived (the caller is the
     /// only consumer); 0 when the ring is empty. The head is the peer's word:
     /// one that claims more than a ring's worth of bytes is refused.
-    pub(crate) fn receive(&self, out: &mut [u8]) -> io::Result<usize> {
-        // One consumer at a time (the caller is meant to be the only one).
-        let _consuming = super::lock(&self.consumer);
+    ///
+    /// # Safety
+    /// No other thread of this process consumes from this ring pair while
+    /// this call runs: two copies out of the same bytes while the tail moves
+    /// would race with the producer reusing them.
+    pub(crate) unsafe fn receive(&self, out: &mut [u8]) -> io::Result<usize> {
         let half = self.rx();
         let tail = self.local_tail.load(Ordering::Relaxed);
         let head = self.head(half).load(Ordering::SeqCst);
@@ -357,9 +361,10 @@ impl RingPair {
         // [at, at + first) lies in this half's RING_BYTES data bytes
         // (`data`); n ≤ available ≤ RING_BYTES (checked above), so
         // [0, n - first) does too; `out` has room for n ≥ first bytes (n ≤
-        // out.len()). No other thread of ours reads this half: we hold the
-        // consumer lock. The producer writes only past the tail, which moves
-        // past these bytes after the copy (Release, below). Bytes a hostile
+        // out.len()). No other thread of ours reads this half: our caller is
+        // the only consumer meanwhile (this function's contract). The
+        // producer writes only past the tail, which moves past these bytes
+        // after the copy (Release, below). Bytes a hostile
         // peer changes meanwhile are only bytes: they are decoded and
         // validated like any other input.
         unsafe {
@@ -516,6 +521,35 @@ pub(crate) fn receive_with_fds(socket: &UnixStream, out: &mut [u8]) -> io::Resul
 mod tests {
     use super::*;
 
+    // Each test below has one producer and one consumer thread per ring
+    // pair: the contract of `send`, `send_some` and `receive`.
+    fn receive(ring: &RingPair, out: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: see above.
+        unsafe { ring.receive(out) }
+    }
+
+    fn send_some(
+        ring: &RingPair,
+        bytes: &[u8],
+        socket: &UnixStream,
+        wake: bool,
+        direct: impl FnOnce() -> bool,
+    ) -> io::Result<usize> {
+        // SAFETY: see above.
+        unsafe { ring.send_some(bytes, socket, wake, direct) }
+    }
+
+    fn send(
+        ring: &RingPair,
+        bytes: &[u8],
+        socket: &UnixStream,
+        wake: bool,
+        direct: impl FnOnce() -> bool,
+    ) -> io::Result<()> {
+        // SAFETY: see above.
+        unsafe { ring.send(bytes, socket, wake, direct) }
+    }
+
     #[test]
     fn bytes_cross_the_ring_in_order_through_wrap_around() {
         let (producer, fd) = RingPair::create().unwrap();
@@ -525,10 +559,10 @@ mod tests {
         let mut got = Vec::new();
         let mut buffer = vec![0u8; 65536];
         for _ in 0..20 {
-            producer.send(&chunk, &socket, true, || false).unwrap();
+            send(&producer, &chunk, &socket, true, || false).unwrap();
             let mut round = 0;
             while round < chunk.len() {
-                let n = consumer.receive(&mut buffer).unwrap();
+                let n = receive(&consumer, &mut buffer).unwrap();
                 got.extend_from_slice(&buffer[..n]);
                 round += n;
             }
@@ -545,31 +579,25 @@ mod tests {
         let (socket, _other) = UnixStream::pair().unwrap();
         let bytes = vec![7u8; RING_BYTES - 100];
         assert_eq!(
-            producer.send_some(&bytes, &socket, true, || false).unwrap(),
+            send_some(&producer, &bytes, &socket, true, || false).unwrap(),
             bytes.len()
         );
         // 100 bytes of room left, nobody draining: no wait, a short count.
         let started = Instant::now();
         assert_eq!(
-            producer
-                .send_some(&[1u8; 300], &socket, true, || false)
-                .unwrap(),
+            send_some(&producer, &[1u8; 300], &socket, true, || false).unwrap(),
             100
         );
         assert_eq!(
-            producer
-                .send_some(&[1u8; 300], &socket, true, || false)
-                .unwrap(),
+            send_some(&producer, &[1u8; 300], &socket, true, || false).unwrap(),
             0
         );
         assert!(started.elapsed() < FULL_TIMEOUT / 4);
         // Once the consumer drains, the rest goes through.
         let mut buffer = vec![0u8; 4096];
-        assert_eq!(consumer.receive(&mut buffer).unwrap(), 4096);
+        assert_eq!(receive(&consumer, &mut buffer).unwrap(), 4096);
         assert_eq!(
-            producer
-                .send_some(&[1u8; 200], &socket, true, || false)
-                .unwrap(),
+            send_some(&producer, &[1u8; 200], &socket, true, || false).unwrap(),
             200
         );
     }
@@ -580,13 +608,13 @@ mod tests {
         let consumer = RingPair::open(&fd).unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
         consumer.set_sleeping(true);
-        producer.send(b"hello", &ours, true, || false).unwrap();
+        send(&producer, b"hello", &ours, true, || false).unwrap();
         let mut byte = [0u8; 1];
         use std::io::Read;
         (&theirs).read_exact(&mut byte).unwrap();
         consumer.set_sleeping(false);
         let mut out = [0u8; 8];
-        assert_eq!(consumer.receive(&mut out).unwrap(), 5);
+        assert_eq!(receive(&consumer, &mut out).unwrap(), 5);
         assert_eq!(&out[..5], b"hello");
     }
 
@@ -595,13 +623,13 @@ mod tests {
         let (producer, fd) = RingPair::create().unwrap();
         let consumer = RingPair::open(&fd).unwrap();
         let (socket, _other) = UnixStream::pair().unwrap();
-        producer.send(b"abc", &socket, false, || false).unwrap();
+        send(&producer, b"abc", &socket, false, || false).unwrap();
         // The "peer" (the producer's side of the mapping) claims a head far
         // beyond a ring's worth of bytes: the consumer refuses it.
         producer.head(0).store(u64::MAX / 2, Ordering::SeqCst);
         let mut out = [0u8; 16];
         assert_eq!(
-            consumer.receive(&mut out).unwrap_err().kind(),
+            receive(&consumer, &mut out).unwrap_err().kind(),
             io::ErrorKind::InvalidData
         );
         // A consumer that moves its tail past what was produced is refused
@@ -610,10 +638,8 @@ mod tests {
         let consumer = RingPair::open(&fd).unwrap();
         consumer.tail(0).store(1 << 40, Ordering::SeqCst);
         let big = vec![7u8; RING_BYTES];
-        producer
-            .send(&big[..RING_BYTES / 2], &socket, false, || false)
-            .unwrap();
-        let error = producer.send(&big, &socket, false, || false).unwrap_err();
+        send(&producer, &big[..RING_BYTES / 2], &socket, false, || false).unwrap();
+        let error = send(&producer, &big, &socket, false, || false).unwrap_err();
         assert_eq!(error.kind(), io::ErrorKind::InvalidData);
     }
 

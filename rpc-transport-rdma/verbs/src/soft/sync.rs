@@ -75,7 +75,12 @@ impl Word64 for std::sync::atomic::AtomicU64 {
 /// Producer: publishes `new_head`; true when the consumer declared itself
 /// asleep and must be woken (a doorbell). With `wake` false the bytes wait
 /// for the consumer's next look and nobody is woken.
-pub(crate) fn publish<H: Word64, S: Word32>(head: &H, sleeping: &S, new_head: u64, wake: bool) -> bool {
+pub(crate) fn publish<H: Word64, S: Word32>(
+    head: &H,
+    sleeping: &S,
+    new_head: u64,
+    wake: bool,
+) -> bool {
     if !wake {
         head.store(new_head, Ordering::Release);
         return false;
