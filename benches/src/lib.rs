@@ -1,7 +1,11 @@
 //! Shared pieces of the benchmark binaries.
 
+#![forbid(unsafe_code)]
+
 pub mod contenders;
-pub mod floors;
+/// The physical floors (their own crate, `rdma-rpc-floors`, so that
+/// rdma-verbs's `verbs_pingpong` example measures them the same way).
+pub use rdma_rpc_floors as floors;
 pub mod plot;
 pub mod stats;
 pub mod streams;

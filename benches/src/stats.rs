@@ -1,30 +1,13 @@
-//! Latency histograms and bandwidth figures.
+//! Latency histograms and bandwidth figures (the common ones are
+//! `rdma-rpc-floors`'s, shared with rdma-verbs's `verbs_pingpong`), page
+//! faults, CPU time and `/proc` figures.
 
-use std::time::Duration;
+pub use rdma_rpc_floors::stats::{gbps, histogram, p50_p99, record};
 
-use hdrhistogram::Histogram;
-
-/// A latency histogram in nanoseconds (1 ns .. 60 s, 3 significant digits).
-pub fn histogram() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("histogram bounds")
-}
-
-/// Records one duration.
-pub fn record(histogram: &mut Histogram<u64>, elapsed: Duration) {
-    let _ = histogram.record((elapsed.as_nanos() as u64).max(1));
-}
-
-/// `p50 / p99` in µs with one decimal.
-pub fn p50_p99(histogram: &Histogram<u64>) -> (f64, f64) {
-    (
-        histogram.value_at_quantile(0.5) as f64 / 1000.0,
-        histogram.value_at_quantile(0.99) as f64 / 1000.0,
-    )
-}
-
-/// GB/s for `bytes` moved in `elapsed`.
-pub fn gbps(bytes: u64, elapsed: Duration) -> f64 {
-    bytes as f64 / elapsed.as_secs_f64() / 1e9
+/// CPU time this process has used so far (all threads).
+pub fn process_cpu_time() -> std::time::Duration {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    std::time::Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 /// This process's minor page faults so far (field 10 of `/proc/self/stat`;

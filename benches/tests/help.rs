@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 /// Every binary of this package, by name and path.
-const BINARIES: [(&str, &str); 8] = [
+const BINARIES: [(&str, &str); 7] = [
     ("bulk_probe", env!("CARGO_BIN_EXE_bulk_probe")),
     ("compare", env!("CARGO_BIN_EXE_compare")),
     ("idle_connections", env!("CARGO_BIN_EXE_idle_connections")),
@@ -17,7 +17,6 @@ const BINARIES: [(&str, &str); 8] = [
     ("scale", env!("CARGO_BIN_EXE_scale")),
     ("soak", env!("CARGO_BIN_EXE_soak")),
     ("transports", env!("CARGO_BIN_EXE_transports")),
-    ("verbs_pingpong", env!("CARGO_BIN_EXE_verbs_pingpong")),
 ];
 
 fn run(path: &str, args: &[&str]) -> Output {
@@ -79,8 +78,6 @@ fn bad_values_are_errors_not_panics() {
         ("scale", &["--transports", "rdma,mem"]),
         ("soak", &["--in-flight", "0"]),
         ("transports", &["--seconds", "-1"]),
-        ("verbs_pingpong", &["--only", "spin"]),
-        ("verbs_pingpong", &["--rounds"]),
     ] {
         let path = BINARIES.iter().find(|(n, _)| *n == name).expect("known").1;
         let output = run(path, args);

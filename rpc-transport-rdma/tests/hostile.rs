@@ -6,17 +6,20 @@
 //! process (so a crash shows as a dead child, not a dead test), and then
 //! proves that the server still serves a normal client.
 //!
-//! Attacks on the soft provider need raw `sendmsg`/`memfd_create`, hence the
-//! `unsafe` below: this file is an attacker, not library code.
-#![allow(unsafe_code)]
+//! Attacks on the soft provider pass memfds over the Unix socket
+//! (`memfd_create`, seals, `sendmsg` with `SCM_RIGHTS`), through rustix's
+//! safe calls.
+#![forbid(unsafe_code)]
 
 #[path = "../../rpc-core/tests/suite/mod.rs"]
 mod suite;
 
 mod common;
 
+use std::io::IoSlice;
 use std::io::Read;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::time::{Duration, Instant};
@@ -25,6 +28,8 @@ use bytes::Bytes;
 use rpc_core::Channel;
 use rpc_transport_rdma::protocol::{Geometry, PROTOCOL_VERSION};
 use rpc_transport_rdma::verbs::QpAddress;
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -87,7 +92,7 @@ fn hostile_child_nobody() {
         Ok(stream) => {
             let fd = memfd(0, false);
             let handshake = target.handshake(std::process::id(), target.secret);
-            send_with_fds(&stream, &handshake, &[fd.as_raw_fd()]);
+            send_with_fds(&stream, &handshake, &[fd.as_fd()]);
             read_reply(&stream)
         }
         Err(error) => format!("connect failed: {error}"),
@@ -278,24 +283,15 @@ async fn begin_setup(
 
 /// A memfd of `len` bytes, sealed against shrinking or not.
 fn memfd(len: usize, sealed: bool) -> OwnedFd {
-    let flags = libc::MFD_CLOEXEC | if sealed { libc::MFD_ALLOW_SEALING } else { 0 };
-    // SAFETY: a NUL-terminated name; checked.
-    let fd = unsafe { libc::memfd_create(c"attack".as_ptr(), flags) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh fd.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: a valid fd.
-    assert_eq!(
-        unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) },
-        0
-    );
+    let sealing = if sealed {
+        MemfdFlags::ALLOW_SEALING
+    } else {
+        MemfdFlags::empty()
+    };
+    let fd = rustix::fs::memfd_create(c"attack", MemfdFlags::CLOEXEC | sealing).unwrap();
+    rustix::fs::ftruncate(&fd, len as u64).unwrap();
     if sealed {
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-        // SAFETY: a sealable memfd.
-        assert_eq!(
-            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) },
-            0
-        );
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
     }
     fd
 }
@@ -303,40 +299,51 @@ fn memfd(len: usize, sealed: bool) -> OwnedFd {
 /// Bytes of the soft wire's shared rings (both directions, control blocks included).
 const RING_MAPPING: usize = 2 * (256 + (4 << 20));
 
-fn send_with_fds(socket: &UnixStream, bytes: &[u8], fds: &[RawFd]) {
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    let data_len = std::mem::size_of_val(fds) as u32;
-    // SAFETY: pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: all-zero msghdr is valid; fields set below.
-    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-    message.msg_iov = &mut iov;
-    message.msg_iovlen = 1;
-    message.msg_control = control.as_mut_ptr().cast();
-    message.msg_controllen = space;
-    // SAFETY: the control buffer holds one cmsg of `fds.len()` fds.
-    unsafe {
-        let header = libc::CMSG_FIRSTHDR(&message);
-        (*header).cmsg_level = libc::SOL_SOCKET;
-        (*header).cmsg_type = libc::SCM_RIGHTS;
-        (*header).cmsg_len = libc::CMSG_LEN(data_len) as usize;
-        let data = libc::CMSG_DATA(header).cast::<RawFd>();
-        for (i, fd) in fds.iter().enumerate() {
-            std::ptr::write_unaligned(data.add(i), *fd);
-        }
-    }
-    // SAFETY: `message` points at live buffers.
-    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &message, libc::MSG_NOSIGNAL) };
-    assert_eq!(
-        sent as usize,
-        bytes.len(),
-        "{}",
-        std::io::Error::last_os_error()
+fn send_with_fds(socket: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
+    let sent = rustix::net::sendmsg(
+        socket,
+        &[IoSlice::new(bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
     );
+    assert_eq!(sent, Ok(bytes.len()));
+}
+
+/// The attacks' fds really travel: what `send_with_fds` sends arrives as
+/// the bytes plus the memfds, in order (else every refusal above could be
+/// a refusal of a handshake without fds).
+#[test]
+fn the_attackers_handshakes_carry_their_fds() {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let (small, large) = (memfd(4096, true), memfd(RING_MAPPING, false));
+    send_with_fds(&ours, b"hello", &[small.as_fd(), large.as_fd()]);
+    let mut bytes = [0u8; 16];
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let received = rustix::net::recvmsg(
+        &theirs,
+        &mut [std::io::IoSliceMut::new(&mut bytes)],
+        &mut control,
+        RecvFlags::empty(),
+    )
+    .unwrap();
+    assert_eq!(&bytes[..received.bytes], b"hello");
+    let fds: Vec<OwnedFd> = control
+        .drain()
+        .flat_map(|message| match message {
+            RecvAncillaryMessage::ScmRights(fds) => fds.collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    let sizes: Vec<i64> = fds
+        .iter()
+        .map(|fd| rustix::fs::fstat(fd).unwrap().st_size)
+        .collect();
+    assert_eq!(sizes, [4096, RING_MAPPING as i64]);
 }
 
 /// The acceptor's first byte (1 accepted, 0 refused), or EOF / time-out.
@@ -357,7 +364,7 @@ fn attack_handshake(
     server: &ServerQp,
     claimed_pid: u32,
     secret: [u8; 16],
-    fds: &[RawFd],
+    fds: &[BorrowedFd<'_>],
 ) -> String {
     let stream = UnixStream::connect_addr(&server.socket_name()).unwrap();
     send_with_fds(&stream, &server.handshake(claimed_pid, secret), fds);
@@ -383,12 +390,7 @@ async fn a_zero_byte_or_unsealed_ring_memfd_is_refused_and_the_server_lives() {
     ] {
         let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
         let reply = tokio::task::spawn_blocking(move || {
-            attack_handshake(
-                &server,
-                std::process::id(),
-                server.secret,
-                &[fd.as_raw_fd()],
-            )
+            attack_handshake(&server, std::process::id(), server.secret, &[fd.as_fd()])
         })
         .await
         .unwrap();
@@ -397,20 +399,16 @@ async fn a_zero_byte_or_unsealed_ring_memfd_is_refused_and_the_server_lives() {
     }
     // A sealed one cannot be shrunk by its creator either: the seal is final.
     let sealed = memfd(RING_MAPPING, true);
-    // SAFETY: a valid fd.
-    let shrunk = unsafe { libc::ftruncate(sealed.as_raw_fd(), 0) };
-    assert_eq!(shrunk, -1);
     assert_eq!(
-        std::io::Error::last_os_error().raw_os_error(),
-        Some(libc::EPERM)
+        rustix::fs::ftruncate(&sealed, 0),
+        Err(rustix::io::Errno::PERM)
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_user_is_refused_before_anything_is_mapped() {
     crate::require_device!();
-    // SAFETY: no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         println!("skipped: needs root to run the attacker as another user (nobody)");
         return;
     }
@@ -469,7 +467,7 @@ async fn a_claimed_pid_is_checked_against_the_kernel() {
     let fd = memfd(RING_MAPPING, true);
     let bystander_pid = bystander.id();
     let reply = tokio::task::spawn_blocking(move || {
-        attack_handshake(&server, bystander_pid, server.secret, &[fd.as_raw_fd()])
+        attack_handshake(&server, bystander_pid, server.secret, &[fd.as_fd()])
     })
     .await
     .unwrap();
@@ -501,7 +499,7 @@ async fn a_claimed_pid_is_checked_against_the_kernel() {
     let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
     let fd = memfd(RING_MAPPING, true);
     let reply = tokio::task::spawn_blocking(move || {
-        attack_handshake(&server, std::process::id(), [0x11; 16], &[fd.as_raw_fd()])
+        attack_handshake(&server, std::process::id(), [0x11; 16], &[fd.as_fd()])
     })
     .await
     .unwrap();

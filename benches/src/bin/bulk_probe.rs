@@ -7,6 +7,8 @@
 //! The server runs in a child process (this binary again, with `--serve`);
 //! prints GB/s both ways and minor page faults per call.
 
+#![forbid(unsafe_code)]
+
 use std::time::Instant;
 
 use rdma_rpc_benches::contenders::{self, Client, Contender};

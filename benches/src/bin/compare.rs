@@ -13,6 +13,8 @@
 //! (latency CDF, goodput against size; SVG and PNG) to
 //! `target/bench-results/`. `benches/README.md` explains every row.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -21,7 +23,7 @@ use rdma_rpc_benches::contenders::{self, Client, Contender};
 use rdma_rpc_benches::floors;
 use rdma_rpc_benches::plot::{self, Chart, Series};
 use rdma_rpc_benches::stats::minor_faults;
-use rdma_rpc_benches::stats::{gbps, histogram, record};
+use rdma_rpc_benches::stats::{self, gbps, histogram, record};
 use rdma_rpc_benches::streams::{self, StreamResults};
 use serde::Serialize;
 
@@ -271,11 +273,11 @@ fn cpu_per_call(contender: Contender, calls: u64) -> Option<f64> {
         for _ in 0..calls / 10 {
             client.say(&empty).await;
         }
-        let started = floors::process_cpu_time();
+        let started = stats::process_cpu_time();
         for _ in 0..calls {
             client.say(&empty).await;
         }
-        let spent = floors::process_cpu_time() - started;
+        let spent = stats::process_cpu_time() - started;
         Some(spent.as_secs_f64() * 1e6 / calls as f64)
     })
 }

@@ -11,6 +11,8 @@
 //! Raise `ulimit -n` first for thousands of connections (both processes
 //! need one descriptor per connection, the soft provider several).
 
+#![forbid(unsafe_code)]
+
 use std::time::{Duration, Instant};
 
 use rdma_rpc_benches::contenders::spawn_server;

@@ -8,6 +8,8 @@
 //! time. Prints a markdown table; timings on a shared machine drift, so
 //! compare rows of the same run.
 
+#![forbid(unsafe_code)]
+
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;

@@ -15,6 +15,8 @@
 //! and busy, calls/s, p50/p99 and errors, then the goals. Raise
 //! `ulimit -n` first for thousands of connections.
 
+#![forbid(unsafe_code)]
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};

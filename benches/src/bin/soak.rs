@@ -13,6 +13,8 @@
 //! mark of large frames in flight (bounded by their caps), which a short run
 //! (CI runs 100,000 calls) may still be climbing.
 
+#![forbid(unsafe_code)]
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;

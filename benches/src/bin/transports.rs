@@ -16,6 +16,8 @@
 //! is passed to the server too). Prints a markdown table; compare rows of
 //! the same run, as absolute times drift on a shared machine.
 
+#![forbid(unsafe_code)]
+
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};

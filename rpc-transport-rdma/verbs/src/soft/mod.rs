@@ -29,6 +29,7 @@
 //!   at once.
 
 mod engine;
+pub mod floors;
 #[cfg(test)]
 mod loom_model;
 mod memory;

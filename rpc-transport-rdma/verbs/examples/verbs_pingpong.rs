@@ -1,34 +1,36 @@
 //! Verbs-level microbenchmark of the soft provider, beside the machine's floors.
 //!
 //! ```text
-//! cargo run --release -p rdma-rpc-benches --bin verbs_pingpong [-- --rounds N] [--only busy|event [--pin|--pin-same]]
+//! cargo run --release -p rdma-verbs --example verbs_pingpong [-- --rounds N] [--only busy|event [--pin|--pin-same]]
 //! ```
-//! Two processes (this binary re-executes itself as the peer). Rows:
+//! Two processes (this binary re-executes itself as the peer; the two QPs
+//! exchange their addresses over a loopback TCP stream). Rows:
 //! 64 B SEND/RECV ping-pong round trip in event mode (completion channel) and
 //! busy-poll mode; RDMA READ goodput at 64 KiB, 1 MiB, 64 MiB; and the floors:
 //! TCP loopback 64 B ping-pong, eventfd ping-pong, shared-memory busy-poll
-//! ping-pong, memcpy and process_vm_readv of 64 MiB. Compare rows of one run.
+//! ping-pong, memcpy and process_vm_readv of 64 MiB (crate `rdma-rpc-floors`,
+//! the same code as the benchmarks' `compare`). Compare rows of one run.
+//!
+//! It posts raw work requests (`QueuePair::post_send`/`post_recv`, which are
+//! `unsafe`: the memory a request names is the device's until its
+//! completion) to measure the provider without the owning wrappers'
+//! bookkeeping; each post says why its memory is left alone meanwhile.
 
-// Raw verbs posts are `unsafe` (the memory a request names is the device's
-// until its completion). This benchmark's buffers live as long as the
-// endpoint and its QP; receive slots and READ destinations are read only
-// after their completions; the send buffer is posted again while earlier
-// unsignaled sends of it may be in flight, which is fine because no one
-// writes it after set-up.
 #![allow(unsafe_code)]
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use rdma_rpc_benches::floors::{self, MESSAGE, REGION};
-use rdma_rpc_benches::stats::{gbps, histogram, p50_p99, record};
-use rpc_transport_rdma::setup::{self, QpListener};
-use rpc_transport_rdma::verbs::{
-    self, AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, QpCaps, QpInit,
-    QueuePair, RecvWr, RegisteredBuffer, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
-    wait_readable,
+use rdma_rpc_floors::stats::{gbps, histogram, p50_p99, record};
+use rdma_rpc_floors::{self as floors, MESSAGE, REGION};
+use rdma_verbs::{
+    self as verbs, AccessFlags, CompletionChannel, CompletionQueue, ConnectOptions, QpAddress,
+    QpCaps, QpInit, QueuePair, RecvWr, RegisteredBuffer, SendOp, SendWr, WcOpcode, WcStatus,
+    WorkCompletion, wait_readable,
 };
 
 const RECV_SLOTS: usize = 16;
@@ -48,12 +50,22 @@ fn child(args: &[&str]) -> Child {
 
 // ---------------------------------------------------------------- soft verbs
 
+/// A QP with its CQ, channel and buffers. Every buffer stays registered for
+/// as long as the endpoint lives, so for as long as the QP can complete a
+/// request naming it, and is deregistered before it is freed (which the
+/// post contract allows while requests are outstanding).
 struct Endpoint {
     qp: Arc<dyn QueuePair>,
     cq: Arc<dyn CompletionQueue>,
     channel: Arc<dyn CompletionChannel>,
+    /// Every SEND's source: zeroed at set-up, then never read or written
+    /// through a reference.
     send: RegisteredBuffer,
+    /// Receive slots: never read or written through a reference (only the
+    /// completions are looked at).
     recv: RegisteredBuffer,
+    /// The parent's READ destination (read only after the READs completed);
+    /// the peer's READ source (filled before the connection, then left alone).
     region: RegisteredBuffer,
     /// The same size, backed by transparent huge pages (the peer READs both).
     huge_region: RegisteredBuffer,
@@ -101,13 +113,14 @@ impl Endpoint {
         .expect("huge-page region");
         qp.to_init().expect("init");
         for slot in 0..RECV_SLOTS {
-            post_recv(
-                &qp,
-                RecvWr {
-                    wr_id: slot as u64,
-                    sg_list: vec![recv.sge(slot * MESSAGE, MESSAGE)],
-                },
-            );
+            let wr = RecvWr {
+                wr_id: slot as u64,
+                sg_list: vec![recv.sge(slot * MESSAGE, MESSAGE)],
+            };
+            // SAFETY: the slot is in `recv`, which the endpoint built here
+            // keeps registered while its QP lives and which nothing reads
+            // or writes through a reference.
+            unsafe { qp.post_recv(vec![wr]) }.expect("post_recv");
         }
         Endpoint {
             qp,
@@ -159,26 +172,60 @@ impl Endpoint {
             signaled: i % 64 == 0,
             ..SendWr::new(i, SendOp::Send, vec![self.send.sge(0, MESSAGE)])
         };
-        post_send(&self.qp, wr);
+        // SAFETY: `send` stays registered while the QP lives and is never
+        // read or written through a reference after set-up, so posting it
+        // again while earlier unsignaled SENDs of it may still be reading
+        // it is fine (the device only reads a SEND's source).
+        unsafe { self.qp.post_send(vec![wr]) }.expect("post_send");
     }
 
     fn repost(&self, completion: &WorkCompletion) {
         let slot = completion.wr_id as usize;
-        post_recv(
-            &self.qp,
-            RecvWr {
-                wr_id: completion.wr_id,
-                sg_list: vec![self.recv.sge(slot * MESSAGE, MESSAGE)],
-            },
-        );
+        let wr = RecvWr {
+            wr_id: completion.wr_id,
+            sg_list: vec![self.recv.sge(slot * MESSAGE, MESSAGE)],
+        };
+        // SAFETY: the slot's previous receive has completed (`completion`);
+        // `recv` stays registered while the QP lives and is never read or
+        // written through a reference.
+        unsafe { self.qp.post_recv(vec![wr]) }.expect("post_recv");
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
+/// Sends one length-prefixed blob.
+fn send_blob(stream: &mut TcpStream, bytes: &[u8]) {
+    stream
+        .write_all(&(bytes.len() as u32).to_le_bytes())
+        .expect("send");
+    stream.write_all(bytes).expect("send");
+}
+
+/// Receives one length-prefixed blob.
+fn recv_blob(stream: &mut TcpStream) -> Vec<u8> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).expect("receive");
+    let mut bytes = vec![0u8; u32::from_le_bytes(len) as usize];
+    stream.read_exact(&mut bytes).expect("receive");
+    bytes
+}
+
+/// Connects `qp` (INIT) to the peer's on `stream`, as rpc-transport-rdma's
+/// set-up does without its checks: both sides send their QP's address and
+/// `info`, connect to the other's address, and confirm with one byte.
+/// Returns the peer's `info`.
+fn establish(stream: &mut TcpStream, qp: &Arc<dyn QueuePair>, info: &[u8]) -> Vec<u8> {
+    stream.set_nodelay(true).expect("nodelay");
+    send_blob(stream, &qp.local_address().to_bytes());
+    send_blob(stream, info);
+    let address = QpAddress::from_bytes(&recv_blob(stream)).expect("peer address");
+    let peer_info = recv_blob(stream);
+    qp.to_rtr(&address, &ConnectOptions::default())
+        .expect("to RTR");
+    qp.to_rts().expect("to RTS");
+    stream.write_all(&[1]).expect("ready");
+    let mut ready = [0u8; 1];
+    stream.read_exact(&mut ready).expect("peer ready");
+    peer_info
 }
 
 struct SoftRun {
@@ -188,8 +235,7 @@ struct SoftRun {
 
 fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
     let endpoint = Endpoint::new(busy);
-    let rt = runtime();
-    let listener = rt.block_on(QpListener::bind("127.0.0.1:0")).expect("bind");
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = listener.local_addr().expect("addr").port().to_string();
     let mut peer = child(&[
         "soft",
@@ -197,10 +243,8 @@ fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
         if busy { "busy" } else { "event" },
         &rounds.to_string(),
     ]);
-    let established = rt
-        .block_on(listener.accept(&endpoint.qp, "soft", &ConnectOptions::default(), b""))
-        .expect("set-up");
-    let info = &established.peer.payload;
+    let (mut stream, _) = listener.accept().expect("accept");
+    let info = establish(&mut stream, &endpoint.qp, b"");
     let remote_addr = u64::from_le_bytes(info[..8].try_into().expect("addr"));
     let rkey = u32::from_le_bytes(info[8..12].try_into().expect("rkey"));
     let huge_addr = u64::from_le_bytes(info[12..20].try_into().expect("addr"));
@@ -236,7 +280,11 @@ fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
                     SendOp::RdmaRead { remote_addr, rkey },
                     vec![endpoint.region.sge(0, size)],
                 );
-                post_send(&endpoint.qp, wr);
+                // SAFETY: `region` stays registered while the QP lives, and
+                // nothing reads or writes it through a reference until this
+                // READ has completed: the next line waits for that, and the
+                // only read of `region` comes after the last READ.
+                unsafe { endpoint.qp.post_send(vec![wr]) }.expect("post_send");
                 endpoint.wait_for(WcOpcode::RdmaRead);
             };
             post(0);
@@ -253,7 +301,8 @@ fn soft_run(busy: bool, rounds: usize, with_reads: bool) -> SoftRun {
             "READ brought the peer's bytes"
         );
     }
-    drop(established);
+    // EOF on the set-up stream tells the peer to exit.
+    drop(stream);
     peer.wait().expect("peer");
     SoftRun { pingpong: h, reads }
 }
@@ -266,16 +315,8 @@ fn soft_peer(port: &str, busy: bool, rounds: usize) {
     info.extend_from_slice(&endpoint.region.rkey().to_le_bytes());
     info.extend_from_slice(&endpoint.huge_region.addr().to_le_bytes());
     info.extend_from_slice(&endpoint.huge_region.rkey().to_le_bytes());
-    let rt = runtime();
-    let mut established = rt
-        .block_on(setup::connect(
-            format!("127.0.0.1:{port}"),
-            &endpoint.qp,
-            "soft",
-            &ConnectOptions::default(),
-            &info,
-        ))
-        .expect("set-up");
+    let mut stream = TcpStream::connect(format!("127.0.0.1:{port}")).expect("connect");
+    establish(&mut stream, &endpoint.qp, &info);
     for i in 0..rounds as u64 {
         let got = endpoint.wait_for(WcOpcode::Recv);
         endpoint.repost(&got);
@@ -283,10 +324,7 @@ fn soft_peer(port: &str, busy: bool, rounds: usize) {
     }
     // Serve READs until the parent closes the set-up stream.
     let mut byte = [0u8; 1];
-    let _ = rt.block_on(tokio::io::AsyncReadExt::read(
-        &mut established.stream,
-        &mut byte,
-    ));
+    let _ = stream.read(&mut byte);
 }
 
 // ---------------------------------------------------------------- entry
@@ -450,14 +488,4 @@ fn main() {
         pairs.join(", "),
         read_64m / memcpy
     );
-}
-
-fn post_send(qp: &Arc<dyn QueuePair>, wr: SendWr) {
-    // SAFETY: see the top of the file.
-    unsafe { qp.post_send(vec![wr]) }.expect("post_send");
-}
-
-fn post_recv(qp: &Arc<dyn QueuePair>, wr: RecvWr) {
-    // SAFETY: see the top of the file.
-    unsafe { qp.post_recv(vec![wr]) }.expect("post_recv");
 }
