@@ -25,7 +25,10 @@ const MESSAGE: &[u8] = b"hello from the parent's memory, read without its CPU";
 
 type Error = Box<dyn std::error::Error>;
 
-fn open() -> Result<(Arc<dyn Context>, Arc<dyn ProtectionDomain>), Error> {
+/// An opened device and a protection domain on it.
+type Opened = (Arc<dyn Context>, Arc<dyn ProtectionDomain>);
+
+fn open() -> Result<Opened, Error> {
     let provider = std::env::var("RDMA_PROVIDER").unwrap_or_else(|_| "soft".into());
     let provider = verbs::provider(&provider)?;
     let device = match std::env::var("RDMA_DEVICE") {

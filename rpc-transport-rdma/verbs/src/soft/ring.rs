@@ -25,6 +25,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -55,7 +56,15 @@ const _: () = assert!(RING_BYTES.is_power_of_two(), "index arithmetic masks");
 /// The shared mapping: two halves, dialer → acceptor first.
 struct Mapping {
     base: *mut u8,
+    /// Heap memory instead of a shared mapping: both ends of a test's ring
+    /// pair in one process, where Miri can run them (no mmap).
+    #[cfg(test)]
+    heap: bool,
 }
+
+/// Page alignment of a heap-backed mapping (tests).
+#[cfg(test)]
+const PAGE: usize = 4096;
 
 // SAFETY: a Mapping is the address of a process-wide shared mapping, which
 // it unmaps on drop (from whichever thread); it gives no access to the
@@ -68,8 +77,18 @@ unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        #[cfg(test)]
+        if self.heap {
+            let layout = std::alloc::Layout::from_size_align(MAPPED, PAGE).expect("layout");
+            // SAFETY: `heap_pair` allocated `base` with this layout; it is
+            // freed only here, once, after both ends (which share this
+            // Mapping through an `Arc`) are gone.
+            unsafe { std::alloc::dealloc(self.base, layout) };
+            return;
+        }
         // SAFETY: `base` is the start of the MAPPED-byte mapping `map` made
-        // (nothing else builds a Mapping); it is unmapped only here, once,
+        // (the only other builder, `heap_pair`, was handled above); it is
+        // unmapped only here, once,
         // and the rings' pointers into it do not outlive the Mapping.
         let _ = unsafe { rustix::mm::munmap(self.base.cast(), MAPPED) };
     }
@@ -77,7 +96,7 @@ impl Drop for Mapping {
 
 /// One QP's view of the two rings.
 pub(crate) struct RingPair {
-    mapping: Mapping,
+    mapping: Arc<Mapping>,
     /// Which half we produce into (0: dialer → acceptor).
     tx: usize,
     /// The producer's last look at the consumer's tail (process-local): room
@@ -118,7 +137,11 @@ unsafe fn map(fd: BorrowedFd<'_>) -> io::Result<Mapping> {
             0,
         )
     }?;
-    Ok(Mapping { base: base.cast() })
+    Ok(Mapping {
+        base: base.cast(),
+        #[cfg(test)]
+        heap: false,
+    })
 }
 
 impl RingPair {
@@ -129,7 +152,7 @@ impl RingPair {
         // SAFETY: `sealed_memfd` just made `fd` a memfd of MAPPED bytes,
         // sealed against shrinking.
         let mapping = unsafe { map(fd.as_fd()) }?;
-        Ok((RingPair::new(mapping, 0), fd))
+        Ok((RingPair::new(Arc::new(mapping), 0), fd))
     }
 
     /// Maps the shared memory the dialer passed (accepting side), after
@@ -140,10 +163,22 @@ impl RingPair {
         // SAFETY: `check_sealed_memfd` just checked that `fd` is a memfd of
         // exactly MAPPED bytes, sealed against shrinking.
         let mapping = unsafe { map(fd.as_fd()) }?;
-        Ok(RingPair::new(mapping, 1))
+        Ok(RingPair::new(Arc::new(mapping), 1))
     }
 
-    fn new(mapping: Mapping, tx: usize) -> RingPair {
+    /// Both ends of a ring pair over zeroed heap memory in this process
+    /// (tests; what Miri runs the index logic on).
+    #[cfg(test)]
+    fn heap_pair() -> (RingPair, RingPair) {
+        let layout = std::alloc::Layout::from_size_align(MAPPED, PAGE).expect("layout");
+        // SAFETY: MAPPED is not zero.
+        let base = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!base.is_null(), "out of memory");
+        let mapping = Arc::new(Mapping { base, heap: true });
+        (RingPair::new(mapping.clone(), 0), RingPair::new(mapping, 1))
+    }
+
+    fn new(mapping: Arc<Mapping>, tx: usize) -> RingPair {
         RingPair {
             mapping,
             tx,
@@ -651,5 +686,44 @@ mod tests {
         let short = super::super::peer::sealed_memfd(c"short", 4096).unwrap();
         let error = RingPair::open(&short).unwrap_err();
         assert!(error.to_string().contains("4096 bytes"), "{error}");
+    }
+
+    /// The index arithmetic over heap memory (Miri runs this one): bytes
+    /// come out as they went in across the wrap-around, a full ring takes no
+    /// more, and a head that claims more than a ring's worth is refused.
+    #[test]
+    fn the_indices_wrap_around_and_a_forged_head_is_refused() {
+        let (producer, consumer) = RingPair::heap_pair();
+        let (socket, _other) = UnixStream::pair().unwrap();
+        let chunk = |len: usize, seed: u8| -> Vec<u8> {
+            (0..len)
+                .map(|i| seed.wrapping_add((i % 251) as u8))
+                .collect()
+        };
+        let mut out = vec![0u8; RING_BYTES];
+        // Three quarters in and out, then three quarters again: the second
+        // lot wraps around the end of the data.
+        for seed in [1u8, 2] {
+            let bytes = chunk(3 * RING_BYTES / 4, seed);
+            assert_eq!(
+                send_some(&producer, &bytes, &socket, false, || true).unwrap(),
+                bytes.len()
+            );
+            assert!(consumer.has_data());
+            let mut got = 0;
+            while got < bytes.len() {
+                got += receive(&consumer, &mut out[got..bytes.len()]).unwrap();
+            }
+            assert_eq!(&out[..bytes.len()], &bytes[..]);
+            assert_eq!(receive(&consumer, &mut out).unwrap(), 0, "empty");
+        }
+        // A forged head (the peer's word) beyond a ring's worth is refused.
+        producer
+            .head(producer.tx)
+            .store(u64::MAX / 2, Ordering::SeqCst);
+        assert_eq!(
+            receive(&consumer, &mut out).unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
     }
 }
