@@ -29,6 +29,18 @@ fn next_id() -> u32 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
+/// An address to connect a mock QP to (the mock has no wire: any will do).
+pub(crate) fn peer_address() -> QpAddress {
+    QpAddress {
+        qp_num: 1,
+        psn: 0,
+        lid: 0,
+        gid: [0; 16],
+        mtu: 4096,
+        extra: Vec::new(),
+    }
+}
+
 /// The mock device.
 pub(crate) struct MockContext;
 

@@ -256,20 +256,13 @@ impl Drop for OwnedQueue {
 mod tests {
     use super::*;
     use crate::mock::{MockContext, MockQp};
-    use crate::{AccessFlags, ConnectOptions, QpAddress, WcStatus};
+    use crate::{AccessFlags, ConnectOptions, WcStatus};
 
     fn queue() -> (OwnedQueue, Arc<dyn ProtectionDomain>) {
         let context = MockContext::open();
         let pd = context.alloc_pd().unwrap();
         let queue = OwnedQueue::new(&context, &pd, QpCaps::default()).unwrap();
-        let remote = QpAddress {
-            qp_num: 1,
-            psn: 0,
-            lid: 0,
-            gid: [0; 16],
-            mtu: 4096,
-            extra: Vec::new(),
-        };
+        let remote = crate::mock::peer_address();
         queue
             .qp()
             .connect(&remote, &ConnectOptions::default())

@@ -514,7 +514,7 @@ mod tests {
     use super::*;
     use crate::mock::{MockContext, MockQp};
     use crate::pool::{LargePool, LargePoolConfig};
-    use crate::{ConnectOptions, QpAddress, SendOp};
+    use crate::{ConnectOptions, SendOp};
 
     struct Bed {
         queue: PooledQp,
@@ -529,14 +529,7 @@ mod tests {
             pools.receive.commit(4, 4).unwrap();
             let queue =
                 PooledQp::new(&context, &pd, pools, None, PooledQpConfig::default()).unwrap();
-            let remote = QpAddress {
-                qp_num: 1,
-                psn: 0,
-                lid: 0,
-                gid: [0; 16],
-                mtu: 4096,
-                extra: Vec::new(),
-            };
+            let remote = crate::mock::peer_address();
             queue
                 .qp()
                 .connect(&remote, &ConnectOptions::default())
