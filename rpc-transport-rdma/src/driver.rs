@@ -803,6 +803,8 @@ impl Driver {
             Polled::Read { key, len } => {
                 self.protocol.handle_read_complete(key, len);
             }
+            // A READ into a pull this side let go of: nothing waits for it.
+            Polled::AbandonedRead => {}
             Polled::Other => {
                 return Err(format!(
                     "completion with unknown wr_id {:#x}",
@@ -1155,14 +1157,14 @@ fn split_for_announce(frame: &EncodedFrame, max_inline: usize) -> Option<(Bytes,
 }
 
 fn describe_failure(completion: &WorkCompletion, polled: &Polled) -> String {
-    let read = matches!(polled, Polled::Read { .. });
+    let read = matches!(polled, Polled::Read { .. } | Polled::AbandonedRead);
     let what = match polled {
         _ if completion.wr_id == crate::verbs::WINDOW_BIND_WR_ID => {
             "binding a rendezvous READ window (memory window)"
         }
         Polled::Received(_) => "a receive",
         Polled::Sent => "a send",
-        Polled::Read { .. } => "a rendezvous READ",
+        Polled::Read { .. } | Polled::AbandonedRead => "a rendezvous READ",
         Polled::Other => "a work request",
     };
     let why = match (read, completion.status) {

@@ -62,8 +62,10 @@ struct Endpoint {
     /// through a reference.
     send: RegisteredBuffer,
     /// Receive slots: never read or written through a reference (only the
-    /// completions are looked at).
-    recv: RegisteredBuffer,
+    /// completions are looked at). Receives stay posted to the end, when no
+    /// completion says the device is done with them: never dropped (freed
+    /// or deregistered), leaked with the process.
+    recv: std::mem::ManuallyDrop<RegisteredBuffer>,
     /// The parent's READ destination (read only after the READs completed);
     /// the peer's READ source (filled before the connection, then left alone).
     region: RegisteredBuffer,
@@ -118,8 +120,9 @@ impl Endpoint {
                 sg_list: vec![recv.sge(slot * MESSAGE, MESSAGE)],
             };
             // SAFETY: the slot is in `recv`, which the endpoint built here
-            // keeps registered while its QP lives and which nothing reads
-            // or writes through a reference.
+            // keeps registered while its QP lives, which nothing reads or
+            // writes through a reference, and which the endpoint never drops
+            // (`ManuallyDrop`: never freed under posted receives).
             unsafe { qp.post_recv(vec![wr]) }.expect("post_recv");
         }
         Endpoint {
@@ -127,7 +130,7 @@ impl Endpoint {
             cq,
             channel,
             send,
-            recv,
+            recv: std::mem::ManuallyDrop::new(recv),
             region,
             huge_region,
             busy,

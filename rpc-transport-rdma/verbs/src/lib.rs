@@ -752,8 +752,12 @@ pub trait ProtectionDomain: Send + Sync {
 /// only through those keys, only within the range and with the rights
 /// registered (a region without `REMOTE_WRITE`/`REMOTE_ATOMIC` is never
 /// written by a peer; without `LOCAL_WRITE`, never by the local device);
-/// and once [`MemoryRegion::deregister`] returned `Ok` (or the region was
-/// dropped), the device never reads or writes the memory through it again.
+/// and once [`MemoryRegion::deregister`] returned `Ok`, the device starts no
+/// access to the memory through it again. (A region dropped without a
+/// successful `deregister` promises nothing: owners call `deregister`
+/// first and leak the memory on `Err`. Requests outstanding at the moment
+/// of deregistration are not covered: owners never deregister memory under
+/// them.)
 pub unsafe trait MemoryRegion: Send + Sync {
     /// Start address.
     fn addr(&self) -> u64;
@@ -829,10 +833,12 @@ pub unsafe trait CompletionChannel: Send + Sync {
 /// # Safety
 /// Implementing this trait vouches for the device behind it, as the safe
 /// owners rely on it: the device reads and writes local memory only as the
-/// posted requests' SGEs say (checked against the lkeys' regions), every
-/// posted request completes on the CQ the QP was created with (or is
-/// flushed there once the QP is in ERROR, which [`QueuePair::to_error`]
-/// brings about), and `qp_num` is unique among the device's live QPs.
+/// posted requests' SGEs say (checked against the lkeys' regions); every
+/// signaled send request, and every failed one, completes on the send CQ
+/// the QP was created with, every posted receive on its receive CQ, and
+/// everything outstanding is flushed there once the QP is in ERROR (which
+/// [`QueuePair::to_error`] brings about); and `qp_num` is unique among the
+/// live QPs of its opened device.
 pub unsafe trait QueuePair: Send + Sync {
     /// The queue pair number.
     fn qp_num(&self) -> u32;
@@ -1002,8 +1008,13 @@ unsafe impl Send for RawMemory {}
 unsafe impl Sync for RawMemory {}
 
 impl RawMemory {
-    /// Alignment of every buffer: a cache line (and atomics' 8 bytes).
-    const ALIGN: usize = 64;
+    /// Alignment of every buffer: enough for 8-byte atomics, and no more
+    /// than the allocator's own, so that `alloc_zeroed` is `calloc`: fresh
+    /// zero pages nobody touched yet, which registration (or
+    /// `make_resident`, after the huge-page advice) faults in. A larger
+    /// alignment makes Rust zero every byte first, faulting the pages in as
+    /// small pages before the huge-page advice can apply.
+    const ALIGN: usize = 16;
 
     fn layout(len: usize) -> std::alloc::Layout {
         std::alloc::Layout::from_size_align(len, Self::ALIGN).expect("buffer size within isize")
@@ -1132,7 +1143,12 @@ impl RegisteredBuffer {
         // as long as this buffer.
         let region = unsafe { pd.register(data.ptr.as_ptr(), len, access)? };
         if access.contains(AccessFlags::MW_BIND) && len > 0 {
-            windows::track_registered(data.ptr.as_ptr() as usize, len, &**pd, region.clone());
+            // SAFETY: `data` is this buffer's memory, just registered as
+            // `region` on `pd`; `Drop` untracks it before deregistering and
+            // freeing it (and `leak` frees nothing).
+            unsafe {
+                windows::track_registered(data.ptr.as_ptr() as usize, len, &**pd, region.clone())
+            };
         }
         Ok(RegisteredBuffer {
             region,
@@ -1223,7 +1239,7 @@ impl RegisteredBuffer {
             // stays allocated and unmoved while the window exists: the
             // `Window` below owns this buffer and hands it back (or frees it)
             // only after the window was deregistered, leaking it if that
-            // fails. The access is REMOTE_READ at most (checked above), and
+            // fails. The access grants no remote write (checked above), and
             // while exposed the buffer is only read (`Window` gives `&[u8]`).
             None => unsafe {
                 match qp {
@@ -1253,8 +1269,48 @@ impl RegisteredBuffer {
         // device writes only for a posted request, and safe code posts one
         // only by moving the buffer away (`OwnedQueue`, `PooledQp`); a peer
         // writes only into a buffer made by `new_remote_writable`, whose
-        // caller promised not to read while it may.
+        // caller promised not to read while it may. (Crate code that posts
+        // parts of a buffer it keeps, the shared pools, never calls this on
+        // it: it borrows single slots with `range`/`range_mut`.)
         unsafe { std::slice::from_raw_parts(self.data.ptr.as_ptr(), self.data.len) }
+    }
+
+    /// `len` bytes at `start`, borrowing nothing else of the buffer (for
+    /// owners that post parts of a buffer they keep: the shared pools).
+    ///
+    /// # Safety
+    /// No request the device may still execute names any of these bytes,
+    /// and nothing writes them while the returned slice lives.
+    pub(crate) unsafe fn range(&self, start: usize, len: usize) -> &[u8] {
+        assert!(
+            start
+                .checked_add(len)
+                .is_some_and(|end| end <= self.data.len),
+            "range inside the buffer"
+        );
+        // SAFETY: `start..start + len` lies inside the `len`-byte allocation
+        // `data` owns (asserted); the caller's contract keeps every writer,
+        // the device included, off these bytes while the slice lives. No
+        // other byte of the buffer is borrowed.
+        unsafe { std::slice::from_raw_parts(self.data.ptr.as_ptr().add(start), len) }
+    }
+
+    /// [`RegisteredBuffer::range`], writable.
+    ///
+    /// # Safety
+    /// No request the device may still execute names any of these bytes,
+    /// and nothing else reads or writes them while the returned slice lives.
+    #[allow(clippy::mut_from_ref)] // the bytes are a raw allocation, not `self`'s fields
+    pub(crate) unsafe fn range_mut(&self, start: usize, len: usize) -> &mut [u8] {
+        assert!(
+            start
+                .checked_add(len)
+                .is_some_and(|end| end <= self.data.len),
+            "range inside the buffer"
+        );
+        // SAFETY: in bounds (asserted); the caller's contract makes this the
+        // only access to these bytes while the slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.data.ptr.as_ptr().add(start), len) }
     }
 
     /// The bytes, mutably.

@@ -120,6 +120,9 @@ pub enum Polled {
         /// The READ's length.
         len: u64,
     },
+    /// A READ into a pull its owner let go of ([`PooledQp::abandon_pull`]):
+    /// its destination went back to the pool with its last READ.
+    AbandonedRead,
     /// A completion of no request of this queue's pools (a window bind's
     /// failure, reported by the provider with its own wr_id).
     Other,
@@ -154,9 +157,15 @@ pub struct PooledQp {
     pools: Arc<SharedPools>,
     batch: Vec<SendWr>,
     sends_in_flight: HashMap<u64, usize>,
-    pulls: HashMap<u64, Pull>,
-    /// READs in flight: wr index → (pull key, length).
-    reads: HashMap<u64, (u64, u64)>,
+    /// Pulls by their key: the id of each one's destination in `held`.
+    pulls: HashMap<u64, u64>,
+    /// Destinations held, by an id of their own (never reused): a pull its
+    /// owner let go of keeps its id, and its memory, until its last READ is
+    /// polled, whatever pull takes its key meanwhile.
+    held: HashMap<u64, Pull>,
+    next_pull: u64,
+    /// READs in flight: wr index → (destination id, pull key, length).
+    reads: HashMap<u64, (u64, u64, u64)>,
     next_read: u64,
     reposts: Vec<usize>,
     polled: Vec<WorkCompletion>,
@@ -184,6 +193,13 @@ impl PooledQp {
         channel: Option<&Arc<dyn CompletionChannel>>,
         config: PooledQpConfig,
     ) -> Result<PooledQp, VerbsError> {
+        // The QP takes receives from the pools' SRQ and sends from their
+        // slots: it must live in their protection domain.
+        if !std::ptr::addr_eq(Arc::as_ptr(pd), Arc::as_ptr(pools.receive.pd())) {
+            return Err(VerbsError::InvalidArgument(
+                "a pooled QP on another protection domain than its pools'",
+            ));
+        }
         let cq = context.create_cq(config.cq_depth, channel)?;
         let qp = pd.create_qp(QpInit {
             send_cq: cq.clone(),
@@ -207,6 +223,8 @@ impl PooledQp {
             batch: Vec::new(),
             sends_in_flight: HashMap::new(),
             pulls: HashMap::new(),
+            held: HashMap::new(),
+            next_pull: 0,
             reads: HashMap::new(),
             next_read: 0,
             reposts: Vec::new(),
@@ -268,8 +286,11 @@ impl PooledQp {
     /// abandoned ([`PooledQp::abandon_pull`]).
     pub fn pull_into(&mut self, key: u64, destination: PooledBuffer) {
         self.abandon_pull(key);
-        self.pulls.insert(
-            key,
+        let id = self.next_pull;
+        self.next_pull += 1;
+        self.pulls.insert(key, id);
+        self.held.insert(
+            id,
             Pull {
                 buffer: destination,
                 reads: Vec::new(),
@@ -291,9 +312,10 @@ impl PooledQp {
         remote_addr: u64,
         rkey: u32,
     ) -> Result<(), VerbsError> {
-        let pull = match self.pulls.get_mut(&key) {
-            Some(pull) if !pull.abandoned => pull,
-            _ => {
+        let held = self.pulls.get(&key).copied();
+        let pull = match held.and_then(|id| self.held.get_mut(&id)) {
+            Some(pull) => pull,
+            None => {
                 return Err(VerbsError::InvalidArgument(
                     "READ for a pull with no destination",
                 ));
@@ -325,7 +347,8 @@ impl PooledQp {
             SendOp::RdmaRead { remote_addr, rkey },
             vec![sge],
         ));
-        self.reads.insert(index, (key, len as u64));
+        let id = held.expect("found above");
+        self.reads.insert(index, (id, key, len as u64));
         READS_POSTED.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -338,29 +361,33 @@ impl PooledQp {
     /// Pull `key`'s destination, once no READ into it is in flight (`None`
     /// while one is, or when there is no such pull).
     pub fn finish_pull(&mut self, key: u64) -> Option<PooledBuffer> {
-        match self.pulls.get(&key) {
-            Some(pull) if pull.reads.is_empty() && !pull.abandoned => {
-                self.pulls.remove(&key).map(|pull| pull.buffer)
-            }
-            _ => None,
+        let id = *self.pulls.get(&key)?;
+        if !self.held.get(&id)?.reads.is_empty() {
+            return None;
         }
+        self.pulls.remove(&key);
+        self.held.remove(&id).map(|pull| pull.buffer)
     }
 
     /// Lets go of pull `key`'s destination: back to its pool now if no READ
     /// into it is in flight, else when the last one is polled.
     pub fn abandon_pull(&mut self, key: u64) {
-        if let Some(pull) = self.pulls.get_mut(&key) {
+        let Some(id) = self.pulls.remove(&key) else {
+            return;
+        };
+        if let Some(pull) = self.held.get_mut(&id) {
             if pull.reads.is_empty() {
-                self.pulls.remove(&key);
+                self.held.remove(&id);
             } else {
                 pull.abandoned = true;
             }
         }
     }
 
-    /// Pulls whose destinations are held (finished or not).
+    /// Destinations held: of pulls (finished or not), and of pulls let go
+    /// of whose last READ is still in flight.
     pub fn pulls(&self) -> usize {
-        self.pulls.len()
+        self.held.len()
     }
 
     /// True when something is batched and not posted.
@@ -381,7 +408,7 @@ impl PooledQp {
         // else polls, and into which no other QP completes): a send slot,
         // written by `send` and marked in flight in the pool (`fill`), no
         // reference to which the pool hands out until `completed`; or a
-        // READ destination held in `pulls` with its READ counted, handed
+        // READ destination held in `held` with its READ counted, handed
         // back only once the count is zero. The memory stays allocated and
         // registered: the pools outlive this queue (it holds their `Arc`),
         // and `Drop` leaks whatever is still outstanding. Inline SENDs' slots
@@ -429,14 +456,16 @@ impl PooledQp {
         match completion.wr_id >> TAG_SHIFT {
             TAG_RECV => {
                 let slot = index as usize;
+                // SAFETY (both): `completion` was polled from this queue's own
+                // CQ, into which only its QP completes; a receive wr_id with
+                // the RECV tag is one the receive pool posted in `slot` (raw
+                // posts on this QP are not allowed: `QueuePair::post_recv`),
+                // and a polled completion means the device is done with it.
                 let message = if completion.status == WcStatus::Success {
-                    Some(
-                        self.pools
-                            .receive
-                            .take(slot, completion.byte_len as usize)?,
-                    )
+                    let len = completion.byte_len as usize;
+                    Some(unsafe { self.pools.receive.take(slot, len) }?)
                 } else {
-                    self.pools.receive.take_failed(slot)?;
+                    unsafe { self.pools.receive.take_failed(slot) }?;
                     None
                 };
                 self.reposts.push(slot);
@@ -444,25 +473,34 @@ impl PooledQp {
             }
             TAG_SEND => match self.sends_in_flight.remove(&completion.wr_id) {
                 Some(slot) => {
-                    self.pools.send.completed(slot)?;
+                    // SAFETY: this SEND (wr_id matched among this queue's
+                    // own, on its own QP) was polled from this queue's CQ:
+                    // the device no longer reads its slot.
+                    unsafe { self.pools.send.completed(slot) }?;
                     Ok(Polled::Sent)
                 }
                 None => Ok(Polled::Other),
             },
             TAG_READ => {
-                let Some((key, len)) = self.reads.remove(&index) else {
+                let Some((id, key, len)) = self.reads.remove(&index) else {
                     return Ok(Polled::Other);
                 };
                 if completion.status != WcStatus::Success {
                     READS_FAILED.fetch_add(1, Ordering::Relaxed);
                 }
-                if let Some(pull) = self.pulls.get_mut(&key) {
+                let mut abandoned = false;
+                if let Some(pull) = self.held.get_mut(&id) {
                     pull.reads.retain(|&(read, _, _)| read != index);
-                    if pull.reads.is_empty() && pull.abandoned {
-                        self.pulls.remove(&key);
+                    abandoned = pull.abandoned;
+                    if pull.reads.is_empty() && abandoned {
+                        self.held.remove(&id);
                     }
                 }
-                Ok(Polled::Read { key, len })
+                Ok(if abandoned {
+                    Polled::AbandonedRead
+                } else {
+                    Polled::Read { key, len }
+                })
             }
             _ => Ok(Polled::Other),
         }
@@ -501,7 +539,7 @@ impl Drop for PooledQp {
         for (_, slot) in self.sends_in_flight.drain() {
             self.pools.send.lose(slot);
         }
-        for (_, pull) in self.pulls.drain() {
+        for (_, pull) in self.held.drain() {
             if !pull.reads.is_empty() {
                 pull.buffer.leak();
             }
@@ -574,10 +612,10 @@ mod tests {
         assert_eq!(bed.large.cached_bytes(), cached);
         assert!(bed.mock().complete_send(WcStatus::Success));
         let polled = bed.poll();
-        assert!(matches!(
-            polled[0].polled,
-            Polled::Read { key: 7, len: 2048 }
-        ));
+        assert!(
+            matches!(polled[0].polled, Polled::AbandonedRead),
+            "the pull was let go of"
+        );
         assert_eq!(bed.large.cached_bytes(), cached, "one READ still in flight");
         // The second READ is flushed: that too ends it.
         bed.queue.qp().to_error().unwrap();
@@ -588,6 +626,35 @@ mod tests {
             bed.large.cached_bytes(),
             cached + (64 << 10),
             "back in the pool"
+        );
+    }
+
+    /// A new pull under the key of one let go of with a READ in flight
+    /// does not release the old destination: it stays held (out of the pool)
+    /// until that READ is polled.
+    #[test]
+    fn a_new_pull_under_a_key_keeps_the_old_destination_until_its_read_completes() {
+        let mut bed = Bed::new();
+        bed.queue.pull_into(7, bed.large.take(4096).unwrap());
+        bed.queue.read(7, 0, 4096, 0x1000, 42).unwrap();
+        bed.queue.post().unwrap();
+        let cached = bed.large.cached_bytes();
+        let out = bed.large.buffers_out();
+        bed.queue.pull_into(7, bed.large.take(4096).unwrap());
+        assert_eq!(bed.queue.pulls(), 2, "the old destination is still held");
+        assert_eq!(bed.large.buffers_out(), out + 1);
+        assert!(
+            bed.large.cached_bytes() <= cached,
+            "nothing went back to the pool"
+        );
+        bed.mock().complete_send(WcStatus::Success);
+        let polled = bed.poll();
+        assert!(matches!(polled[0].polled, Polled::AbandonedRead));
+        assert_eq!(bed.queue.pulls(), 1);
+        assert_eq!(bed.large.buffers_out(), out, "the old one is back now");
+        assert!(
+            bed.queue.finish_pull(7).is_some(),
+            "the new pull is untouched"
         );
     }
 

@@ -90,14 +90,28 @@ impl Chunks {
         self.chunks[slot / CHUNK_SLOTS].sge((slot % CHUNK_SLOTS) * self.slot_len, len)
     }
 
-    fn bytes(&self, slot: usize, len: usize) -> &[u8] {
+    /// The first `len` bytes of `slot` (at most the slot), borrowing no
+    /// other slot of its chunk: the device may be writing those.
+    ///
+    /// # Safety
+    /// No request the device may still execute names `slot`, and nothing
+    /// writes it while the slice lives.
+    unsafe fn bytes(&self, slot: usize, len: usize) -> &[u8] {
         let start = (slot % CHUNK_SLOTS) * self.slot_len;
-        &self.chunks[slot / CHUNK_SLOTS].as_slice()[start..start + len.min(self.slot_len)]
+        // SAFETY: the caller's contract, for exactly this slot's bytes.
+        unsafe { self.chunks[slot / CHUNK_SLOTS].range(start, len.min(self.slot_len)) }
     }
 
-    fn bytes_mut(&mut self, slot: usize) -> &mut [u8] {
+    /// The whole of `slot`, writable, borrowing no other slot of its chunk.
+    ///
+    /// # Safety
+    /// No request the device may still execute names `slot`, and nothing
+    /// else reads or writes it while the slice lives.
+    #[allow(clippy::mut_from_ref)] // the slots are raw memory, not `self`'s fields
+    unsafe fn bytes_mut(&self, slot: usize) -> &mut [u8] {
         let start = (slot % CHUNK_SLOTS) * self.slot_len;
-        &mut self.chunks[slot / CHUNK_SLOTS].as_mut_slice()[start..start + self.slot_len]
+        // SAFETY: the caller's contract, for exactly this slot's bytes.
+        unsafe { self.chunks[slot / CHUNK_SLOTS].range_mut(start, self.slot_len) }
     }
 }
 
@@ -189,6 +203,11 @@ impl SharedReceivePool {
         &self.srq
     }
 
+    /// The protection domain its slots are registered with.
+    pub(crate) fn pd(&self) -> &Arc<dyn ProtectionDomain> {
+        &self.pd
+    }
+
     /// Bytes per slot.
     pub fn slot_len(&self) -> usize {
         lock(&self.state).chunks.slot_len
@@ -268,7 +287,12 @@ impl SharedReceivePool {
 
     /// The receive in `slot` completed with `len` bytes: copies them out.
     /// The slot is the caller's until [`SharedReceivePool::repost`].
-    pub(crate) fn take(&self, slot: usize, len: usize) -> Result<Bytes, VerbsError> {
+    ///
+    /// # Safety
+    /// The completion of the receive this pool posted in `slot` was polled
+    /// from a CQ (so the device is done with the slot: the
+    /// [`crate::CompletionQueue`] contract).
+    pub(crate) unsafe fn take(&self, slot: usize, len: usize) -> Result<Bytes, VerbsError> {
         let mut state = lock(&self.state);
         Self::claim(&mut state, slot)?;
         if len > state.chunks.slot_len {
@@ -276,12 +300,21 @@ impl SharedReceivePool {
                 "a receive completion longer than its slot",
             ));
         }
-        Ok(Bytes::copy_from_slice(state.chunks.bytes(slot, len)))
+        // SAFETY: the slot's receive completed (this function's contract),
+        // so no request names it; it is no longer marked posted (`claim`),
+        // so this pool posts nothing into it until `repost`, which takes
+        // the state lock we hold.
+        Ok(Bytes::copy_from_slice(unsafe {
+            state.chunks.bytes(slot, len)
+        }))
     }
 
     /// The receive in `slot` completed with an error (e.g. flushed): the slot
     /// is the caller's, to repost.
-    pub(crate) fn take_failed(&self, slot: usize) -> Result<(), VerbsError> {
+    ///
+    /// # Safety
+    /// As for [`SharedReceivePool::take`].
+    pub(crate) unsafe fn take_failed(&self, slot: usize) -> Result<(), VerbsError> {
         Self::claim(&mut lock(&self.state), slot)
     }
 
@@ -398,11 +431,14 @@ impl SharedSendPool {
 
     /// Writes a message into held `slot` with `write` (which returns its
     /// length) and marks the slot in flight: the SGE is for a SEND posted
-    /// next ([`crate::pool::SendBatch::send_shared`]).
+    /// next ([`crate::pooled::PooledQp::send`]).
     pub(crate) fn fill(&self, slot: usize, write: impl FnOnce(&mut [u8]) -> usize) -> Sge {
         let mut state = lock(&self.state);
         assert_eq!(state.slots[slot], SendSlot::Held, "slot {slot} is not held");
-        let len = write(state.chunks.bytes_mut(slot));
+        // SAFETY: the slot is Held (asserted): taken from the free list by
+        // `take` and not posted since, so no request names it and nothing
+        // else of this pool touches it; we hold the state lock.
+        let len = write(unsafe { state.chunks.bytes_mut(slot) });
         state.slots[slot] = SendSlot::InFlight;
         state.chunks.sge(slot, len)
     }
@@ -424,7 +460,11 @@ impl SharedSendPool {
     }
 
     /// The SEND from `slot` completed (or was flushed): the slot is free.
-    pub(crate) fn completed(&self, slot: usize) -> Result<(), VerbsError> {
+    ///
+    /// # Safety
+    /// The completion (or flush) of the SEND posted from `slot` was polled
+    /// from a CQ: the device no longer reads the slot.
+    pub(crate) unsafe fn completed(&self, slot: usize) -> Result<(), VerbsError> {
         let mut state = lock(&self.state);
         match state.slots.get(slot) {
             Some(SendSlot::InFlight) => {

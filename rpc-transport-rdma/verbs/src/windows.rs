@@ -605,7 +605,14 @@ impl WindowCache {
         // deregistered. The region is MW_BIND only: the
         // device reads it only through windows bound over frozen bytes, and
         // never writes it, so the buffer's owner may keep writing the parts
-        // that are not frozen.
+        // that are not frozen. For recycled memory this relies on
+        // rpc-recycle's documented behaviour (`on_release` runs before
+        // recycled memory is freed; `recycled_memory` answers only while
+        // the bytes asked about keep a frozen buffer alive): a specific
+        // crate of this workspace, tested for it, not an `unsafe` contract.
+        // A bug there would let a peer READ stale pages through a window
+        // (the region is MW_BIND only and windows REMOTE_READ only: nothing
+        // in this process is written).
         let region = unsafe { pd.register(key.addr as *mut u8, key.len, AccessFlags::MW_BIND)? };
         let mut state = lock(&self.state);
         state.tick += 1;
@@ -779,7 +786,13 @@ fn pd_id(pd: &dyn ProtectionDomain) -> usize {
 }
 
 /// Records a registered buffer windows may be bound over.
-pub(crate) fn track_registered(
+///
+/// # Safety
+/// `addr..addr + len` is the memory of a live [`super::RegisteredBuffer`]
+/// registered as `region` on `pd`, and [`untrack_registered`]`(addr)` runs
+/// before that memory is deregistered or freed: [`WindowCache::bind`] binds
+/// windows over it on the strength of this entry.
+pub(crate) unsafe fn track_registered(
     addr: usize,
     len: usize,
     pd: &dyn ProtectionDomain,

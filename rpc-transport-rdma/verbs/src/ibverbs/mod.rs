@@ -388,6 +388,14 @@ impl Context for IbvContext {
                     .map(|channel| channel.inner.clone())
             })
             .transpose()?;
+        if channel
+            .as_ref()
+            .is_some_and(|channel| !Arc::ptr_eq(&channel._context, &self.raw))
+        {
+            return Err(VerbsError::InvalidArgument(
+                "completion channel of another device context",
+            ));
+        }
         let id = {
             let mut next = lock(&self.next_cq_id);
             *next += 1;
@@ -538,6 +546,11 @@ impl ProtectionDomain for IbvPd {
         }
         let mr = super::own::<IbvMr>(region.as_any(), "region of another provider")?;
         let raw_qp = super::own::<IbvQp>(qp.as_any(), "queue pair of another provider")?;
+        if !Arc::ptr_eq(&mr._pd, &self.raw) || !Arc::ptr_eq(&raw_qp._pd, &self.raw) {
+            return Err(VerbsError::InvalidArgument(
+                "a window over a region or for a QP of another protection domain",
+            ));
+        }
         let inside = addr
             .checked_add(len as u64)
             .is_some_and(|end| addr >= mr.addr && end <= mr.addr + mr.len as u64);
@@ -608,17 +621,34 @@ impl ProtectionDomain for IbvPd {
     }
 
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
+        // rdma-core resolves the CQs and the SRQ by handle in the PD's own
+        // context: an object of another context (another `open`) could be
+        // taken for a different one of this context. Refused.
+        let context = &self.raw._context;
         let cq_of = |cq: &Arc<dyn CompletionQueue>| {
-            super::own::<IbvCq>(cq.as_any(), "CQ of another provider").map(|cq| cq.cq)
+            let cq = super::own::<IbvCq>(cq.as_any(), "CQ of another provider")?;
+            if !Arc::ptr_eq(&cq._context, context) {
+                return Err(VerbsError::InvalidArgument("CQ of another device context"));
+            }
+            Ok(cq.cq)
         };
         let binds = super::own::<IbvCq>(init.send_cq.as_any(), "CQ of another provider")?
             .binds
             .clone();
         let srq = match &init.srq {
-            Some(srq) => super::own::<IbvSrq>(srq.as_any(), "SRQ of another provider")?.srq,
+            Some(srq) => {
+                let srq = super::own::<IbvSrq>(srq.as_any(), "SRQ of another provider")?;
+                if !Arc::ptr_eq(&srq._pd, &self.raw) {
+                    return Err(VerbsError::InvalidArgument(
+                        "SRQ of another protection domain",
+                    ));
+                }
+                srq.srq
+            }
             None => ptr::null_mut(),
         };
-        // SAFETY: zeroed POD; every pointer set is a live verbs object.
+        // SAFETY: zeroed POD; every pointer set is a live verbs object of
+        // this PD's context (checked above).
         let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         attr.send_cq = cq_of(&init.send_cq)?;
         attr.recv_cq = cq_of(&init.recv_cq)?;
@@ -707,8 +737,10 @@ struct IbvMr {
     _pd: Arc<RawPd>,
 }
 
-// SAFETY: rdma-core's `ibv_reg_mr` registration: the HCA enforces range and rights by key, and
-// `ibv_dereg_mr` returning 0 ends every access through it.
+// SAFETY: rdma-core's `ibv_reg_mr` registration: the HCA enforces range and rights by key; once
+// `ibv_dereg_mr` returned 0 it translates the keys for no new access. Requests outstanding at
+// that moment are not covered by rdma-core: the crate's owners never deregister memory under
+// outstanding requests (they leak it).
 unsafe impl MemoryRegion for IbvMr {
     fn addr(&self) -> u64 {
         self.addr

@@ -549,6 +549,21 @@ struct SoftPd {
 }
 
 impl SoftPd {
+    /// `qp` as a QP of this PD's device: a window bound to a QP number of
+    /// another opened device would be usable by this device's QP of the
+    /// same number.
+    fn own_qp<'a>(&self, qp: &'a Arc<dyn super::QueuePair>) -> Result<&'a qp::SoftQp, VerbsError> {
+        let qp = super::own::<qp::SoftQp>(qp.as_any(), "queue pair of another provider")?;
+        if !qp.of_context(&self.context) {
+            return Err(VerbsError::InvalidArgument(
+                "queue pair of another opened soft device",
+            ));
+        }
+        Ok(qp)
+    }
+}
+
+impl SoftPd {
     /// A region (or, with `bound_qp`, a window) in the key table.
     ///
     /// # Safety
@@ -611,7 +626,7 @@ impl ProtectionDomain for SoftPd {
         access: AccessFlags,
         qp: &Arc<dyn super::QueuePair>,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
-        super::own::<qp::SoftQp>(qp.as_any(), "queue pair of another provider")?;
+        self.own_qp(qp)?;
         // SAFETY: our caller upholds `register`'s contract for these bytes
         // (`register_window`'s), as `insert` needs.
         let region = unsafe { self.insert(addr, len, access, Some(qp.qp_num())) }?;
@@ -641,7 +656,7 @@ impl ProtectionDomain for SoftPd {
                 "memory windows (RDMA_MEMORY_WINDOWS=off)",
             ));
         }
-        super::own::<qp::SoftQp>(qp.as_any(), "queue pair of another provider")?;
+        self.own_qp(qp)?;
         let region = super::own::<SoftMr>(region.as_any(), "region of another provider")?;
         let registered = self
             .context
@@ -702,9 +717,12 @@ struct SoftMr {
     entry: MrEntry,
 }
 
-// SAFETY: soft reaches registered memory only through its key table, checking range and rights on
-// every access under the region lock; deregistering removes the key under that lock, after which no
-// copy can start through it.
+// SAFETY: soft writes registered memory only in this process, through its key table, checking
+// range and rights under the region lock; deregistering removes the key under that lock, after
+// which no access starts through it here. One exception, outside this process: a READ the
+// responder granted before deregistration may still be pulled by the peer process afterwards
+// (`process_vm_readv` by another process: no undefined behaviour here, but the peer may see what
+// the memory holds by then; docs/providers.md).
 unsafe impl MemoryRegion for SoftMr {
     fn addr(&self) -> u64 {
         self.entry.addr

@@ -197,15 +197,28 @@ pub(crate) fn create(
     if !Arc::ptr_eq(&shared.send_cq, &shared.recv_cq) {
         shared.recv_cq.add_source(&shared);
     }
-    Ok(Arc::new(SoftQp { shared }))
+    Ok(Arc::new(SoftQp {
+        shared,
+        _srq: init.srq.clone(),
+    }))
 }
 
 /// The handle users hold; dropping it destroys the QP.
 pub(crate) struct SoftQp {
     shared: Arc<QpShared>,
+    /// The SRQ it was created with, held as every provider's QP holds it:
+    /// the receive pool that owns the SRQ sees from its count that a QP
+    /// may still consume its slots (and then never frees them).
+    _srq: Option<Arc<dyn crate::SharedReceiveQueue>>,
 }
 
 impl SoftQp {
+    /// Whether this QP belongs to `context` (QP numbers are unique only
+    /// within one opened device).
+    pub(crate) fn of_context(&self, context: &Arc<ContextShared>) -> bool {
+        Arc::ptr_eq(&self.shared.context, context)
+    }
+
     /// Connects to the peer's soft device and sends the handshake, without
     /// blocking: the Unix socket is non-blocking, the listener behind the
     /// name must be the process the hello named (the kernel says who holds
@@ -1158,6 +1171,16 @@ impl QpShared {
     /// our own memory while its region is known registered (the local SGEs
     /// are checked again now: they may have been deregistered since the post).
     fn finish_locally(&self, inner: &QpInner, done: &Outstanding, outcome: Outcome) -> WcStatus {
+        // The answer must fit the request: an atomic's old value only for an
+        // atomic. A peer that answers a SEND or WRITE with one would have us
+        // write its bytes into the request's source.
+        let atomic = matches!(
+            done.request.op,
+            RequestOp::CompareSwap { .. } | RequestOp::FetchAdd { .. }
+        );
+        if matches!(outcome, Outcome::AtomicAck(_)) && !atomic {
+            return WcStatus::BadRespErr;
+        }
         let writes_locally = matches!(outcome, Outcome::AtomicAck(_))
             || matches!(done.request.op, RequestOp::Read { .. });
         if !writes_locally {
