@@ -1,4 +1,5 @@
 //! Shared code of the examples: the generated services and their implementations.
+#![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;

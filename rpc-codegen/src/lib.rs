@@ -24,6 +24,7 @@
 //! take `Request<rpc_core::Streaming<Msg>>`; clients take
 //! `impl IntoStreamingRequest` (any `Stream` of messages) and return
 //! `rpc_core::Streaming<Msg>` for streamed responses.
+#![forbid(unsafe_code)]
 
 mod generator;
 

@@ -45,6 +45,7 @@
 //! Not supported: TLS on `grpc://` (use a TLS-terminating proxy), message
 //! compression (calls that ask for it get `UNIMPLEMENTED`, and the server
 //! advertises `grpc-accept-encoding: identity`).
+#![forbid(unsafe_code)]
 
 mod client;
 mod data;

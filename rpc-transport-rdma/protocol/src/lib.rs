@@ -67,6 +67,7 @@
 //! Announcements awaiting our DONE are at most [`MAX_UNANSWERED`] (an honest
 //! peer has at most [`MAX_EXPOSED`] out), and an announced range must not
 //! wrap around the address space.
+#![forbid(unsafe_code)]
 
 pub mod message;
 

@@ -2,6 +2,7 @@
 //! generate it, with one behaviour implemented for each: the gRPC interop
 //! tests call each framework's server with the other's clients (and with
 //! Python's grpcio), and expect the same answers.
+#![forbid(unsafe_code)]
 
 use std::pin::Pin;
 use std::sync::Arc;
