@@ -1,6 +1,5 @@
 //! Generated code for the test protos, in modules that mirror their packages.
 #![forbid(unsafe_code)]
-
 #![allow(missing_docs, clippy::all)]
 
 pub mod acme {
