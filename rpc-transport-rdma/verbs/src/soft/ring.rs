@@ -330,11 +330,15 @@ impl RingPair {
             // The sources are n bytes of `bytes` from `written` on (n ≤
             // bytes.len() - written), our own memory, not in the mapping.
             // No other thread of ours writes this half: our caller is the
-            // only producer meanwhile (this function's contract). The consumer (a RingPair of this module, in this or the
-            // peer process) reads only below the head, which moves past
-            // these bytes after the copy (`sync::publish`, Release); a
-            // hostile peer writing them anyway changes their values, not the
-            // validity of the memory (the memfd cannot shrink).
+            // only producer meanwhile (this function's contract). The
+            // consumer (a RingPair of this module, in this or the peer
+            // process) reads only below the head, which moves past these
+            // bytes after the copy (`sync::publish`, Release). A known
+            // deviation, as in any shared-memory IPC: a hostile peer
+            // *process* may write these bytes concurrently, which Rust's
+            // memory model would call a race; it changes only their values
+            // (the memfd cannot shrink), and this process never holds a
+            // reference into the mapping's data.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     bytes[written..].as_ptr(),
@@ -401,9 +405,10 @@ impl RingPair {
         // out.len()). No other thread of ours reads this half: our caller is
         // the only consumer meanwhile (this function's contract). The
         // producer writes only past the tail, which moves past these bytes
-        // after the copy (Release, below). Bytes a hostile
-        // peer changes meanwhile are only bytes: they are decoded and
-        // validated like any other input.
+        // after the copy (Release, below). A hostile peer process changing
+        // the bytes meanwhile (the known deviation noted in `append`)
+        // changes only what is copied, which is decoded and validated like
+        // any other input.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data(half).add(at), out.as_mut_ptr(), first);
             std::ptr::copy_nonoverlapping(self.data(half), out[first..].as_mut_ptr(), n - first);
