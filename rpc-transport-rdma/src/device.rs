@@ -126,6 +126,12 @@ pub fn check(config: &RdmaConfig) -> Result<(), VerbsError> {
 
 /// Opens (once per process) the device `config` selects.
 pub fn open(config: &RdmaConfig) -> Result<Arc<Device>, VerbsError> {
+    // The verbs crate knows nothing of rpc-core: it publishes
+    // `rdma_registered_bytes` once told that the application records
+    // metrics (every connection opens its device through here).
+    if rpc_core::metrics::enabled() {
+        verbs::enable_metrics();
+    }
     let (provider, name) = select(config)?;
     let key = (provider.name(), name.clone(), config.large_pool);
     let mut devices = DEVICES.lock().unwrap_or_else(|poison| poison.into_inner());
