@@ -353,7 +353,7 @@ impl RingPair {
             }
             let new_head = head.wrapping_add(n as u64);
             self.local_head.store(new_head, Ordering::Relaxed);
-            // The doorbell handshake (model-checked in tests/loom_model.rs).
+            // The doorbell handshake (model-checked in `loom_model.rs`).
             consumer_sleeps =
                 super::sync::publish(self.head(half), self.sleeping(half), new_head, wake);
             written += n;
@@ -470,7 +470,7 @@ impl RingPair {
 
     /// Declares that our consumer is about to sleep, then looks once more:
     /// true when nothing arrived (sleep until a doorbell; the flag stays
-    /// set), false when bytes wait (model-checked in tests/loom_model.rs).
+    /// set), false when bytes wait (model-checked in `loom_model.rs`).
     pub(crate) fn may_sleep(&self) -> bool {
         let half = self.rx();
         super::sync::may_sleep(

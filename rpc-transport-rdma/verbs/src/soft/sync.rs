@@ -1,8 +1,8 @@
 //! The soft wire's two lock-free handshakes, written once over a small
 //! atomics trait so that the very same code runs in the provider (std
 //! atomics on shared memory) and under the `loom` model checker
-//! (`loom_model.rs` beside it, a unit test, which explores every interleaving and memory
-//! ordering the C11 model allows).
+//! (`loom_model.rs` beside it, a unit test, which explores every
+//! interleaving and memory ordering the C11 model allows).
 //!
 //! - **Doorbell** (`ring`): a producer publishes the head, then looks at the
 //!   consumer's `sleeping` flag; a consumer sets the flag, then looks at the
