@@ -774,10 +774,13 @@ pub unsafe trait MemoryRegion: Send + Sync {
     /// Access rights.
     fn access(&self) -> AccessFlags;
     /// Deregisters now (dropping the region deregisters it too, if this was
-    /// not called). Once this returned `Ok`, the provider never reads or
-    /// writes the memory again through this region's keys, not even for
-    /// work requests posted before. On `Err` the device may still reach the
-    /// memory: its owner must never free or reuse it (leak it).
+    /// not called). Once this returned `Ok`, the device starts no new access
+    /// through this region's keys. Local work requests still outstanding
+    /// are not covered (owners never deregister memory under their own
+    /// requests), nor, on soft, a peer's READ granted before (it may read
+    /// what the memory holds afterwards: a window is read-only, so this can
+    /// leak bytes, never corrupt them). On `Err` the device may still reach
+    /// the memory: its owner must never free or reuse it (leak it).
     fn deregister(&self) -> Result<(), VerbsError>;
     /// Lets a provider recognise its own regions (to bind windows over them).
     fn as_any(&self) -> &dyn std::any::Any;
