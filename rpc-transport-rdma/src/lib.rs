@@ -38,7 +38,7 @@
 
 pub mod config;
 pub mod device;
-mod driver;
+mod link;
 pub mod setup;
 mod setup_socket;
 mod spin;

@@ -54,34 +54,6 @@ impl SetupSocket {
         }
     }
 
-    /// [`SetupSocket::poll_read_into`] without waiting: `None` when nothing
-    /// is there. The plain socket only looks at the readiness tokio cached
-    /// (no system call, no lock) while nothing arrived.
-    // Without feature `tls` the match has one arm.
-    #[allow(clippy::infallible_destructuring_match)]
-    pub(crate) fn try_read_into(&mut self, into: &mut Vec<u8>, limit: usize) -> Option<SocketRead> {
-        let stream = match self {
-            SetupSocket::Plain(stream) => stream,
-            #[cfg(feature = "tls")]
-            SetupSocket::Tls(_) => {
-                // The next wait polls with the task's own waker again, so the
-                // no-op one registered here is replaced before the task sleeps.
-                let mut cx = Context::from_waker(std::task::Waker::noop());
-                return match self.poll_read_into(&mut cx, into, limit) {
-                    Poll::Ready(read) => Some(read),
-                    Poll::Pending => None,
-                };
-            }
-        };
-        let mut buffer = [0u8; 1024];
-        match stream.try_read(&mut buffer) {
-            Ok(0) => Some(SocketRead::Eof),
-            Ok(n) => Some(append_bounded(into, &buffer[..n], limit)),
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => None,
-            Err(error) => Some(SocketRead::Failed(error)),
-        }
-    }
-
     /// Waits for the next read.
     pub(crate) async fn read_into(&mut self, into: &mut Vec<u8>, limit: usize) -> SocketRead {
         poll_fn(|cx| self.poll_read_into(cx, into, limit)).await

@@ -3,9 +3,10 @@
 //! Connecting opens a TCP connection to `host:port` for the set-up exchange
 //! ([`crate::setup`]), whose hello carries this transport's part: the protocol
 //! version, the receive-pool [`Geometry`] and, for the soft provider, the
-//! host's boot id (soft only reaches processes on the same host). Then a
-//! driver task (`driver.rs`) runs the connection; the application gets a frame sink and
-//! a frame stream, like any rpc-core transport.
+//! host's boot id (soft only reaches processes on the same host). Then the
+//! connection ([`crate::link`]) is turned by the tasks that use its frame sink
+//! and frame stream, like any rpc-core transport, with a housekeeper for its
+//! timers and its end.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -14,20 +15,17 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_core::Stream;
-use futures_util::SinkExt;
 use futures_util::future::BoxFuture;
 use rpc_core::transport::{
     Connection, Endpoint, Listener, Transport, TransportConfig, TransportError,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio_util::sync::PollSender;
 
 use crate::config::RdmaConfig;
 use crate::device::{self, Device};
-use crate::driver::{Commitment, Driver, Endpoint as QpEndpoint, InboundShared};
+use crate::link::{Commitment, Endpoint as QpEndpoint};
 use crate::protocol::{GEOMETRY_LEN, Geometry, MAX_FRAME_LEN, PROTOCOL_VERSION, Protocol};
 use crate::setup::{self, Hello, SetupError};
 use crate::setup_socket::SetupSocket;
@@ -41,8 +39,6 @@ use rpc_core::transport::tls::TlsTransport;
 
 /// How long the set-up exchange may take before the attempt is abandoned.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
-/// Frames the sink buffers before the application waits for the driver.
-const OUTGOING_FRAMES: usize = 64;
 /// Set-up exchanges a listener runs at once. Each holds a QP, a CQ and its
 /// registered receive and send slots until it completes or times out, so a
 /// peer that opens connections and never finishes the hello can hold at
@@ -714,57 +710,16 @@ async fn establish(
     .map_err(other)?;
     let peer_geometry = peer_geometry.expect("checked before connecting");
     let protocol = Protocol::new(local, peer_geometry, config.limits);
-
-    let (outgoing_tx, outgoing_rx) = mpsc::channel(OUTGOING_FRAMES);
-    let (inbound_tx, inbound_rx) = mpsc::unbounded_channel();
-    let shared = Arc::new(InboundShared::default());
-    let driver = Driver::new(
+    Ok(crate::link::start(
         endpoint,
         cm,
         device.clone(),
         protocol,
         config,
         socket,
-        outgoing_rx,
-        inbound_tx,
-        shared.clone(),
         budget,
-    );
-    tokio::spawn(driver.run());
-    Ok(Connection {
-        sink: Box::pin(
-            PollSender::<rpc_core::frame::EncodedFrame>::new(outgoing_tx)
-                .sink_map_err(|_| TransportError::Closed),
-        ),
-        stream: Box::pin(InboundFrames {
-            receiver: inbound_rx,
-            shared,
-            limit: config.inbound_backlog,
-        }),
         peer,
-    })
-}
-
-/// The application's end of the inbound frames.
-struct InboundFrames {
-    receiver: mpsc::UnboundedReceiver<Result<Bytes, TransportError>>,
-    shared: Arc<InboundShared>,
-    limit: usize,
-}
-
-impl Stream for InboundFrames {
-    type Item = Result<Bytes, TransportError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let item = self.receiver.poll_recv(cx);
-        if let Poll::Ready(Some(Ok(_))) = &item {
-            let before = self.shared.backlog.fetch_sub(1, Ordering::AcqRel);
-            if before >= self.limit {
-                self.shared.drained.notify_one();
-            }
-        }
-        item
-    }
+    ))
 }
 
 #[cfg(test)]

@@ -1,0 +1,284 @@
+//! The application's two ends of a connection: a frame sink and a frame
+//! stream that turn the connection themselves (no driver task between them
+//! and the queue pair).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_core::Stream;
+use futures_util::Sink;
+use rpc_core::frame::EncodedFrame;
+use rpc_core::transport::TransportError;
+
+use super::state::Outcome;
+use super::{Link, Poller};
+use crate::config::PollMode;
+use crate::spin::SpinPolicy;
+
+/// The longest a multi-thread runtime's reader polls in place (without
+/// giving its worker back) before it arms the CQ and sleeps.
+const IN_PLACE_SPIN: Duration = Duration::from_micros(30);
+
+/// Outgoing frames: `start_send` gives a frame to the protocol (a large one
+/// is exposed for the peer's READs), `poll_flush` posts what the protocol
+/// may send (one doorbell), `poll_ready` waits while the protocol takes no
+/// more (the peer's credits, the queue's bound).
+pub(crate) struct RdmaSink {
+    link: Arc<Link>,
+}
+
+impl RdmaSink {
+    pub(super) fn new(link: Arc<Link>) -> RdmaSink {
+        RdmaSink { link }
+    }
+
+    /// Ready once no frame waits for the protocol (and what could be posted
+    /// was posted when `post`).
+    fn poll_taken(&self, cx: &mut Context<'_>, post: bool) -> Poll<Result<(), TransportError>> {
+        let link = &self.link;
+        let mut first = true;
+        loop {
+            let mut state = link.lock();
+            if state.is_ending() {
+                return Poll::Ready(Err(TransportError::Closed));
+            }
+            if !state.has_stashed() && !(post && first) {
+                return Poll::Ready(Ok(()));
+            }
+            first = false;
+            if state.turn() {
+                link.wake_others(&mut state, Poller::Writer);
+                continue;
+            }
+            if !state.has_stashed() {
+                return Poll::Ready(Ok(()));
+            }
+            // The protocol takes nothing until a completion (credits, a send
+            // slot) or a READ of the peer: wait for the channel.
+            link.wakers.writer.register(cx.waker());
+            if !state.arm() || state.turn() {
+                link.wake_others(&mut state, Poller::Writer);
+                continue;
+            }
+            drop(state);
+            if link.poll_channel().is_pending() {
+                return Poll::Pending;
+            }
+        }
+    }
+
+    /// The sink is done: our CLOSE goes out after every frame given so far.
+    fn close(&self) {
+        let mut state = self.link.lock();
+        if !state.sink_closed {
+            state.sink_closed = true;
+            state.turn();
+            self.link.wake_others(&mut state, Poller::Writer);
+        }
+        drop(state);
+        self.link.wakers.keeper.wake();
+    }
+}
+
+impl Sink<EncodedFrame> for RdmaSink {
+    type Error = TransportError;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.poll_taken(cx, false)
+    }
+
+    fn start_send(self: Pin<&mut Self>, frame: EncodedFrame) -> Result<(), Self::Error> {
+        let mut state = self.link.lock();
+        if state.is_ending() || state.sink_closed {
+            return Err(TransportError::Closed);
+        }
+        if let Err(reason) = state.stash(frame) {
+            state.fail(reason);
+            drop(state);
+            self.link.wakers.keeper.wake();
+            return Err(TransportError::Closed);
+        }
+        Ok(())
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.poll_taken(cx, true)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        match self.poll_taken(cx, true) {
+            Poll::Ready(Ok(())) => {
+                self.close();
+                Poll::Ready(Ok(()))
+            }
+            other => other,
+        }
+    }
+}
+
+impl Drop for RdmaSink {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// How a reader waits when there is nothing to take.
+enum Wait {
+    /// Poll again after every other task had its turn.
+    Yield,
+    /// Poll again at once, without giving the worker back.
+    InPlace,
+    /// Arm the CQ and sleep on its channel.
+    Sleep,
+}
+
+/// Incoming frames, taken by the task that polls: the CQ is polled, receives
+/// re-posted and the protocol turned inside `poll_next`.
+pub(crate) struct RdmaStream {
+    link: Arc<Link>,
+    mode: PollMode,
+    /// The adaptive spin of this poller.
+    spin: SpinPolicy,
+    /// Since when the stream found nothing to take.
+    idle_since: Option<Instant>,
+    /// A multi-thread runtime: yielding there wakes a sibling worker.
+    multi_thread: bool,
+    done: bool,
+}
+
+impl RdmaStream {
+    pub(super) fn new(link: Arc<Link>, mode: PollMode) -> RdmaStream {
+        let spin = match mode {
+            PollMode::Adaptive { spin } => SpinPolicy::new(spin),
+            _ => SpinPolicy::new(Duration::ZERO),
+        };
+        let multi_thread = tokio::runtime::Handle::try_current().is_ok_and(|handle| {
+            handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+        });
+        RdmaStream {
+            link,
+            mode,
+            spin,
+            idle_since: None,
+            multi_thread,
+            done: false,
+        }
+    }
+
+    /// Whether (and how) to poll again before sleeping.
+    fn wait(&mut self) -> Wait {
+        let now = Instant::now();
+        let idle = now - *self.idle_since.get_or_insert(now);
+        match self.mode {
+            PollMode::Event => Wait::Sleep,
+            PollMode::BusyPoll => Wait::Yield,
+            // A multi-thread worker that yields goes through the run queue
+            // and wakes a sibling worker: spin there in place, briefly.
+            PollMode::Adaptive { .. } if self.multi_thread => {
+                if idle < IN_PLACE_SPIN && self.spin.keep_spinning(idle, now) {
+                    Wait::InPlace
+                } else {
+                    Wait::Sleep
+                }
+            }
+            // Past a few microseconds this also gives the CPU away between
+            // polls, and stops spinning when another thread wanted the CPU.
+            PollMode::Adaptive { .. } => {
+                if self.spin.keep_spinning(idle, now) {
+                    Wait::Yield
+                } else {
+                    Wait::Sleep
+                }
+            }
+        }
+    }
+
+    /// Something came: the wait (if any) teaches the spin policy.
+    fn woke(&mut self) {
+        if let Some(since) = self.idle_since.take() {
+            self.spin.waited(since.elapsed());
+        }
+    }
+}
+
+impl Stream for RdmaStream {
+    type Item = Result<Bytes, TransportError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let link = self.link.clone();
+        loop {
+            link.wakers.reader.register(cx.waker());
+            let mut state = link.lock();
+            let mut progressed = false;
+            let mut item = state.next_inbound();
+            if item.is_none() {
+                progressed = state.turn();
+                if progressed {
+                    link.wake_others(&mut state, Poller::Reader);
+                    item = state.next_inbound();
+                }
+            }
+            if let Some(item) = item {
+                state.received = false;
+                drop(state);
+                self.woke();
+                return Poll::Ready(Some(item));
+            }
+            if state.inbound_closed {
+                self.done = true;
+                return Poll::Ready(None);
+            }
+            if let Some(outcome) = &state.outcome {
+                self.done = true;
+                return Poll::Ready(match outcome {
+                    Outcome::Clean => None,
+                    Outcome::Gone(reason) => Some(Err(TransportError::PeerGone(reason.clone()))),
+                    Outcome::Failed(reason) => Some(Err(TransportError::Other(reason.clone().into()))),
+                });
+            }
+            if state.failure.is_some() {
+                // The housekeeper ends the connection and wakes us.
+                drop(state);
+                link.wakers.keeper.wake();
+                return Poll::Pending;
+            }
+            if progressed {
+                continue;
+            }
+            match self.wait() {
+                Wait::InPlace => {
+                    drop(state);
+                    std::hint::spin_loop();
+                    continue;
+                }
+                Wait::Yield => {
+                    drop(state);
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                Wait::Sleep => {}
+            }
+            if !state.arm() || state.turn() {
+                link.wake_others(&mut state, Poller::Reader);
+                continue;
+            }
+            drop(state);
+            if link.poll_channel().is_pending() {
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+impl Drop for RdmaStream {
+    fn drop(&mut self) {
+        self.link.lock().stream_dropped = true;
+        self.link.wakers.keeper.wake();
+    }
+}
