@@ -1,4 +1,5 @@
-//! One multiplexed client connection: a call table, a reader task and a writer task.
+//! One multiplexed client connection: a call table, a reader task, and a
+//! writer task for what the calling tasks do not write themselves.
 //!
 //! Calls are matched to responses by call id. The table is the single source
 //! of truth for which calls are pending: a call registers before its request
@@ -27,7 +28,7 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::conn_io::{OutboundQueue, write_frames};
+use crate::conn_io::{OutboundQueue, flush_inline_by_default};
 use crate::frame::{Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::metrics::{ConnectionRecord, Side};
@@ -180,13 +181,14 @@ impl ClientConnection {
             shutdown: CancellationToken::new(),
             peer,
         });
-        let (outbound, outbound_rx) = OutboundQueue::new(outbound_queue_bytes, None);
+        let (outbound, writer) =
+            OutboundQueue::new(outbound_queue_bytes, None, sink, flush_inline_by_default());
 
         let writer_shared = shared.clone();
         let writer_queue = outbound.clone();
         tokio::spawn(async move {
             let outcome = tokio::select! {
-                outcome = write_frames(sink, outbound_rx, None) => outcome,
+                outcome = writer.run(None) => outcome,
                 () = WakeGated::new(writer_shared.shutdown.cancelled()) => Ok(()),
             };
             let reason = match outcome {

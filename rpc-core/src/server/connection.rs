@@ -1,4 +1,9 @@
-//! One server connection: read frames, run a task per call, write responses.
+//! One server connection: read frames, run calls, write responses.
+//!
+//! A unary call runs inside the connection's task first: a handler whose
+//! future is ready on its first poll answers from here, without a task or a
+//! wake-up; one that waits (and every streaming call) continues as a task of
+//! its own, which a cancel frame or the deadline can abort.
 //!
 //! The connection task owns the read side. Responses and control frames go
 //! through a queue bounded in bytes ([`OutboundQueue`]) to a writer task. When
@@ -26,7 +31,7 @@ use tracing::Instrument;
 
 use super::stats::{ConnectionSlot, PausedGuard, StatsInner};
 use super::{CLOSE_LINGER, ServerConfig};
-use crate::conn_io::{OutboundQueue, QueueClosed, Space, write_frames};
+use crate::conn_io::{OutboundQueue, QueueClosed, Space, flush_inline_by_default};
 use crate::frame::{EncodedFrame, Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::metrics::{CallRecord, ConnectionRecord, Side};
@@ -121,9 +126,13 @@ pub(crate) async fn serve_connection(
         peer,
     } = connection;
     let idle_timeout = config.idle_timeout;
-    let (outbound, outbound_rx) =
-        OutboundQueue::new(config.outbound_queue_bytes, Some(stats.queues.clone()));
-    let mut writer = tokio::spawn(write_frames(sink, outbound_rx, Some(idle_timeout)));
+    let (outbound, writer) = OutboundQueue::new(
+        config.outbound_queue_bytes,
+        Some(stats.queues.clone()),
+        sink,
+        flush_inline_by_default(),
+    );
+    let mut writer = tokio::spawn(writer.run(Some(idle_timeout)));
     let mut writer_done = false;
     let mut calls: JoinSet<u64> = JoinSet::new();
     let mut in_flight: HashMap<u64, AbortHandle> = HashMap::new();
@@ -306,7 +315,17 @@ pub(crate) async fn serve_connection(
                                 break Ending::ProtocolError(format!("client sent {} (call {call_id})", error.describe()));
                             }
                         }
-                        let call = run_call(frame, stream, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len, config.access_log);
+                        let streaming = stream.is_some();
+                        let mut call = Box::pin(run_call(frame, stream, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len, config.access_log));
+                        // A unary handler whose future is ready at once
+                        // answers from this task; one that waits gets a
+                        // task of its own (as does every streaming call).
+                        if !streaming && futures_util::poll!(call.as_mut()).is_ready() {
+                            if in_flight.is_empty() {
+                                last_activity = Instant::now();
+                            }
+                            continue;
+                        }
                         in_flight.insert(call_id, calls.spawn(call));
                     }
                     FrameKind::Cancel => {

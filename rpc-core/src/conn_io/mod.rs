@@ -1,16 +1,19 @@
 //! The write half shared by client and server connections: a queue bounded in
-//! bytes, and the task that drains it into the transport.
+//! bytes, drained into the transport by the tasks that send (on multi-thread
+//! runtimes) or by the connection's writer task ([`writer`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::task::Poll;
-use std::time::Duration;
 
-use futures_util::SinkExt;
 use tokio::sync::{Notify, mpsc};
 
 use crate::frame::{EncodedFrame, HEADER_LEN};
-use crate::transport::{FrameSink, TransportError};
+use crate::transport::FrameSink;
+
+mod writer;
+
+pub(crate) use writer::{WriterTask, flush_inline_by_default};
+use writer::WriterShared;
 
 /// Most frames written before one flush.
 pub(crate) const WRITE_BATCH: usize = 64;
@@ -30,7 +33,7 @@ pub(crate) struct QueueGauges {
 
 /// A frame in the queue, with the queue space it holds until it is written.
 pub(crate) struct Queued {
-    frame: EncodedFrame,
+    pub(super) frame: EncodedFrame,
     _space: Option<Space>,
 }
 
@@ -199,16 +202,30 @@ pub(crate) struct QueueShared {
     tx: mpsc::UnboundedSender<Queued>,
     room: Room,
     gauges: Option<Arc<QueueGauges>>,
+    writer: Arc<WriterShared>,
+}
+
+impl Drop for QueueShared {
+    fn drop(&mut self) {
+        // The last sender is gone: the writer closes the sink.
+        self.writer.kick();
+    }
 }
 
 impl OutboundQueue {
-    /// A queue of `capacity` bytes and the receiver for [`write_frames`].
+    /// A queue of `capacity` bytes into `sink`, and the writer task to spawn
+    /// (it closes the sink once every sender is gone). With `flush_inline`
+    /// a sender writes and flushes its frame itself when no other task is
+    /// writing, and the writer task only takes over what would wait.
     pub(crate) fn new(
         capacity: usize,
         gauges: Option<Arc<QueueGauges>>,
-    ) -> (OutboundQueue, mpsc::UnboundedReceiver<Queued>) {
+        sink: FrameSink,
+        flush_inline: bool,
+    ) -> (OutboundQueue, WriterTask) {
         let capacity = capacity.max(HEADER_LEN);
         let (tx, rx) = mpsc::unbounded_channel();
+        let writer = WriterShared::new(sink, rx, flush_inline);
         let queue = OutboundQueue {
             shared: Arc::new(QueueShared {
                 tx,
@@ -221,9 +238,10 @@ impl OutboundQueue {
                     freed: Notify::new(),
                 },
                 gauges,
+                writer: writer.clone(),
             }),
         };
-        (queue, rx)
+        (queue, WriterTask::new(writer))
     }
 
     fn charge(&self, len: usize) -> usize {
@@ -272,7 +290,9 @@ impl OutboundQueue {
                 frame,
                 _space: Some(space),
             })
-            .map_err(|_| QueueClosed)
+            .map_err(|_| QueueClosed)?;
+        self.shared.writer.queued();
+        Ok(())
     }
 
     /// Waits for room, then queues `frame`.
@@ -289,7 +309,9 @@ impl OutboundQueue {
                 frame,
                 _space: None,
             })
-            .map_err(|_| QueueClosed)
+            .map_err(|_| QueueClosed)?;
+        self.shared.writer.queued();
+        Ok(())
     }
 
     /// Wakes everyone waiting for room with [`QueueClosed`]; later reservations fail too.
@@ -313,48 +335,4 @@ impl OutboundQueue {
         let shared = self.shared.clone();
         async move { shared.room.not_full().await }
     }
-}
-
-/// Writes queued frames, a batch per flush, until every sender is gone; then
-/// closes the sink. Batching lets concurrent calls share one system call (or
-/// one doorbell) without delaying a lone call. A frame's queue space is
-/// released once the flush that carries it completes.
-///
-/// With `stall_timeout`, handing a frame to the transport or flushing a batch
-/// that takes longer fails with `TimedOut`: the peer is not taking what we send.
-pub(crate) async fn write_frames(
-    mut sink: FrameSink,
-    mut outbound: mpsc::UnboundedReceiver<Queued>,
-    stall_timeout: Option<Duration>,
-) -> Result<(), TransportError> {
-    let mut batch = Vec::with_capacity(WRITE_BATCH);
-    while outbound.recv_many(&mut batch, WRITE_BATCH).await > 0 {
-        for queued in &batch {
-            within(stall_timeout, sink.feed(queued.frame.clone())).await?;
-        }
-        within(stall_timeout, sink.flush()).await?;
-        batch.clear();
-    }
-    within(stall_timeout, sink.close()).await
-}
-
-async fn within<F>(limit: Option<Duration>, work: F) -> Result<(), TransportError>
-where
-    F: std::future::Future<Output = Result<(), TransportError>>,
-{
-    let Some(limit) = limit else {
-        return work.await;
-    };
-    // Most feeds and flushes complete at once: only arm a timer (a trip to
-    // the timer wheel) for one that has to wait.
-    let mut work = std::pin::pin!(work);
-    if let Poll::Ready(result) = futures_util::poll!(work.as_mut()) {
-        return result;
-    }
-    tokio::time::timeout(limit, work).await.unwrap_or_else(|_| {
-        Err(TransportError::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("the peer took none of our frames for {limit:?}"),
-        )))
-    })
 }
