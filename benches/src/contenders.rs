@@ -152,8 +152,10 @@ pub fn runtime() -> tokio::runtime::Runtime {
     }
 }
 
-/// Serves `contender` on a free loopback port; prints `LISTENING <addr>` and runs forever.
+/// Serves `contender` on a free loopback port; prints `LISTENING <addr>` and runs forever,
+/// answering requests for its counters on stdin ([`ServerProcess::counters`]).
 pub fn serve(contender: Contender) {
+    crate::stats::answer_counter_requests();
     rpc_transport_rdma::register().expect("RDMA settings");
     rpc_grpc::register();
     runtime().block_on(async move {
@@ -533,19 +535,46 @@ pub async fn in_memory(contender: Contender) -> Option<Client> {
 
 /// A server process of this benchmark binary, killed on drop.
 #[derive(Debug)]
-pub struct ServerProcess(std::process::Child);
+pub struct ServerProcess {
+    child: std::process::Child,
+    /// Where requests for its counters go.
+    stdin: std::process::ChildStdin,
+    /// Its stdout's lines after `LISTENING`, from a thread that reads them.
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+/// How long [`ServerProcess::counters`] waits for an answer.
+const COUNTERS_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl ServerProcess {
     /// The server's pid.
     pub fn id(&self) -> u32 {
-        self.0.id()
+        self.child.id()
+    }
+
+    /// The server's counters now, as it reports them on a
+    /// [`COUNTERS_REQUEST`](crate::stats::COUNTERS_REQUEST) (servers run by
+    /// [`serve`] answer; `None` from one that does not answer within 5 s,
+    /// or has ended).
+    pub fn counters(&self) -> Option<crate::stats::ProcessCounters> {
+        use std::io::Write;
+        while self.lines.try_recv().is_ok() {}
+        writeln!(&self.stdin, "{}", crate::stats::COUNTERS_REQUEST).ok()?;
+        let deadline = std::time::Instant::now() + COUNTERS_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let line = self.lines.recv_timeout(left).ok()?;
+            if let Some(counters) = crate::stats::ProcessCounters::from_line(&line) {
+                return Some(counters);
+            }
+        }
     }
 }
 
 impl Drop for ServerProcess {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -564,15 +593,32 @@ pub fn spawn_server(arg: &str, poll: &str) -> (ServerProcess, String) {
                 "current"
             },
         )
+        .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("server process");
     let stdout = child.stdout.take().expect("stdout");
-    let child = ServerProcess(child);
-    for line in BufReader::new(stdout).lines() {
-        let line = line.expect("server output");
+    let stdin = child.stdin.take().expect("stdin");
+    let (send, lines) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("{arg} stdout"))
+        .spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        })
+        .expect("stdout thread");
+    let server = ServerProcess {
+        child,
+        stdin,
+        lines,
+    };
+    while let Ok(line) = server.lines.recv() {
         if let Some(addr) = line.strip_prefix("LISTENING ") {
-            return (child, addr.to_owned());
+            return (server, addr.to_owned());
         }
     }
     panic!("server process {arg} exited early");

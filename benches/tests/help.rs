@@ -1,7 +1,8 @@
 //! Every benchmark binary answers `--help` and `-h` with its usage and exit
 //! status 0, rejects an unknown flag or a bad value with clap's message and
 //! a non-zero status (not a panic), and still reaches the server modes it
-//! starts itself in through its hidden flags.
+//! starts itself in through its hidden flags; those servers answer `STATS`
+//! on stdin with their counters.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
@@ -150,4 +151,64 @@ fn hidden_server_modes_still_start() {
         let address = listens(path, args).unwrap_or_else(|why| panic!("{name} {args:?}: {why}"));
         assert!(!address.is_empty(), "{name} {args:?}");
     }
+}
+
+/// Starts `path args`, waits for its `LISTENING` line, writes `STATS` on
+/// its stdin and returns the next line it prints (a minute for each).
+fn counters_line(path: &str, args: &[&str]) -> Result<String, String> {
+    use std::io::Write;
+    let mut child = Command::new(path)
+        .args(args)
+        .env("RDMA_PROVIDER", "soft")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|error| error.to_string())?;
+    let stdout = child.stdout.take().expect("piped");
+    let mut stdin = child.stdin.take().expect("piped");
+    let (line_tx, line_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let answer = (|| {
+        let wait = Duration::from_secs(60);
+        while !line_rx
+            .recv_timeout(wait)
+            .map_err(|_| "no LISTENING line in 60 s")?
+            .starts_with("LISTENING ")
+        {}
+        writeln!(stdin, "STATS").map_err(|error| error.to_string())?;
+        line_rx
+            .recv_timeout(wait)
+            .map_err(|_| "no answer to STATS in 60 s".to_owned())
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    answer
+}
+
+#[test]
+fn servers_report_their_counters() {
+    let line = counters_line(env!("CARGO_BIN_EXE_compare"), &["--serve", "tcp"])
+        .unwrap_or_else(|why| panic!("compare --serve tcp: {why}"));
+    let fields: Vec<&str> = line.split(' ').collect();
+    assert_eq!(fields.len(), 4, "{line}");
+    assert_eq!(fields[0], "STATS", "{line}");
+    for field in &fields[1..] {
+        // CPU ns, voluntary switches, allocations (counted: compare installs the counting allocator).
+        assert!(field.parse::<u64>().is_ok(), "{line}");
+    }
+    assert!(fields[3].parse::<u64>().unwrap() > 0, "{line}");
+
+    let line = counters_line(env!("CARGO_BIN_EXE_soak"), &["--serve", "tcp"])
+        .unwrap_or_else(|why| panic!("soak --serve tcp: {why}"));
+    assert!(
+        line.starts_with("STATS ") && line.ends_with(" -"),
+        "soak counts no allocations: {line}"
+    );
 }

@@ -15,17 +15,28 @@
 
 #![forbid(unsafe_code)]
 
+use std::alloc::System;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use rdma_rpc_benches::contenders::{self, Client, Contender};
+use rdma_rpc_benches::contenders::{self, Client, Contender, ServerProcess};
 use rdma_rpc_benches::floors;
 use rdma_rpc_benches::plot::{self, Chart, Series};
-use rdma_rpc_benches::stats::minor_faults;
 use rdma_rpc_benches::stats::{self, gbps, histogram, record};
+use rdma_rpc_benches::stats::{ProcessCounters, minor_faults};
 use rdma_rpc_benches::streams::{self, StreamResults};
 use serde::Serialize;
+use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
+
+/// The system allocator, counting allocations for the heap-allocations row
+/// (in the server processes too: they are this binary).
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// The 64 B throughput point whose window the per-call cost rows (CPU,
+/// context switches, allocations) are measured over.
+const COST_IN_FLIGHT: usize = 128;
 
 /// How much each workload does.
 #[derive(Debug, Clone, Serialize)]
@@ -118,6 +129,42 @@ impl Latency {
     }
 }
 
+/// What one 64 B call costs client and server together, over the window
+/// of the throughput point at [`COST_IN_FLIGHT`] calls in flight.
+#[derive(Debug, Clone, Serialize)]
+struct CallCost {
+    in_flight: usize,
+    /// Calls completed in the window.
+    calls: u64,
+    /// User + system CPU µs per call.
+    cpu_us: f64,
+    /// Voluntary context switches per call.
+    voluntary_switches: f64,
+    /// Heap allocations (alloc, alloc_zeroed, realloc) per call.
+    allocations: Option<f64>,
+}
+
+impl CallCost {
+    /// The cost per call of `calls` that took `spent` in both processes.
+    fn per_call(spent: ProcessCounters, calls: u64) -> CallCost {
+        let calls_f = calls.max(1) as f64;
+        CallCost {
+            in_flight: COST_IN_FLIGHT,
+            calls,
+            cpu_us: spent.cpu.as_secs_f64() * 1e6 / calls_f,
+            voluntary_switches: spent.voluntary_switches as f64 / calls_f,
+            allocations: spent.allocations.map(|a| a as f64 / calls_f),
+        }
+    }
+}
+
+/// Both processes' counters now: this one's and the server's (`None` if
+/// the server did not answer).
+fn both_counters(server: &ServerProcess) -> Option<(ProcessCounters, ProcessCounters)> {
+    let server = server.counters()?;
+    Some((ProcessCounters::now(), server))
+}
+
 #[derive(Debug, Clone, Serialize)]
 struct Measured {
     contender: Contender,
@@ -125,6 +172,9 @@ struct Measured {
     latency_64b: Latency,
     /// (calls in flight, calls/s)
     throughput_64b: Vec<(usize, f64)>,
+    /// Per-call cost at [`COST_IN_FLIGHT`] in flight (`None` where the
+    /// server did not report its counters).
+    cost_64b: Option<CallCost>,
     /// (payload bytes, GB/s counting both directions)
     goodput: Vec<(usize, f64)>,
     /// (payload bytes, minor page faults of the client process per echo)
@@ -163,7 +213,13 @@ fn register_rdma(poll: &str) {
     rpc_transport_rdma::register_with(config).expect("register rdma://");
 }
 
-async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measured {
+/// Measures `contender`'s client against its `server` at `addr`.
+async fn measure(
+    contender: Contender,
+    addr: &str,
+    server: &ServerProcess,
+    settings: &Settings,
+) -> Measured {
     let mut client = Client::connect(contender, addr).await;
     let small = bytes::Bytes::from_static(&[7u8; 64]);
     for _ in 0..settings.warmup_calls {
@@ -179,11 +235,15 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
     let latency_64b = Latency::from(&h);
 
     let mut throughput_64b = Vec::new();
+    let mut cost_64b = None;
     for &in_flight in &settings.in_flight {
         eprintln!(
             "  64 B throughput, {in_flight} in flight, {} s",
             settings.throughput_seconds
         );
+        let before = (in_flight == COST_IN_FLIGHT)
+            .then(|| both_counters(server))
+            .flatten();
         let deadline = Instant::now() + Duration::from_secs_f64(settings.throughput_seconds);
         let started = Instant::now();
         let mut workers = tokio::task::JoinSet::new();
@@ -203,7 +263,16 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
         while let Some(done) = workers.join_next().await {
             total += done.expect("worker");
         }
-        throughput_64b.push((in_flight, total as f64 / started.elapsed().as_secs_f64()));
+        let elapsed = started.elapsed();
+        if let Some((client_before, server_before)) = before {
+            cost_64b = both_counters(server).map(|(client_after, server_after)| {
+                let spent = client_after
+                    .since(client_before)
+                    .plus(server_after.since(server_before));
+                CallCost::per_call(spent, total)
+            });
+        }
+        throughput_64b.push((in_flight, total as f64 / elapsed.as_secs_f64()));
     }
 
     let mut goodput = Vec::new();
@@ -256,6 +325,7 @@ async fn measure(contender: Contender, addr: &str, settings: &Settings) -> Measu
         label: contender.label(),
         latency_64b,
         throughput_64b,
+        cost_64b,
         goodput,
         faults_per_echo,
         send_buffer_goodput,
@@ -335,6 +405,23 @@ fn print_table(report: &Report) {
             0,
         );
     }
+    row(
+        &format!("CPU per 64 B call at {COST_IN_FLIGHT} in flight, client + server (µs)"),
+        &|m| m.cost_64b.as_ref().map(|c| c.cpu_us),
+        2,
+    );
+    row(
+        &format!(
+            "voluntary context switches per 64 B call at {COST_IN_FLIGHT} in flight, client + server"
+        ),
+        &|m| m.cost_64b.as_ref().map(|c| c.voluntary_switches),
+        3,
+    );
+    row(
+        &format!("heap allocations per 64 B call at {COST_IN_FLIGHT} in flight, client + server"),
+        &|m| m.cost_64b.as_ref().and_then(|c| c.allocations),
+        1,
+    );
     for (index, &(size, _)) in report.settings.large.iter().enumerate() {
         row(
             &format!("{} echo goodput (GB/s, both ways)", size_label(size)),
@@ -800,7 +887,7 @@ fn main() {
         );
         let (server, addr) = contenders::spawn_server(contender.key(), contender.poll_mode());
         register_rdma(contender.poll_mode());
-        let result = contenders::runtime().block_on(measure(contender, &addr, &settings));
+        let result = contenders::runtime().block_on(measure(contender, &addr, &server, &settings));
         drop(server);
         measured.push(result);
     }

@@ -12,8 +12,8 @@ use crate::transport::FrameSink;
 
 mod writer;
 
-pub(crate) use writer::{WriterTask, flush_inline_by_default};
 use writer::WriterShared;
+pub(crate) use writer::{WriterTask, flush_inline_by_default};
 
 /// Most frames written before one flush.
 pub(crate) const WRITE_BATCH: usize = 64;

@@ -24,9 +24,8 @@ use crate::transport::{FrameSink, TransportError};
 /// Whether senders flush their own frames on the current runtime: on a
 /// multi-thread one (where waking the writer task may wake another thread).
 pub(crate) fn flush_inline_by_default() -> bool {
-    tokio::runtime::Handle::try_current().is_ok_and(|handle| {
-        handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
-    })
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|handle| handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
 /// What the senders and the writer task share.
@@ -234,14 +233,11 @@ impl WriterTask {
                         // again after each flush that completes meanwhile.
                         let flushes = io.flushes;
                         drop(io);
-                        let (since, timer) = stall.get_or_insert_with(|| {
-                            (flushes, Box::pin(tokio::time::sleep(limit)))
-                        });
+                        let (since, timer) = stall
+                            .get_or_insert_with(|| (flushes, Box::pin(tokio::time::sleep(limit))));
                         if *since != flushes {
                             *since = flushes;
-                            timer
-                                .as_mut()
-                                .reset(tokio::time::Instant::now() + limit);
+                            timer.as_mut().reset(tokio::time::Instant::now() + limit);
                         }
                         if timer.as_mut().poll(cx).is_ready() {
                             return Poll::Ready(Err(TransportError::Io(std::io::Error::new(
@@ -272,5 +268,131 @@ impl Drop for Finish {
         while io.rx.try_recv().is_ok() {}
         io.next = None;
         io.fed.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use futures_util::SinkExt;
+    use tokio::sync::mpsc;
+    use tokio_util::sync::PollSender;
+
+    use crate::conn_io::OutboundQueue;
+    use crate::frame::{EncodedFrame, Frame, FrameFlags, FrameKind};
+    use crate::transport::{FrameSink, TransportError};
+
+    /// A sink that holds one frame until the test takes it: every other
+    /// write waits (what a full socket or a peer out of credits does).
+    fn narrow_sink() -> (FrameSink, mpsc::Receiver<EncodedFrame>) {
+        let (tx, rx) = mpsc::channel(1);
+        let sink = PollSender::new(tx).sink_map_err(|_| TransportError::Closed);
+        (Box::pin(sink), rx)
+    }
+
+    fn frame(sender: u64, index: u64) -> EncodedFrame {
+        Frame::control(FrameKind::Ping, FrameFlags::EMPTY, sender << 32 | index).encode_parts()
+    }
+
+    fn id(frame: EncodedFrame) -> u64 {
+        let (_, id) = Frame::peek_header(&frame.into_contiguous()).expect("a frame");
+        id
+    }
+
+    /// Senders on several workers write their own frames while the sink
+    /// keeps making them wait: every frame arrives once, each sender's in
+    /// its order, and the writer task closes the sink when they are gone.
+    async fn every_frame_arrives_in_order(flush_inline: bool) {
+        const SENDERS: u64 = 8;
+        const FRAMES: u64 = 500;
+        let (sink, mut written) = narrow_sink();
+        let (queue, writer) = OutboundQueue::new(1 << 20, None, sink, flush_inline);
+        let writer = tokio::spawn(writer.run(Some(Duration::from_secs(10))));
+        let mut senders = Vec::new();
+        for sender in 0..SENDERS {
+            let queue = queue.clone();
+            senders.push(tokio::spawn(async move {
+                for index in 0..FRAMES {
+                    queue.send(frame(sender, index)).await.expect("queue open");
+                    if index % 7 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            }));
+        }
+        drop(queue);
+        let mut next = [0u64; SENDERS as usize];
+        for _ in 0..SENDERS * FRAMES {
+            let got = tokio::time::timeout(Duration::from_secs(10), written.recv())
+                .await
+                .expect("a frame within 10 s: nothing may stay queued")
+                .expect("the sink is open until the senders are gone");
+            let got = id(got);
+            let (sender, index) = ((got >> 32) as usize, got & 0xffff_ffff);
+            assert_eq!(index, next[sender], "sender {sender}'s frames in order");
+            next[sender] += 1;
+        }
+        for sender in senders {
+            sender.await.expect("sender");
+        }
+        writer
+            .await
+            .expect("writer task")
+            .expect("the writer closes the sink cleanly");
+        assert!(
+            written.recv().await.is_none(),
+            "the sink was closed and dropped"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn senders_that_flush_inline_lose_and_reorder_nothing() {
+        every_frame_arrives_in_order(true).await;
+    }
+
+    #[tokio::test]
+    async fn the_writer_task_alone_loses_and_reorders_nothing() {
+        every_frame_arrives_in_order(false).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sink_that_takes_nothing_fails_the_writer_after_the_stall_time_out() {
+        let (sink, written) = narrow_sink();
+        let (queue, writer) = OutboundQueue::new(1 << 20, None, sink, true);
+        let writer = tokio::spawn(writer.run(Some(Duration::from_millis(200))));
+        for index in 0..3 {
+            queue.send(frame(0, index)).await.expect("queue open");
+        }
+        let outcome = tokio::time::timeout(Duration::from_secs(5), writer)
+            .await
+            .expect("the writer gives up within the time-out")
+            .expect("writer task");
+        match outcome {
+            Err(TransportError::Io(error)) => {
+                assert_eq!(error.kind(), std::io::ErrorKind::TimedOut);
+            }
+            other => panic!("expected a stall time-out, got {other:?}"),
+        }
+        // Nothing is written any more: later frames are refused.
+        assert!(queue.send(frame(0, 9)).await.is_err());
+        drop(written);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_that_fails_inline_is_reported_by_the_writer_task() {
+        let (sink, written) = narrow_sink();
+        drop(written);
+        let (queue, writer) = OutboundQueue::new(1 << 20, None, sink, true);
+        let writer = tokio::spawn(writer.run(None));
+        let _ = queue.send(frame(0, 0)).await;
+        let outcome = tokio::time::timeout(Duration::from_secs(5), writer)
+            .await
+            .expect("the failure reaches the writer task")
+            .expect("writer task");
+        assert!(
+            matches!(outcome, Err(TransportError::Closed)),
+            "{outcome:?}"
+        );
     }
 }

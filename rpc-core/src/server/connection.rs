@@ -1,9 +1,11 @@
 //! One server connection: read frames, run calls, write responses.
 //!
-//! A unary call runs inside the connection's task first: a handler whose
-//! future is ready on its first poll answers from here, without a task or a
-//! wake-up; one that waits (and every streaming call) continues as a task of
-//! its own, which a cancel frame or the deadline can abort.
+//! A call runs inside the connection's task first: a handler whose future is
+//! ready on its first poll answers from here, without a task or a wake-up;
+//! one that waits continues as a task of its own, which a cancel frame or
+//! the deadline can abort. (A handler that computes long before its first
+//! `.await` holds this connection's reading for that long; its other calls
+//! wait, other connections do not.)
 //!
 //! The connection task owns the read side. Responses and control frames go
 //! through a queue bounded in bytes ([`OutboundQueue`]) to a writer task. When
@@ -315,12 +317,13 @@ pub(crate) async fn serve_connection(
                                 break Ending::ProtocolError(format!("client sent {} (call {call_id})", error.describe()));
                             }
                         }
-                        let streaming = stream.is_some();
                         let mut call = Box::pin(run_call(frame, stream, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len, config.access_log));
-                        // A unary handler whose future is ready at once
-                        // answers from this task; one that waits gets a
-                        // task of its own (as does every streaming call).
-                        if !streaming && futures_util::poll!(call.as_mut()).is_ready() {
+                        // A handler whose future is ready at once answers
+                        // from this task; one that waits gets a task of its own.
+                        if futures_util::poll!(call.as_mut()).is_ready() {
+                            if let Some(stream) = streams.remove(&call_id) {
+                                stream.close(|| Status::cancelled("the call has ended"));
+                            }
                             if in_flight.is_empty() {
                                 last_activity = Instant::now();
                             }

@@ -45,7 +45,7 @@ impl RdmaSink {
             if state.is_ending() {
                 return Poll::Ready(Err(TransportError::Closed));
             }
-            if !state.has_stashed() && !(post && first) {
+            if !state.has_stashed() && (!post || !first) {
                 return Poll::Ready(Ok(()));
             }
             first = false;
@@ -146,6 +146,9 @@ pub(crate) struct RdmaStream {
     idle_since: Option<Instant>,
     /// A multi-thread runtime: yielding there wakes a sibling worker.
     multi_thread: bool,
+    /// Gave the worker back once since the last frame (so that the task a
+    /// frame woke, waiting in the worker's LIFO slot, ran first).
+    yielded: bool,
     done: bool,
 }
 
@@ -164,6 +167,7 @@ impl RdmaStream {
             spin,
             idle_since: None,
             multi_thread,
+            yielded: false,
             done: false,
         }
     }
@@ -176,12 +180,17 @@ impl RdmaStream {
             PollMode::Event => Wait::Sleep,
             PollMode::BusyPoll => Wait::Yield,
             // A multi-thread worker that yields goes through the run queue
-            // and wakes a sibling worker: spin there in place, briefly.
+            // and may wake a sibling worker: yield once (the task the last
+            // frame woke runs first: it sits in this worker's LIFO slot,
+            // which nobody steals), then spin in place, briefly.
             PollMode::Adaptive { .. } if self.multi_thread => {
-                if idle < IN_PLACE_SPIN && self.spin.keep_spinning(idle, now) {
-                    Wait::InPlace
-                } else {
+                if !self.spin.keep_spinning(idle, now) || idle >= IN_PLACE_SPIN {
                     Wait::Sleep
+                } else if !self.yielded {
+                    self.yielded = true;
+                    Wait::Yield
+                } else {
+                    Wait::InPlace
                 }
             }
             // Past a few microseconds this also gives the CPU away between
@@ -198,6 +207,7 @@ impl RdmaStream {
 
     /// Something came: the wait (if any) teaches the spin policy.
     fn woke(&mut self) {
+        self.yielded = false;
         if let Some(since) = self.idle_since.take() {
             self.spin.waited(since.elapsed());
         }
@@ -239,7 +249,9 @@ impl Stream for RdmaStream {
                 return Poll::Ready(match outcome {
                     Outcome::Clean => None,
                     Outcome::Gone(reason) => Some(Err(TransportError::PeerGone(reason.clone()))),
-                    Outcome::Failed(reason) => Some(Err(TransportError::Other(reason.clone().into()))),
+                    Outcome::Failed(reason) => {
+                        Some(Err(TransportError::Other(reason.clone().into())))
+                    }
                 });
             }
             if state.failure.is_some() {

@@ -37,8 +37,8 @@ use crate::protocol::Protocol;
 use crate::setup_socket::SetupSocket;
 use crate::verbs::{AsyncCompletionChannel, CmConnection};
 
-pub(crate) use state::{Commitment, Endpoint};
 use state::LinkState;
+pub(crate) use state::{Commitment, Endpoint};
 
 /// A connection with no traffic for this long gives back the credits it
 /// holds beyond the peer's initial ones.

@@ -121,7 +121,7 @@ pub(crate) struct LinkState {
     /// A message or a READ completed since the reader last took a frame:
     /// whoever else turned wakes the reader.
     pub(super) received: bool,
-    
+
     /// The device raises events for solicited SENDs on solicited-only arms.
     solicited_events: bool,
     #[cfg(feature = "fault-injection")]
