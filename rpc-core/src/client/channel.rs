@@ -600,7 +600,7 @@ async fn call_streaming(
             Err(_) => return Err(Status::unavailable("connection closed")),
         };
         if headers.kind == FrameKind::Response && headers.status != Code::Ok {
-            return Err(super::connection::status_of(&headers));
+            return Err(super::reader::status_of(&headers));
         }
         // Headers, or a final OK response (whose metadata is the trailers).
         let metadata = if headers.kind == FrameKind::Headers {
@@ -672,7 +672,7 @@ fn into_response(frame: Frame) -> Result<Response<Bytes>, Status> {
             frame.payload.into_contiguous(),
         ))
     } else {
-        Err(super::connection::status_of(&frame))
+        Err(super::reader::status_of(&frame))
     }
 }
 

@@ -24,18 +24,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures_util::{FutureExt, StreamExt};
+use futures_util::FutureExt;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn_io::{OutboundQueue, flush_inline_by_default};
-use crate::frame::{Frame, FrameError, FrameFlags, FrameKind};
+use crate::frame::{Frame, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::metrics::{ConnectionRecord, Side};
 use crate::payload::Payload;
-use crate::status::{Code, Status};
-use crate::stream::{FeedError, InboundFeed, MessageSink, RawInbound, SendCredits};
-use crate::transport::{Connection, FrameStream, TransportError};
+use crate::status::Status;
+use crate::stream::{InboundFeed, MessageSink, RawInbound, SendCredits};
+use crate::transport::Connection;
+
+use super::reader::{ReadSide, caller_reads, read_frames, read_some};
 use crate::wake_gate::WakeGated;
 
 /// Why a call failed, and whether it may be sent again on another connection
@@ -47,14 +49,14 @@ pub(crate) struct CallFailure {
 }
 
 impl CallFailure {
-    fn processed(status: Status) -> CallFailure {
+    pub(super) fn processed(status: Status) -> CallFailure {
         CallFailure {
             status,
             unprocessed: false,
         }
     }
 
-    fn unprocessed(status: Status) -> CallFailure {
+    pub(super) fn unprocessed(status: Status) -> CallFailure {
         CallFailure {
             status,
             unprocessed: true,
@@ -68,28 +70,28 @@ impl From<Status> for CallFailure {
     }
 }
 
-type CallResult = Result<Frame, CallFailure>;
+pub(super) type CallResult = Result<Frame, CallFailure>;
 
 /// Who waits for a call's frames.
-enum Waiter {
+pub(super) enum Waiter {
     /// A unary call: its response.
     Unary(oneshot::Sender<CallResult>),
     /// A streaming call: its headers, then its messages and end.
     Stream(StreamWaiter),
 }
 
-struct StreamWaiter {
+pub(super) struct StreamWaiter {
     /// Until the server's headers (or its final response) arrive.
-    headers: Option<oneshot::Sender<CallResult>>,
-    feed: InboundFeed,
-    credits: Arc<SendCredits>,
+    pub(super) headers: Option<oneshot::Sender<CallResult>>,
+    pub(super) feed: InboundFeed,
+    pub(super) credits: Arc<SendCredits>,
     /// Opened with `KIND_UNKNOWN`: a unary method may answer with one final
     /// response that carries its message.
-    kind_unknown: bool,
+    pub(super) kind_unknown: bool,
 }
 
 impl StreamWaiter {
-    fn fail(self, failure: CallFailure) {
+    pub(super) fn fail(self, failure: CallFailure) {
         self.credits.close(failure.status.clone());
         self.feed.finish(Err(failure.status.clone()));
         if let Some(headers) = self.headers {
@@ -99,7 +101,7 @@ impl StreamWaiter {
 }
 
 impl Waiter {
-    fn fail(self, failure: CallFailure) {
+    pub(super) fn fail(self, failure: CallFailure) {
         match self {
             Waiter::Unary(waiter) => {
                 let _ = waiter.send(Err(failure));
@@ -110,34 +112,36 @@ impl Waiter {
 }
 
 #[derive(Default)]
-struct CallTable {
-    pending: HashMap<u64, Waiter>,
+pub(super) struct CallTable {
+    pub(super) pending: HashMap<u64, Waiter>,
     /// Set once the connection is closed: why, as the status new calls get.
     closed: Option<Status>,
     /// Set by a graceful GOAWAY: the highest call id the server saw.
-    goaway: Option<u64>,
+    pub(super) goaway: Option<u64>,
 }
 
-struct Shared {
+pub(super) struct Shared {
     calls: Mutex<CallTable>,
     /// A GOAWAY arrived: pending calls finish here, new calls go elsewhere.
-    draining: AtomicBool,
+    pub(super) draining: AtomicBool,
     /// Set with `shutdown`: read per call, where the token's own check
     /// takes a lock.
     closed: AtomicBool,
-    shutdown: CancellationToken,
-    peer: String,
+    pub(super) shutdown: CancellationToken,
+    pub(super) peer: String,
+    /// The frame stream and its readers.
+    pub(super) read: ReadSide,
 }
 
 impl Shared {
-    fn table(&self) -> MutexGuard<'_, CallTable> {
+    pub(super) fn table(&self) -> MutexGuard<'_, CallTable> {
         self.calls
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
     /// Marks the connection closed and fails every pending call with `status`.
-    fn close(&self, status: Status) {
+    pub(super) fn close(&self, status: Status) {
         let pending = {
             let mut table = self.table();
             if table.closed.is_none() {
@@ -180,6 +184,7 @@ impl ClientConnection {
             closed: AtomicBool::new(false),
             shutdown: CancellationToken::new(),
             peer,
+            read: ReadSide::new(stream),
         });
         let (outbound, writer) =
             OutboundQueue::new(outbound_queue_bytes, None, sink, flush_inline_by_default());
@@ -202,14 +207,8 @@ impl ClientConnection {
         // Counted while its reader runs: from now until the connection ends.
         let counted = ConnectionRecord::open(Side::Client, scheme);
         tokio::spawn(
-            read_frames(
-                shared.clone(),
-                stream,
-                outbound.clone(),
-                max_frame_len,
-                keepalive,
-            )
-            .map(move |()| drop(counted)),
+            read_frames(shared.clone(), outbound.clone(), max_frame_len, keepalive)
+                .map(move |()| drop(counted)),
         );
 
         Arc::new(ClientConnection {
@@ -249,6 +248,8 @@ impl ClientConnection {
             call_id,
             receiver,
             finished: false,
+            reads: caller_reads(),
+            read: false,
         })
     }
 
@@ -390,6 +391,11 @@ pub(crate) struct PendingCall {
     call_id: u64,
     receiver: oneshot::Receiver<CallResult>,
     finished: bool,
+    /// The caller reads frames itself while nobody else does (see
+    /// [`super::reader`]).
+    reads: bool,
+    /// It did: the reader task takes over when the call ends.
+    read: bool,
 }
 
 impl PendingCall {
@@ -402,14 +408,56 @@ impl Future for PendingCall {
     type Output = CallResult;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<CallResult> {
-        let outcome = match Pin::new(&mut self.receiver).poll(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(Ok(outcome)) => outcome,
-            Poll::Ready(Err(_)) => Err(CallFailure::processed(Status::unavailable(
+        let this = &mut *self;
+        // `Some(None)`: the connection dropped the call's sender.
+        let mut answer = match Pin::new(&mut this.receiver).poll(cx) {
+            Poll::Pending => None,
+            Poll::Ready(answer) => Some(answer.ok()),
+        };
+        if answer.is_none() && this.reads {
+            let connection = &this.connection;
+            let receiver = &mut this.receiver;
+            let read = read_some(
+                &connection.shared,
+                &connection.outbound,
+                connection.max_frame_len,
+                cx,
+                &mut || match receiver.try_recv() {
+                    Err(oneshot::error::TryRecvError::Empty) => false,
+                    Ok(got) => {
+                        answer = Some(Some(got));
+                        true
+                    }
+                    Err(oneshot::error::TryRecvError::Closed) => {
+                        answer = Some(None);
+                        true
+                    }
+                },
+            );
+            if let Some(read) = read {
+                this.read = true;
+                match read {
+                    // A batch and no answer yet: poll again soon.
+                    Poll::Ready(Ok(())) if answer.is_none() => cx.waker().wake_by_ref(),
+                    // The connection ended: the reader task closes it
+                    // (which fails this call).
+                    Poll::Ready(Err(_)) => connection.shared.read.wake_task(),
+                    _ => {}
+                }
+            }
+        }
+        let outcome = match answer {
+            None => return Poll::Pending,
+            Some(Some(outcome)) => outcome,
+            Some(None) => Err(CallFailure::processed(Status::unavailable(
                 "connection closed",
             ))),
         };
-        self.finished = true;
+        this.finished = true;
+        if this.read {
+            // The stream may hold this caller's waker: the task reads again.
+            this.connection.shared.read.wake_task();
+        }
         Poll::Ready(outcome)
     }
 }
@@ -418,6 +466,9 @@ impl Drop for PendingCall {
     fn drop(&mut self) {
         if !self.finished {
             self.connection.abandon(self.call_id);
+            if self.read {
+                self.connection.shared.read.wake_task();
+            }
         }
     }
 }
@@ -438,274 +489,5 @@ impl Default for Keepalive {
             interval: Duration::from_secs(30),
             timeout: Duration::from_secs(20),
         }
-    }
-}
-
-/// Ticks every `keepalive.interval`, or never.
-async fn keepalive_tick(ticker: &mut Option<tokio::time::Interval>) {
-    match ticker {
-        Some(ticker) => {
-            ticker.tick().await;
-        }
-        None => std::future::pending().await,
-    }
-}
-
-async fn read_frames(
-    shared: Arc<Shared>,
-    mut stream: FrameStream,
-    outbound: OutboundQueue,
-    max_frame_len: usize,
-    keepalive: Option<Keepalive>,
-) {
-    let mut last_heard = tokio::time::Instant::now();
-    let mut ticker = keepalive.map(|keepalive| {
-        let period = keepalive
-            .interval
-            .min(keepalive.timeout)
-            .max(Duration::from_millis(1));
-        let mut ticker = tokio::time::interval_at(last_heard + period, period);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        ticker
-    });
-    // Polled only when the token wakes it, not once per frame.
-    let shutting_down = WakeGated::new(shared.shutdown.cancelled());
-    tokio::pin!(shutting_down);
-    let reason = loop {
-        let next = tokio::select! {
-            () = &mut shutting_down => return,
-            () = keepalive_tick(&mut ticker) => {
-                let Some(keepalive) = keepalive else { continue };
-                let silent = last_heard.elapsed();
-                if silent >= keepalive.interval + keepalive.timeout {
-                    tracing::warn!(peer = %shared.peer, ?silent, "closing connection: keepalive timed out");
-                    break format!("connection lost: nothing heard from the server for {silent:?} (keepalive)");
-                }
-                if silent >= keepalive.interval {
-                    // One per period at most: bounded without taking room from requests.
-                    let ping = Frame::control(FrameKind::Ping, FrameFlags::EMPTY, 0);
-                    let _ = outbound.send_unbounded(ping.encode_parts());
-                }
-                continue;
-            }
-            next = stream.next() => next,
-        };
-        if keepalive.is_some() {
-            last_heard = tokio::time::Instant::now();
-        }
-        let decoded = match next {
-            None => break "connection closed by peer".to_owned(),
-            Some(Err(TransportError::Refused { head, len, max })) => Err((head, len, max)),
-            Some(Err(error)) => break format!("connection lost: {error}"),
-            Some(Ok(bytes)) => match Frame::decode(bytes.clone(), max_frame_len) {
-                Ok(frame) => Ok(frame),
-                Err(FrameError::TooLarge { max, .. }) if bytes.len() > max => {
-                    let len = bytes.len();
-                    Err((bytes, len, max))
-                }
-                Err(error) => {
-                    tracing::warn!(peer = %shared.peer, %error, "closing connection: bad frame from server");
-                    break format!("protocol error from server: {error}");
-                }
-            },
-        };
-        let frame = match decoded {
-            Ok(frame) => frame,
-            Err((head, len, max)) => {
-                // A response over our limit fails its call alone.
-                match Frame::peek_header(&head) {
-                    Some((FrameKind::Response | FrameKind::Message, call_id)) => {
-                        let waiter = shared.table().pending.remove(&call_id);
-                        if let Some(waiter) = waiter {
-                            if matches!(waiter, Waiter::Stream(_)) {
-                                // The server still runs the call: stop it.
-                                let cancel =
-                                    Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
-                                let _ = outbound.send_unbounded(cancel.encode_parts());
-                            }
-                            waiter.fail(CallFailure::processed(Status::resource_exhausted(
-                                format!("response of {len} bytes exceeds this channel's limit of {max} bytes (Channel::builder().max_frame_len)"),
-                            )));
-                        }
-                        continue;
-                    }
-                    _ => {
-                        break format!(
-                            "protocol error from server: frame of {len} bytes exceeds the limit of {max} bytes"
-                        );
-                    }
-                }
-            }
-        };
-        match frame.kind {
-            FrameKind::Response => {
-                let (waiter, drained) = {
-                    let mut table = shared.table();
-                    let waiter = table.pending.remove(&frame.call_id);
-                    (waiter, table.goaway.is_some() && table.pending.is_empty())
-                };
-                // No waiter: the call was cancelled or timed out; drop the late response.
-                match waiter {
-                    Some(Waiter::Unary(waiter)) => {
-                        let _ = waiter.send(Ok(frame));
-                    }
-                    Some(Waiter::Stream(stream))
-                        if stream.kind_unknown
-                            && stream.headers.is_some()
-                            && frame.status == Code::Ok =>
-                    {
-                        unary_answer(stream, frame);
-                    }
-                    Some(Waiter::Stream(stream)) => {
-                        if frame.status == Code::Ok && !frame.payload.is_empty() {
-                            stream.fail(CallFailure::processed(Status::internal("protocol error from server: a streaming call ended with a message in its final response")));
-                            break "protocol error from server: a streaming call's final response carries a message".to_owned();
-                        }
-                        stream
-                            .credits
-                            .close(Status::cancelled("the call has ended"));
-                        stream.feed.finish(stream_end(&frame));
-                        if let Some(headers) = stream.headers {
-                            let _ = headers.send(Ok(frame));
-                        }
-                    }
-                    None => {}
-                }
-                if drained {
-                    break "the server sent GOAWAY and no call is left".to_owned();
-                }
-            }
-            FrameKind::Headers | FrameKind::Message | FrameKind::Window => {
-                if let Err(error) = stream_frame(&shared, frame) {
-                    tracing::warn!(peer = %shared.peer, %error, "closing connection: bad stream frame from server");
-                    break format!("protocol error from server: {error}");
-                }
-            }
-            FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
-                // Never wait here (responses must keep draining): no room, no answer.
-                let pong =
-                    Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id).encode_parts();
-                if let Some(space) = outbound.try_reserve(pong.len()) {
-                    let _ = outbound.send_reserved(pong, space);
-                }
-            }
-            FrameKind::Ping => {}
-            FrameKind::GoAway if frame.status != Code::Ok => {
-                let reason = String::from_utf8_lossy(&frame.payload.into_contiguous()).into_owned();
-                tracing::warn!(peer = %shared.peer, %reason, "server closed the connection");
-                break format!("server closed the connection: {reason}");
-            }
-            FrameKind::GoAway => {
-                tracing::debug!(peer = %shared.peer, last_call_id = frame.call_id, "server sent GOAWAY; new calls use a new connection");
-                shared.draining.store(true, Ordering::Release);
-                let (unprocessed, drained) = {
-                    let mut table = shared.table();
-                    table.goaway = Some(frame.call_id);
-                    let unseen: Vec<u64> = table
-                        .pending
-                        .keys()
-                        .copied()
-                        .filter(|&call_id| call_id > frame.call_id)
-                        .collect();
-                    let unprocessed: Vec<_> = unseen
-                        .into_iter()
-                        .filter_map(|call_id| table.pending.remove(&call_id))
-                        .collect();
-                    (unprocessed, table.pending.is_empty())
-                };
-                for waiter in unprocessed {
-                    waiter.fail(CallFailure::unprocessed(Status::unavailable(
-                        "the server sent GOAWAY before it saw this call",
-                    )));
-                }
-                if drained {
-                    break "the server sent GOAWAY and no call is left".to_owned();
-                }
-            }
-            FrameKind::Request | FrameKind::Cancel => {
-                tracing::warn!(peer = %shared.peer, kind = ?frame.kind, "closing connection: server sent a client-only frame");
-                break format!(
-                    "protocol error from server: unexpected {:?} frame",
-                    frame.kind
-                );
-            }
-        }
-    };
-    shared.close(Status::unavailable(reason));
-}
-
-/// How the final response of a streaming call ends its stream of messages.
-fn stream_end(frame: &Frame) -> Result<Metadata, Status> {
-    if frame.status == Code::Ok {
-        Ok(frame.metadata.clone())
-    } else {
-        Err(status_of(frame))
-    }
-}
-
-/// The error status a non-OK response frame carries.
-pub(crate) fn status_of(frame: &Frame) -> Status {
-    let payload = frame.payload.clone().into_contiguous();
-    let message = String::from_utf8_lossy(&payload).into_owned();
-    Status::with_metadata(frame.status, message, frame.metadata.clone())
-}
-
-/// A unary method's answer to a call of unknown kind: its response
-/// metadata, its one message and the end, all in one final response (see
-/// docs/wire-format.md, "Kind unknown").
-fn unary_answer(stream: StreamWaiter, frame: Frame) {
-    stream
-        .credits
-        .close(Status::cancelled("the call has ended"));
-    let message = crate::stream::single_message(frame.payload).into_contiguous();
-    // The feed is new and its window whole: one message always fits.
-    let _ = stream.feed.push(message);
-    stream.feed.finish(Ok(Metadata::new()));
-    if let Some(headers) = stream.headers {
-        let _ = headers.send(Ok(Frame::headers(frame.call_id, frame.metadata)));
-    }
-}
-
-/// Delivers a HEADERS, MESSAGE or WINDOW frame of a streaming call. A frame
-/// for a call no longer pending is dropped (it crossed a cancel); one that
-/// breaks the stream's rules is a protocol error, described in `Err`.
-fn stream_frame(shared: &Shared, frame: Frame) -> Result<(), String> {
-    let mut table = shared.table();
-    let stream = match table.pending.get_mut(&frame.call_id) {
-        None => return Ok(()),
-        Some(Waiter::Unary(_)) => {
-            return Err(format!(
-                "{:?} frame for unary call {}",
-                frame.kind, frame.call_id
-            ));
-        }
-        Some(Waiter::Stream(stream)) => stream,
-    };
-    match frame.kind {
-        FrameKind::Headers if frame.flags.contains(FrameFlags::END_STREAM) => {
-            Err("a server ends a stream with its final response, not END_STREAM headers".into())
-        }
-        FrameKind::Headers => match stream.headers.take() {
-            Some(headers) => {
-                let _ = headers.send(Ok(frame));
-                Ok(())
-            }
-            None => Err(format!("second headers frame for call {}", frame.call_id)),
-        },
-        FrameKind::Message if stream.headers.is_some() => {
-            Err(format!("message before headers on call {}", frame.call_id))
-        }
-        FrameKind::Message if frame.flags.contains(FrameFlags::END_STREAM) => {
-            Err("a server ends a stream with its final response, not an END_STREAM message".into())
-        }
-        FrameKind::Message => stream
-            .feed
-            .push(frame.payload.into_contiguous())
-            .map_err(|error: FeedError| format!("{} (call {})", error.describe(), frame.call_id)),
-        FrameKind::Window => {
-            stream.credits.grant(frame.window_grant().unwrap_or(0));
-            Ok(())
-        }
-        _ => unreachable!("only stream frames come here"),
     }
 }

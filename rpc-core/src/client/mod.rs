@@ -7,6 +7,7 @@ mod balance;
 mod channel;
 mod connection;
 mod deadline;
+mod reader;
 mod retry;
 mod rpc;
 
