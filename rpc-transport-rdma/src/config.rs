@@ -21,7 +21,7 @@ pub enum PollMode {
     /// spins while another thread wants the CPU (see `docs/providers.md`
     /// and ARCHITECTURE.md, "Polling policy").
     Adaptive {
-        /// The longest a wait is polled before the driver sleeps.
+        /// The longest a wait is polled before the reader sleeps.
         spin: Duration,
     },
     /// Never sleep: poll the CQ between every other task's turn. Lowest
