@@ -142,19 +142,17 @@ pub(super) async fn read_frames(
     let shutting_down = WakeGated::new(shared.shutdown.cancelled());
     tokio::pin!(shutting_down);
     let reading = std::future::poll_fn(|cx| {
-        loop {
-            shared.read.task.register(cx.waker());
-            match read_some(&shared, &outbound, max_frame_len, cx, &mut || false) {
-                // A caller reads; it wakes this task when it stops.
-                None => return Poll::Pending,
-                Some(Poll::Ready(Ok(()))) => {
-                    // A whole batch: let the tasks it woke run.
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
-                Some(Poll::Ready(Err(reason))) => return Poll::Ready(reason),
-                Some(Poll::Pending) => return Poll::Pending,
+        shared.read.task.register(cx.waker());
+        match read_some(&shared, &outbound, max_frame_len, cx, &mut || false) {
+            // A caller reads; it wakes this task when it stops.
+            None => Poll::Pending,
+            Some(Poll::Ready(Ok(()))) => {
+                // A whole batch: let the tasks it woke run.
+                cx.waker().wake_by_ref();
+                Poll::Pending
             }
+            Some(Poll::Ready(Err(reason))) => Poll::Ready(reason),
+            Some(Poll::Pending) => Poll::Pending,
         }
     });
     tokio::pin!(reading);
@@ -270,7 +268,7 @@ fn handle_item(
             }
         }
         FrameKind::Headers | FrameKind::Message | FrameKind::Window => {
-            if let Err(error) = stream_frame(&shared, frame) {
+            if let Err(error) = stream_frame(shared, frame) {
                 tracing::warn!(peer = %shared.peer, %error, "closing connection: bad stream frame from server");
                 return Err(format!("protocol error from server: {error}"));
             }
