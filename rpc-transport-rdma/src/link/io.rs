@@ -42,8 +42,15 @@ impl RdmaSink {
         let mut first = true;
         loop {
             let mut state = link.lock();
-            if state.is_ending() {
-                return Poll::Ready(Err(TransportError::Closed));
+            if let Some(outcome) = &state.outcome {
+                return Poll::Ready(Err(outcome.to_error()));
+            }
+            if state.failure.is_some() {
+                // The housekeeper settles the reason (the peer's, maybe)
+                // and wakes us: the writer then fails with it, not with a
+                // bare "closed" that would race the reader's better one.
+                link.wakers.writer.register(cx.waker());
+                return Poll::Pending;
             }
             if !state.has_stashed() && (!post || !first) {
                 return Poll::Ready(Ok(()));
@@ -248,10 +255,7 @@ impl Stream for RdmaStream {
                 self.done = true;
                 return Poll::Ready(match outcome {
                     Outcome::Clean => None,
-                    Outcome::Gone(reason) => Some(Err(TransportError::PeerGone(reason.clone()))),
-                    Outcome::Failed(reason) => {
-                        Some(Err(TransportError::Other(reason.clone().into())))
-                    }
+                    failed => Some(Err(failed.to_error())),
                 });
             }
             if state.failure.is_some() {

@@ -64,6 +64,17 @@ pub(super) enum Outcome {
     Failed(String),
 }
 
+impl Outcome {
+    /// The error the application's ends report.
+    pub(super) fn to_error(&self) -> TransportError {
+        match self {
+            Outcome::Clean => TransportError::Closed,
+            Outcome::Gone(reason) => TransportError::PeerGone(reason.clone()),
+            Outcome::Failed(reason) => TransportError::Other(reason.clone().into()),
+        }
+    }
+}
+
 /// The connection: its queue pair, pools, protocol and what the application
 /// left with it.
 pub(crate) struct LinkState {
