@@ -166,6 +166,8 @@ pub(crate) struct ClientConnection {
     outbound: OutboundQueue,
     next_call_id: AtomicU64,
     max_frame_len: usize,
+    /// Started on a multi-thread runtime (see [`caller_reads`]).
+    multi_thread: bool,
 }
 
 impl ClientConnection {
@@ -186,8 +188,10 @@ impl ClientConnection {
             peer,
             read: ReadSide::new(stream),
         });
-        let (outbound, writer) =
-            OutboundQueue::new(outbound_queue_bytes, None, sink, flush_inline_by_default());
+        // Read once: the runtime's flavour decides how frames are written
+        // and who reads them.
+        let multi_thread = flush_inline_by_default();
+        let (outbound, writer) = OutboundQueue::new(outbound_queue_bytes, None, sink, multi_thread);
 
         let writer_shared = shared.clone();
         let writer_queue = outbound.clone();
@@ -216,6 +220,7 @@ impl ClientConnection {
             outbound,
             next_call_id: AtomicU64::new(1),
             max_frame_len,
+            multi_thread,
         })
     }
 
@@ -248,7 +253,7 @@ impl ClientConnection {
             call_id,
             receiver,
             finished: false,
-            reads: caller_reads(),
+            reads: caller_reads(self.multi_thread),
             read: false,
         })
     }

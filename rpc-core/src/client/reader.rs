@@ -66,14 +66,12 @@ impl ReadSide {
     }
 }
 
-/// Whether a caller on this thread should read for itself: it waits outside
-/// any task of a multi-thread runtime (tasks get their wake-ups through
-/// their worker's LIFO slot, the runtime's `block_on` through another thread).
-pub(super) fn caller_reads() -> bool {
-    tokio::task::try_id().is_none()
-        && tokio::runtime::Handle::try_current().is_ok_and(|handle| {
-            handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
-        })
+/// Whether a caller on this thread should read for itself, on a connection
+/// of a multi-thread runtime: it waits outside any task (tasks get their
+/// wake-ups through their worker's LIFO slot, the runtime's `block_on`
+/// through another thread).
+pub(super) fn caller_reads(multi_thread: bool) -> bool {
+    multi_thread && tokio::task::try_id().is_none()
 }
 
 /// Reads and handles frames until `done()` says so, the stream has nothing

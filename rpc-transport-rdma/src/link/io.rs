@@ -229,8 +229,9 @@ impl Stream for RdmaStream {
             return Poll::Ready(None);
         }
         let link = self.link.clone();
+        // Registered before the first look: a wake after it is not lost.
+        link.wakers.reader.register(cx.waker());
         loop {
-            link.wakers.reader.register(cx.waker());
             let mut state = link.lock();
             let mut progressed = false;
             let mut item = state.next_inbound();

@@ -76,10 +76,10 @@ impl Keeper {
     async fn watch(&mut self) {
         let mut timer = Box::pin(tokio::time::sleep(Duration::from_secs(3600)));
         let mut armed_for: Option<Instant> = None;
+        let link = self.link.clone();
         poll_fn(|cx| {
+            link.wakers.keeper.register(cx.waker());
             loop {
-                let link = self.link.clone();
-                link.wakers.keeper.register(cx.waker());
                 // The set-up socket: a reason, EOF, or nothing.
                 if !self.socket_eof {
                     match self
@@ -108,7 +108,6 @@ impl Keeper {
                 if application_gone {
                     // Nobody turns the connection but us now.
                     self.gone_since.get_or_insert(now);
-                    link.wakers.keeper.register(cx.waker());
                     if state.turn() {
                         link.wake_others(state, Poller::Keeper);
                         continue;
