@@ -207,7 +207,11 @@ pub(crate) struct QueueShared {
 
 impl Drop for QueueShared {
     fn drop(&mut self) {
-        // The last sender is gone: the writer closes the sink.
+        // The last sender is gone: the writer closes the sink. The sender
+        // goes first (fields drop only after this), so that the writer the
+        // kick wakes finds the queue disconnected, not merely empty.
+        let (placeholder, _) = mpsc::unbounded_channel();
+        drop(std::mem::replace(&mut self.tx, placeholder));
         self.writer.kick();
     }
 }

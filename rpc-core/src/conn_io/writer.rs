@@ -356,6 +356,34 @@ mod tests {
         every_frame_arrives_in_order(false).await;
     }
 
+    /// The writer task, running on another worker, must see the queue
+    /// disconnected when the last sender goes (a kick that came before the
+    /// sender was really gone found it merely empty, and the writer slept
+    /// for ever: a server's connection then never ended).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_writer_ends_when_the_last_sender_goes_whatever_the_timing() {
+        for round in 0..300 {
+            let (sink, mut written) = narrow_sink();
+            let (queue, writer) = OutboundQueue::new(1 << 20, None, sink, round % 2 == 0);
+            let writer = tokio::spawn(writer.run(None));
+            let sender = queue.clone();
+            tokio::spawn(async move {
+                sender.send(frame(0, 0)).await.expect("queue open");
+            })
+            .await
+            .expect("sender");
+            assert!(written.recv().await.is_some(), "the frame arrives");
+            drop(queue);
+            tokio::time::timeout(Duration::from_secs(5), writer)
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("round {round}: the writer never saw the last sender go")
+                })
+                .expect("writer task")
+                .expect("a clean close");
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_sink_that_takes_nothing_fails_the_writer_after_the_stall_time_out() {
         let (sink, written) = narrow_sink();
