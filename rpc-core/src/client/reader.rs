@@ -127,6 +127,9 @@ pub(super) async fn read_frames(
     max_frame_len: usize,
     keepalive: Option<Keepalive>,
 ) {
+    // However this task ends, the transport's stream goes with it (the
+    // connection's shared state may outlive it): the peer sees us gone.
+    let _release = ReleaseStream(&shared);
     let mut ticker = keepalive.map(|keepalive| {
         let period = keepalive
             .interval
@@ -174,6 +177,23 @@ pub(super) async fn read_frames(
         }
     };
     shared.close(Status::unavailable(reason));
+}
+
+/// Drops the transport's stream when the reader task ends.
+struct ReleaseStream<'a>(&'a Shared);
+
+impl Drop for ReleaseStream<'_> {
+    fn drop(&mut self) {
+        let mut core = self
+            .0
+            .read
+            .core
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        core.ended
+            .get_or_insert_with(|| "connection closed".to_owned());
+        core.stream = Box::pin(futures_util::stream::empty());
+    }
 }
 
 /// Handles one item of the stream; `Err(reason)` ends the connection.
