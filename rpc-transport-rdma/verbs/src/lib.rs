@@ -577,7 +577,11 @@ pub struct DeviceCaps {
 }
 
 /// A family of devices (soft, ibverbs).
-pub trait Provider: Send + Sync {
+///
+/// # Safety
+/// Every [`Context`] `open` returns upholds that trait's contract (the safe
+/// posters of this crate rely on it).
+pub unsafe trait Provider: Send + Sync {
     /// `soft` or `ibverbs`.
     fn name(&self) -> &'static str;
     /// The devices present.
@@ -587,7 +591,14 @@ pub trait Provider: Send + Sync {
 }
 
 /// An opened device.
-pub trait Context: Send + Sync {
+///
+/// # Safety
+/// The safe posters ([`owned::OwnedQueue`], [`pooled::PooledQp`]) hand memory
+/// back when they poll its completion, so an implementation must give them
+/// objects they alone complete into: every CQ `create_cq` returns is new,
+/// shared with no other object returned before, and every PD `alloc_pd`
+/// returns upholds [`ProtectionDomain`]'s contract.
+pub unsafe trait Context: Send + Sync {
     /// The device's name.
     fn device_name(&self) -> &str;
     /// What the device supports.
@@ -661,7 +672,17 @@ impl fmt::Debug for CmConnection {
 }
 
 /// A protection domain: memory regions and queue pairs that may work together.
-pub trait ProtectionDomain: Send + Sync {
+///
+/// # Safety
+/// An implementation must keep what the safe types of this crate rely on:
+/// - `create_qp` returns a new QP whose work completions go only into the
+///   CQs named in its [`QpInit`] (and whose receives come only from its
+///   SRQ), and refuses CQs and SRQs of another device context; its QP number
+///   is unique among the QPs completing into those CQs;
+/// - a region `register` (or `register_window`) returns covers exactly
+///   `addr..addr + len` with exactly `access`: never more rights (a remote
+///   write the caller did not ask for would race its references).
+pub unsafe trait ProtectionDomain: Send + Sync {
     /// Registers `len` bytes at `addr` with `access` rights.
     ///
     /// # Safety
@@ -1141,10 +1162,22 @@ impl RegisteredBuffer {
         }
         // SAFETY: `data` is a heap allocation of `len` bytes that this struct
         // owns and never moves; `Drop` frees it only after the region was
-        // deregistered successfully, and `leak` never frees it. The region
-        // is not handed out (only its keys and address), so it lives exactly
-        // as long as this buffer.
+        // deregistered successfully (the window cache's clone of the region
+        // is untracked first), and `leak` never frees it.
         let region = unsafe { pd.register(data.ptr.as_ptr(), len, access)? };
+        let extra = region.access() - access;
+        if region.addr() != data.ptr.as_ptr() as u64
+            || region.len() != len
+            || extra.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+        {
+            // A provider that broke its contract: nothing of this memory can
+            // be trusted to be out of the device's reach, so it is leaked.
+            std::mem::forget(region);
+            std::mem::forget(data);
+            return Err(VerbsError::InvalidArgument(
+                "the provider registered other memory or rights than asked",
+            ));
+        }
         if access.contains(AccessFlags::MW_BIND) && len > 0 {
             // SAFETY: `data` is this buffer's memory, just registered as
             // `region` on `pd`; `Drop` untracks it before deregistering and
@@ -1712,6 +1745,53 @@ pub fn provider(name: &str) -> Result<Arc<dyn Provider>, VerbsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A protection domain that registers more rights than asked (what an
+    /// `unsafe impl` that broke its contract would do).
+    struct WideningPd(Arc<dyn ProtectionDomain>);
+
+    // SAFETY: test-only, and deliberately in breach of the contract: the
+    // test shows `RegisteredBuffer` refuses what it returns.
+    unsafe impl ProtectionDomain for WideningPd {
+        unsafe fn register(
+            &self,
+            addr: *mut u8,
+            len: usize,
+            access: AccessFlags,
+        ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+            // SAFETY: forwarded with the caller's promise about the memory.
+            unsafe {
+                self.0
+                    .register(addr, len, access | AccessFlags::REMOTE_WRITE)
+            }
+        }
+
+        fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
+            self.0.create_qp(init)
+        }
+
+        fn create_srq(
+            &self,
+            max_wr: u32,
+            max_sge: u32,
+        ) -> Result<Arc<dyn SharedReceiveQueue>, VerbsError> {
+            self.0.create_srq(max_wr, max_sge)
+        }
+    }
+
+    #[test]
+    fn a_region_with_rights_nobody_asked_for_is_refused_and_its_memory_kept_away() {
+        let _counter = crate::mock::LEAK_COUNTER.lock();
+        let inner = crate::mock::MockContext::open().alloc_pd().unwrap();
+        let honest = RegisteredBuffer::new(&inner, 64, AccessFlags::LOCAL_WRITE);
+        assert!(honest.is_ok(), "the mock registers what was asked");
+        let widening: Arc<dyn ProtectionDomain> = Arc::new(WideningPd(inner));
+        let refused = RegisteredBuffer::new(&widening, 64, AccessFlags::LOCAL_WRITE);
+        assert!(
+            matches!(refused, Err(VerbsError::InvalidArgument(_))),
+            "a region that lets a peer write is never handed out as safe memory"
+        );
+    }
 
     #[test]
     fn qp_address_round_trips_and_rejects_garbage() {

@@ -50,7 +50,8 @@ impl MockContext {
     }
 }
 
-impl Context for MockContext {
+// SAFETY: every CQ is new; PDs are `MockPd`s (test-only device).
+unsafe impl Context for MockContext {
     fn device_name(&self) -> &str {
         "mock0"
     }
@@ -129,7 +130,9 @@ unsafe impl MemoryRegion for MockMr {
     }
 }
 
-impl ProtectionDomain for MockPd {
+// SAFETY: each mock QP completes only into the CQs it was created with, numbered
+// per device; regions cover exactly what was asked (test-only device).
+unsafe impl ProtectionDomain for MockPd {
     unsafe fn register(
         &self,
         addr: *mut u8,

@@ -1882,3 +1882,41 @@ fn soft_never_writes_a_buffer_freed_with_a_receive_posted() {
     assert_eq!(received[0].status, WcStatus::LocProtErr);
     assert!(reused.iter().all(|&b| b == 0), "freed memory was written");
 }
+
+/// A QP may complete only into CQs (and take receives only from an SRQ) of
+/// its own device context: QP numbers are unique per context, so a CQ shared
+/// across contexts could not tell their completions apart (and a safe poster
+/// would hand back memory the device still owns).
+#[test]
+fn queue_pairs_refuse_completion_queues_and_srqs_of_another_context() {
+    let Some(first) = device() else { return };
+    let Some(second) = device() else { return };
+    let foreign_cq = first.context.create_cq(16, None).unwrap();
+    let own_cq = second.context.create_cq(16, None).unwrap();
+    let pd = second.context.alloc_pd().unwrap();
+    let init = |send_cq: &std::sync::Arc<dyn rdma_verbs::CompletionQueue>,
+                srq: Option<std::sync::Arc<dyn rdma_verbs::SharedReceiveQueue>>| {
+        rdma_verbs::QpInit {
+            send_cq: send_cq.clone(),
+            recv_cq: own_cq.clone(),
+            srq,
+            caps: QpCaps::default(),
+            sq_sig_all: false,
+        }
+    };
+    assert!(
+        pd.create_qp(init(&foreign_cq, None)).is_err(),
+        "a CQ of another context is refused"
+    );
+    if first.caps.srq {
+        let foreign_srq = first.context.alloc_pd().unwrap().create_srq(8, 1).unwrap();
+        assert!(
+            pd.create_qp(init(&own_cq, Some(foreign_srq))).is_err(),
+            "an SRQ of another context is refused"
+        );
+    }
+    assert!(
+        pd.create_qp(init(&own_cq, None)).is_ok(),
+        "its own CQs are taken"
+    );
+}

@@ -117,7 +117,8 @@ fn transport_name(device: *mut sys::ibv_device) -> &'static str {
     }
 }
 
-impl Provider for IbverbsProvider {
+// SAFETY: `open` returns an `IbvContext`, which keeps `Context`'s contract.
+unsafe impl Provider for IbverbsProvider {
     fn name(&self) -> &'static str {
         "ibverbs"
     }
@@ -287,7 +288,8 @@ fn mtu_enum(bytes: u32) -> u32 {
     }
 }
 
-impl Context for IbvContext {
+// SAFETY: every CQ is a new `ibv_create_cq` of this context; PDs are `IbvPd`s.
+unsafe impl Context for IbvContext {
     fn device_name(&self) -> &str {
         &self.name
     }
@@ -498,7 +500,10 @@ struct IbvPd {
     windows: Option<Arc<WindowCache>>,
 }
 
-impl ProtectionDomain for IbvPd {
+// SAFETY: `create_qp` refuses CQs and SRQs of another context (the device then
+// completes each QP only into its own CQs, QP numbers unique per device); regions
+// are `ibv_reg_mr` over exactly the bytes and rights asked.
+unsafe impl ProtectionDomain for IbvPd {
     unsafe fn register(
         &self,
         addr: *mut u8,

@@ -68,7 +68,8 @@ pub const DEVICE_NAME: &str = "soft0";
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SoftProvider;
 
-impl Provider for SoftProvider {
+// SAFETY: `open` returns a `SoftContext`, which keeps `Context`'s contract.
+unsafe impl Provider for SoftProvider {
     fn name(&self) -> &'static str {
         "soft"
     }
@@ -462,7 +463,8 @@ pub struct SoftContext {
     shared: Arc<ContextShared>,
 }
 
-impl Context for SoftContext {
+// SAFETY: every CQ is created here, new, tagged with this context; PDs are `SoftPd`s.
+unsafe impl Context for SoftContext {
     fn device_name(&self) -> &str {
         DEVICE_NAME
     }
@@ -525,6 +527,7 @@ impl Context for SoftContext {
         };
         let inner = Arc::new(CqShared {
             id,
+            context: self.shared.id,
             capacity,
             state: Mutex::default(),
             channel,
@@ -605,7 +608,10 @@ impl SoftPd {
     }
 }
 
-impl ProtectionDomain for SoftPd {
+// SAFETY: `qp::create` refuses CQs and SRQs of another context and numbers QPs per
+// context (so per CQ); the engine completes a QP's requests only into its own CQs;
+// regions are registered over exactly the bytes and rights asked.
+unsafe impl ProtectionDomain for SoftPd {
     unsafe fn register(
         &self,
         addr: *mut u8,
@@ -706,6 +712,7 @@ impl ProtectionDomain for SoftPd {
                 max_sge,
                 queue: Mutex::default(),
                 pd: self.id,
+                context: self.context.id,
             }),
         }))
     }
@@ -770,6 +777,8 @@ struct CqState {
 /// Completion queue internals, shared with the QPs that complete into it.
 pub(crate) struct CqShared {
     id: u32,
+    /// The device context it belongs to (QPs of another are refused).
+    pub(crate) context: u64,
     capacity: u32,
     state: Mutex<CqState>,
     channel: Option<Arc<ChannelShared>>,
@@ -979,6 +988,8 @@ pub(crate) struct SrqShared {
     max_sge: u32,
     pub(crate) queue: Mutex<VecDeque<RecvWr>>,
     pub(crate) pd: u64,
+    /// The device context it belongs to (PD ids are numbered per context).
+    pub(crate) context: u64,
 }
 
 struct SoftSrq {

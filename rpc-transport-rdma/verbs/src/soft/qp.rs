@@ -123,9 +123,17 @@ pub(crate) struct QpShared {
     peer_wakers: OnceLock<PeerWakers>,
 }
 
-fn cq_of(cq: &Arc<dyn crate::CompletionQueue>) -> Result<Arc<CqShared>, VerbsError> {
-    crate::own::<super::SoftCq>(cq.as_any(), "completion queue of another provider")
-        .map(|cq| cq.inner.clone())
+/// The soft CQ behind `cq`, which must belong to device context `context`:
+/// QP numbers are unique per context only, so a CQ shared across contexts
+/// could not tell their completions apart.
+fn cq_of(cq: &Arc<dyn crate::CompletionQueue>, context: u64) -> Result<Arc<CqShared>, VerbsError> {
+    let cq = crate::own::<super::SoftCq>(cq.as_any(), "completion queue of another provider")?;
+    if cq.inner.context != context {
+        return Err(VerbsError::InvalidArgument(
+            "completion queue of another device context",
+        ));
+    }
+    Ok(cq.inner.clone())
 }
 
 pub(crate) fn create(
@@ -147,9 +155,9 @@ pub(crate) fn create(
             let srq = crate::own::<super::SoftSrq>(srq.as_any(), "SRQ of another provider")?
                 .inner
                 .clone();
-            if srq.pd != pd {
+            if srq.context != context.id || srq.pd != pd {
                 return Err(VerbsError::InvalidArgument(
-                    "SRQ belongs to another protection domain",
+                    "SRQ belongs to another protection domain or device context",
                 ));
             }
             Some(srq)
@@ -163,8 +171,8 @@ pub(crate) fn create(
         pd,
         caps,
         sq_sig_all: init.sq_sig_all,
-        send_cq: cq_of(&init.send_cq)?,
-        recv_cq: cq_of(&init.recv_cq)?,
+        send_cq: cq_of(&init.send_cq, context.id)?,
+        recv_cq: cq_of(&init.recv_cq, context.id)?,
         srq,
         inner: Mutex::new(QpInner {
             state: QpState::Reset,
