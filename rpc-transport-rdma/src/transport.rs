@@ -4,7 +4,7 @@
 //! ([`crate::setup`]), whose hello carries this transport's part: the protocol
 //! version, the receive-pool [`Geometry`] and, for the soft provider, the
 //! host's boot id (soft only reaches processes on the same host). Then the
-//! connection ([`crate::link`]) is turned by the tasks that use its frame sink
+//! connection (the crate's private `link` module) is turned by the tasks that use its frame sink
 //! and frame stream, like any rpc-core transport, with a housekeeper for its
 //! timers and its end.
 

@@ -37,7 +37,7 @@
 //! A queue creates its own CQ and never hands it out, so no other queue's
 //! completions can reach it (a queue that took another's completion would
 //! hand back a buffer the device still owns). That rests on the device: a
-//! [`Context`](crate::Context) and [`ProtectionDomain`](crate::ProtectionDomain)
+//! [`Context`] and [`ProtectionDomain`]
 //! are `unsafe trait`s whose implementations promise new CQs and QPs that
 //! complete only into their own CQs, so a safe wrapper cannot hand one
 //! shared CQ to two queues. There is no way to build one over a CQ of your
