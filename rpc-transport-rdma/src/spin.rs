@@ -29,7 +29,7 @@
 //!   this errs towards not spinning.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a spinning driver polls before it also yields its CPU to the
@@ -80,6 +80,15 @@ impl SpinPolicy {
             return false;
         }
         true
+    }
+
+    /// Whether a wait that began `idle` ago keeps polling in place (a
+    /// multi-thread worker's short spin, bounded by its caller): the budget
+    /// and the machine allow it. It never yields the CPU: a few tens of
+    /// microseconds are less than a scheduler slice, and a yield would let
+    /// the threads our own sleeps woke look like contention.
+    pub(crate) fn may_spin_in_place(&self, idle: Duration, now: Instant) -> bool {
+        idle < self.budget && cpu_free(now) && !crowded(now)
     }
 
     /// The wait ended after `waited` (spinning, then maybe sleeping): a
@@ -183,14 +192,15 @@ fn usable_cpus() -> usize {
 }
 
 /// The machine's run queue, as last looked at: when (µs since [`epoch`]),
-/// and whether it had more runnable threads than [`usable_cpus`].
+/// and how many threads were runnable (`usize::MAX` before the first look,
+/// 0 where the kernel does not say).
 static RUN_QUEUE_CHECKED: AtomicU64 = AtomicU64::new(0);
-static OVERSUBSCRIBED: AtomicBool = AtomicBool::new(false);
+static RUNNING: AtomicUsize = AtomicUsize::new(0);
 
-/// Whether more threads want to run than this process has CPUs, looked up
-/// at most every [`RUN_QUEUE_CHECK`] (one thread of the process reads; the
-/// others use its answer). False where the kernel does not say.
-pub(crate) fn oversubscribed(now: Instant) -> bool {
+/// Runnable threads on the machine, looked up at most every
+/// [`RUN_QUEUE_CHECK`] (one thread of the process reads; the others use its
+/// answer). 0 where the kernel does not say.
+fn running_now(now: Instant) -> usize {
     let at = micros_since_epoch(now).max(1);
     let checked = RUN_QUEUE_CHECKED.load(Ordering::Relaxed);
     if at.saturating_sub(checked) >= RUN_QUEUE_CHECK.as_micros() as u64
@@ -198,16 +208,32 @@ pub(crate) fn oversubscribed(now: Instant) -> bool {
             .compare_exchange(checked, at, Ordering::Relaxed, Ordering::Relaxed)
             .is_ok()
     {
-        let verdict = running_threads().is_some_and(|running| running > usable_cpus());
-        OVERSUBSCRIBED.store(verdict, Ordering::Relaxed);
-        return verdict;
+        let running = running_threads().unwrap_or(0);
+        RUNNING.store(running, Ordering::Relaxed);
+        return running;
     }
-    OVERSUBSCRIBED.load(Ordering::Relaxed)
+    RUNNING.load(Ordering::Relaxed)
+}
+
+/// Whether more threads want to run than this process has CPUs (see
+/// [`running_now`]). False where the kernel does not say.
+pub(crate) fn oversubscribed(now: Instant) -> bool {
+    running_now(now) > usable_cpus()
+}
+
+/// Like [`oversubscribed`], with one thread of slack: what an in-place
+/// spinner uses. Two processes in a conversation each spin one thread; a
+/// wake-up (a runtime worker woken by its I/O driver, the soft engine
+/// checking in) adds one for a few microseconds, and counting it stopped
+/// both spinners, whose sleeps then woke more threads.
+fn crowded(now: Instant) -> bool {
+    running_now(now) > usable_cpus() + 1
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
 
     const MAX: Duration = Duration::from_micros(100);
 

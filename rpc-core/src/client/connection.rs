@@ -37,7 +37,7 @@ use crate::status::Status;
 use crate::stream::{InboundFeed, MessageSink, RawInbound, SendCredits};
 use crate::transport::Connection;
 
-use super::reader::{ReadSide, caller_reads, read_frames, read_some};
+use super::reader::{ReadSide, caller_reads, hand_back, read_frames, read_some};
 use crate::wake_gate::WakeGated;
 
 /// Why a call failed, and whether it may be sent again on another connection
@@ -350,6 +350,11 @@ impl ClientConnection {
         Ok(())
     }
 
+    /// A caller that read frames itself stops reading (see [`hand_back`]).
+    fn hand_back(&self) {
+        hand_back(&self.shared, &self.outbound, self.max_frame_len);
+    }
+
     fn abandon(&self, call_id: u64) {
         self.end_call(call_id, Status::cancelled("call cancelled by the client"));
     }
@@ -461,7 +466,7 @@ impl Future for PendingCall {
         this.finished = true;
         if this.read {
             // The stream may hold this caller's waker: the task reads again.
-            this.connection.shared.read.wake_task();
+            this.connection.hand_back();
         }
         Poll::Ready(outcome)
     }
@@ -472,7 +477,7 @@ impl Drop for PendingCall {
         if !self.finished {
             self.connection.abandon(self.call_id);
             if self.read {
-                self.connection.shared.read.wake_task();
+                self.connection.hand_back();
             }
         }
     }

@@ -3,16 +3,17 @@
 //! waits outside any task (a `#[tokio::main]` body, `block_on`) while nobody
 //! else reads: it reads and hands out frames itself until its own response
 //! is there, so that response needs no wake-up of another thread (whose
-//! cost on a small VM is tens of microseconds). The reader task is woken
-//! when such a caller stops, and reads from then on.
+//! cost on a small VM is tens of microseconds). When such a caller stops it
+//! leaves the stream to the reader task: it polls the stream quietly with
+//! the task's waker ([`hand_back`]), so the task is woken only when a frame
+//! comes, not once per call.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, TryLockError};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use futures_util::task::AtomicWaker;
 
 use super::connection::{CallFailure, Keepalive, Shared, StreamWaiter, Waiter};
 use crate::conn_io::OutboundQueue;
@@ -20,7 +21,7 @@ use crate::frame::{Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::status::{Code, Status};
 use crate::stream::FeedError;
-use crate::transport::{FrameStream, TransportError};
+use crate::transport::{FrameStream, TransportError, poll_quietly};
 use crate::wake_gate::WakeGated;
 
 /// Frames one turn of a reader handles before it yields.
@@ -29,8 +30,9 @@ const READ_BATCH: usize = 64;
 /// The connection's frame stream and who reads it.
 pub(super) struct ReadSide {
     core: Mutex<ReaderCore>,
-    /// The reader task, woken when a caller stops reading.
-    task: AtomicWaker,
+    /// The reader task's waker, as of its last poll: a caller that stops
+    /// reading leaves the stream to it.
+    task: Mutex<Option<Waker>>,
 }
 
 struct ReaderCore {
@@ -49,13 +51,32 @@ impl ReadSide {
                 last_heard: tokio::time::Instant::now(),
                 ended: None,
             }),
-            task: AtomicWaker::new(),
+            task: Mutex::new(None),
         }
     }
 
-    /// Has the reader task take over (after a caller read).
+    /// Wakes the reader task (a caller saw the connection end).
     pub(super) fn wake_task(&self) {
-        self.task.wake();
+        if let Some(waker) = self.task_waker() {
+            waker.wake();
+        }
+    }
+
+    fn register_task(&self, waker: &Waker) {
+        let mut task = self
+            .task
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if !task.as_ref().is_some_and(|known| known.will_wake(waker)) {
+            *task = Some(waker.clone());
+        }
+    }
+
+    fn task_waker(&self) -> Option<Waker> {
+        self.task
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .clone()
     }
 
     fn last_heard(&self) -> tokio::time::Instant {
@@ -111,6 +132,43 @@ pub(super) fn read_some(
     Some(Poll::Ready(Ok(())))
 }
 
+/// A caller that read for itself stops: it leaves the stream to the reader
+/// task without waking it. It takes what frames are there (handing them
+/// out) and polls the stream quietly with the task's waker, so the next
+/// frame wakes the task. A batch that does not end, a connection that
+/// ended, or a task that never polled yet: the task is woken instead.
+pub(super) fn hand_back(shared: &Shared, outbound: &OutboundQueue, max_frame_len: usize) {
+    let mut core = match shared.read.core.try_lock() {
+        Ok(core) => core,
+        Err(TryLockError::Poisoned(poison)) => poison.into_inner(),
+        // Another reader holds the stream; it leaves it in turn.
+        Err(TryLockError::WouldBlock) => return,
+    };
+    let Some(task) = shared.read.task_waker() else {
+        drop(core);
+        shared.read.wake_task();
+        return;
+    };
+    if core.ended.is_none() {
+        let mut cx = Context::from_waker(&task);
+        for _ in 0..READ_BATCH {
+            match poll_quietly(|| core.stream.poll_next_unpin(&mut cx)) {
+                // The stream holds the task's waker now.
+                Poll::Pending => return,
+                Poll::Ready(item) => {
+                    core.last_heard = tokio::time::Instant::now();
+                    if let Err(reason) = handle_item(shared, outbound, max_frame_len, item) {
+                        core.ended = Some(reason);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    drop(core);
+    task.wake();
+}
+
 /// Ticks every `keepalive.interval`, or never.
 async fn keepalive_tick(ticker: &mut Option<tokio::time::Interval>) {
     match ticker {
@@ -143,7 +201,7 @@ pub(super) async fn read_frames(
     let shutting_down = WakeGated::new(shared.shutdown.cancelled());
     tokio::pin!(shutting_down);
     let reading = std::future::poll_fn(|cx| {
-        shared.read.task.register(cx.waker());
+        shared.read.register_task(cx.waker());
         match read_some(&shared, &outbound, max_frame_len, cx, &mut || false) {
             // A caller reads; it wakes this task when it stops.
             None => Poll::Pending,

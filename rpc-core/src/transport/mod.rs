@@ -44,7 +44,37 @@ pub use endpoint::Endpoint;
 /// Sends whole frames. `poll_flush` pushes everything fed so far to the peer.
 pub type FrameSink = Pin<Box<dyn Sink<EncodedFrame, Error = TransportError> + Send>>;
 /// Receives whole frames; ends (`None`) when the peer closed the connection cleanly.
+///
+/// A stream that keeps polling while it waits (spinning, or yielding and
+/// waking itself, as rdma:// does for a few microseconds) must not do so
+/// when [`polling_quietly`] says so: then it hands out what is there, or
+/// registers the waker and returns `Pending` at once.
 pub type FrameStream = Pin<Box<dyn Stream<Item = Result<Bytes, TransportError>> + Send>>;
+
+thread_local! {
+    static QUIETLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `poll` (a poll of a [`FrameStream`]) so that the stream neither
+/// spins nor wakes the waker itself while there is nothing to take: how a
+/// reader leaves a stream to another task (whose waker it polls with)
+/// without waking that task.
+pub fn poll_quietly<R>(poll: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            QUIETLY.with(|quietly| quietly.set(self.0));
+        }
+    }
+    let _restore = Restore(QUIETLY.with(|quietly| quietly.replace(true)));
+    poll()
+}
+
+/// Whether the stream being polled on this thread is polled through
+/// [`poll_quietly`] (see [`FrameStream`]).
+pub fn polling_quietly() -> bool {
+    QUIETLY.with(std::cell::Cell::get)
+}
 
 /// One established connection: a frame sink, a frame stream, and who is on the other end.
 pub struct Connection {

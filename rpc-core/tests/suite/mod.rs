@@ -408,6 +408,37 @@ pub async fn unary_round_trip(bed: &dyn Bed) {
     assert_eq!(response.into_inner(), Bytes::from_static(b"hello"));
 }
 
+/// On a multi-thread runtime a caller outside any task (this test's body,
+/// like a `#[tokio::main]` body) reads frames itself while it waits, and
+/// leaves the stream to the connection's reader task when its answer came,
+/// without waking it. Whatever comes after that must still be read: the
+/// answers of calls made from tasks, which come while no caller reads.
+pub async fn frames_that_come_after_a_reading_caller_left_are_read(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    for round in 0..20u64 {
+        let sleeper = {
+            let channel = channel.clone();
+            tokio::spawn(async move {
+                channel
+                    .unary(probe("Sleep", (5 + round % 4).to_le_bytes().to_vec()))
+                    .await
+            })
+        };
+        // Calls of this caller, each handing the stream back when answered.
+        for i in 0..(round % 5) {
+            let payload = pattern(8, round * 10 + i);
+            let response = channel.unary(probe("Echo", payload.clone())).await.unwrap();
+            assert_eq!(response.into_inner(), payload);
+        }
+        // Nobody calls here now: only the reader task can read the answer.
+        let answered = tokio::time::timeout(Duration::from_secs(5), sleeper)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the task's answer was never read"));
+        answered.unwrap().expect("the sleeping call succeeds");
+    }
+}
+
 pub async fn thousand_concurrent_calls_share_one_connection(bed: &dyn Bed) {
     let server = start(bed).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
@@ -1036,6 +1067,7 @@ macro_rules! transport_suite {
     ($bed:expr) => {
         $crate::transport_suite!(@tests $bed;
             unary_round_trip,
+            frames_that_come_after_a_reading_caller_left_are_read,
             thousand_concurrent_calls_share_one_connection,
             deadline_exceeded_locally_and_on_the_server,
             dropping_a_call_cancels_the_server_handler,

@@ -16,6 +16,7 @@
 
 use std::future::poll_fn;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -146,6 +147,7 @@ impl Keeper {
                 }
                 // Rendezvous time-outs (the turn handles those due).
                 let rendezvous = state.protocol.poll_timeout();
+                state.keeper_timer = rendezvous;
                 if rendezvous.is_some_and(|at| at <= now) {
                     state.turn();
                     link.wake_others(state, Poller::Keeper);
@@ -172,6 +174,7 @@ impl Keeper {
                 } else {
                     self.return_at = None;
                 }
+                state.keeper_watches_credits = self.return_at.is_some();
                 let deadline = [
                     rendezvous,
                     self.return_at.map(|(at, _)| at),
@@ -184,6 +187,10 @@ impl Keeper {
                     continue;
                 }
                 drop(guard);
+                if application_gone {
+                    // Completions are ours to take now: the channel wakes us.
+                    link.wakers.keeper_on_channel.store(true, Ordering::Release);
+                }
                 if application_gone && link.poll_channel().is_ready() {
                     continue;
                 }

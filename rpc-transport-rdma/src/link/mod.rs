@@ -17,14 +17,16 @@
 //!
 //! Whoever waits arms the CQ, turns once more (a completion that slipped in
 //! before the arming raises no event) and registers on the completion
-//! channel. The channel's readiness wakes every task registered with the
-//! connection ([`Wakers`]), since tokio keeps one waker per readiness.
+//! channel. The channel's readiness wakes the stream and the sink when they
+//! wait ([`Wakers`]), since tokio keeps one waker per readiness; the
+//! housekeeper only once the application is gone.
 
 mod expose;
 pub(crate) mod io;
 mod keeper;
 pub(crate) mod state;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 
@@ -52,8 +54,13 @@ pub(crate) struct Wakers {
     reader: AtomicWaker,
     /// The application's sink, waiting for the protocol to take a frame.
     writer: AtomicWaker,
-    /// The housekeeper.
+    /// The housekeeper: woken by a turn that makes it due, and by the
+    /// channel only once the application is gone (before that, completions
+    /// are the stream's and the sink's to take, and a time-out they bring
+    /// closer makes the housekeeper due).
     keeper: AtomicWaker,
+    /// The application is gone: the housekeeper waits on the channel.
+    keeper_on_channel: AtomicBool,
 }
 
 impl Wake for Wakers {
@@ -64,7 +71,9 @@ impl Wake for Wakers {
     fn wake_by_ref(self: &Arc<Self>) {
         self.reader.wake();
         self.writer.wake();
-        self.keeper.wake();
+        if self.keeper_on_channel.load(Ordering::Acquire) {
+            self.keeper.wake();
+        }
     }
 }
 
@@ -104,6 +113,14 @@ impl Link {
                 self.wakers.keeper.wake();
                 Poll::Ready(())
             }
+        }
+    }
+
+    /// After a turn that made no progress: the housekeeper may still have
+    /// become due (a credit window grew, a time-out came closer).
+    fn wake_keeper_if_due(&self, state: &mut LinkState) {
+        if std::mem::take(&mut state.keeper_due) {
+            self.wakers.keeper.wake();
         }
     }
 

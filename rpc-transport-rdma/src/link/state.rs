@@ -129,6 +129,12 @@ pub(crate) struct LinkState {
     /// Something the housekeeper handles came up (a failure, a timer, a
     /// wait for budget): whoever turned wakes it.
     pub(super) keeper_due: bool,
+    /// The rendezvous time-out the housekeeper's timer is set for: an
+    /// earlier one makes it due (it is not woken by completions).
+    pub(super) keeper_timer: Option<std::time::Instant>,
+    /// The housekeeper watches the credits we hold beyond the initial ones
+    /// (to give them back when idle): more of them makes it due otherwise.
+    pub(super) keeper_watches_credits: bool,
     /// A message or a READ completed since the reader last took a frame:
     /// whoever else turned wakes the reader.
     pub(super) received: bool,
@@ -178,6 +184,8 @@ impl LinkState {
             outcome: None,
             progress: 0,
             keeper_due: false,
+            keeper_timer: None,
+            keeper_watches_credits: false,
             received: false,
             solicited_events,
             #[cfg(feature = "fault-injection")]
@@ -269,6 +277,14 @@ impl LinkState {
                 self.protocol.handle_timeout(now);
                 progressed |= self.carry_out()?;
             }
+        }
+        if let Some(at) = self.protocol.poll_timeout()
+            && self.keeper_timer.is_none_or(|armed| at < armed)
+        {
+            self.keeper_due = true;
+        }
+        if !self.keeper_watches_credits && self.protocol.excess_credits() > 0 {
+            self.keeper_due = true;
         }
         if self.stream_dropped {
             // Nobody takes frames any more: they are let go as they come.
