@@ -913,14 +913,64 @@ impl<T> TakeOnce<T> {
 pub(crate) type SendMessages =
     Box<dyn FnOnce(MessageSink) -> BoxFuture<'static, (MessageSink, Result<(), Status>)> + Send>;
 
-/// What a client streams: one message (server-streaming calls) or a stream
-/// of them.
+/// What a client streams: one message (server-streaming calls), messages
+/// that were all there when the call began, or a stream of them.
 pub(crate) enum Outbound {
     One(Payload),
+    Whole(Vec<Payload>),
     Many(SendMessages),
 }
 
+/// The most messages, and bytes, of a request stream that
+/// [`Outbound::ready_or_many`] takes before the call begins.
+const WHOLE_MESSAGES: usize = 64;
+const WHOLE_BYTES: usize = 64 << 10;
+
 impl Outbound {
+    /// A request stream of encoded messages: [`Outbound::Whole`] when it
+    /// has ended by the time the call begins (within [`WHOLE_MESSAGES`] and
+    /// [`WHOLE_BYTES`]), so that they travel with the request frame;
+    /// otherwise the messages it had ready, then the rest, as the window
+    /// allows. The stream is polled with a waker that does nothing, then
+    /// (if it was not over) again by whoever sends the rest.
+    pub(crate) fn ready_or_many<S>(messages: S) -> Outbound
+    where
+        S: Stream<Item = Payload> + Send + 'static,
+    {
+        let mut messages = Box::pin(messages);
+        let mut ready = Vec::new();
+        let mut bytes = 0;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        while ready.len() < WHOLE_MESSAGES && bytes < WHOLE_BYTES {
+            match messages.as_mut().poll_next(&mut cx) {
+                std::task::Poll::Ready(Some(message)) => {
+                    bytes += message.len();
+                    ready.push(message);
+                }
+                std::task::Poll::Ready(None) => return Outbound::Whole(ready),
+                std::task::Poll::Pending => break,
+            }
+        }
+        Outbound::many(futures_util::stream::iter(ready).chain(messages), RawCodec)
+    }
+
+    /// The messages of a request that goes whole (see
+    /// [`crate::Frame::whole_stream_request`]), if it is one.
+    pub(crate) fn whole(&self) -> Option<Payload> {
+        let messages = match self {
+            Outbound::One(message) => std::slice::from_ref(message),
+            Outbound::Whole(messages) => messages.as_slice(),
+            Outbound::Many(_) => return None,
+        };
+        let mut payload = Payload::new();
+        for message in messages {
+            for part in single_message(message.clone()).parts() {
+                payload.push(part.clone());
+            }
+        }
+        Some(payload)
+    }
+
     /// `messages`, encoded with `codec` as the window allows, then a half-close.
     pub(crate) fn many<C, S>(messages: S, codec: C) -> Outbound
     where
@@ -1101,6 +1151,24 @@ mod tests {
             payload.extend_from_slice(message);
         }
         payload.into()
+    }
+
+    #[test]
+    fn a_request_stream_that_is_over_when_the_call_begins_goes_whole() {
+        let messages = vec![Payload::from(&b"one"[..]), Payload::from(&b"two"[..])];
+        let outbound = Outbound::ready_or_many(futures_util::stream::iter(messages));
+        assert!(matches!(&outbound, Outbound::Whole(messages) if messages.len() == 2));
+        let whole = outbound.whole().unwrap().into_contiguous();
+        assert_eq!(whole, frame_of(&[b"one", b"two"]));
+        // One that is still producing, or too long to carry whole, does not.
+        let pending = futures_util::stream::iter(vec![Payload::from(&b"one"[..])])
+            .chain(futures_util::stream::pending());
+        assert!(matches!(
+            Outbound::ready_or_many(pending),
+            Outbound::Many(_)
+        ));
+        let long = futures_util::stream::iter((0..WHOLE_MESSAGES + 1).map(|_| Payload::new()));
+        assert!(matches!(Outbound::ready_or_many(long), Outbound::Many(_)));
     }
 
     #[test]

@@ -182,6 +182,8 @@ async fn run_call(
     let call_id = opening.call_id;
     let streaming = opening.is_streaming();
     let ended_at_opening = streaming && opening.flags.contains(FrameFlags::END_STREAM);
+    // A whole stream (its messages in the opening frame) ends after them.
+    let whole = ended_at_opening && !opening.payload.is_empty();
     let request = match build_request(&opening, &authority) {
         Ok(request) => request,
         Err(status) => {
@@ -191,7 +193,7 @@ async fn run_call(
     };
     let opened = async {
         let mut sender = send_request.ready().await?;
-        sender.send_request(request, ended_at_opening)
+        sender.send_request(request, ended_at_opening && !whole)
     };
     // rpc-core's frames for the call wait in `out` meanwhile; a cancel among
     // them resets the stream as soon as it is open.
@@ -204,8 +206,14 @@ async fn run_call(
             return;
         }
     };
-    let unary_payload = (!streaming).then(|| opening.payload.into_contiguous());
-    let write = write_requests(&mut body, &mut out, unary_payload, &to_core, call_id);
+    let first = if !streaming {
+        Some(vec![opening.payload.into_contiguous()])
+    } else if whole {
+        Some(link::split_messages(opening.payload.into_contiguous()))
+    } else {
+        None
+    };
+    let write = write_requests(&mut body, &mut out, first, &to_core, call_id);
     let read = read_response(response, call_id, streaming, &to_core, &window, max_message);
     tokio::select! {
         biased;
@@ -222,15 +230,16 @@ async fn run_call(
 async fn write_requests(
     body: &mut SendStream<Bytes>,
     out: &mut CallReceiver<ClientOut>,
-    unary_payload: Option<Bytes>,
+    first: Option<Vec<Bytes>>,
     to_core: &ToCore,
     call_id: u64,
 ) {
     let mut writing = true;
     let mut ungranted = 0u64;
-    if let Some(payload) = unary_payload {
+    // A unary request's message, or a whole stream's: all there is.
+    if let Some(messages) = first {
         writing = false;
-        let sent = data::write_messages(body, &[payload])
+        let sent = data::write_messages(body, &messages)
             .await
             .and_then(|()| body.send_data(Bytes::new(), true));
         if let Err(error) = sent {

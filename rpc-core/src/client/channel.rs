@@ -443,7 +443,7 @@ impl Channel {
     where
         S: futures_core::Stream<Item = Payload> + Send + 'static,
     {
-        let request = request.map(|messages| Outbound::many(messages, RawCodec));
+        let request = request.map(Outbound::ready_or_many);
         let response = call(self.inner.clone(), into_streaming_request(request)).await?;
         let (metadata, inbound) = take_inbound(response)?;
         Ok(Response::from_parts(metadata, Streaming::new(inbound, Ok)))
@@ -559,7 +559,13 @@ async fn call_streaming(
             let remaining =
                 deadline.map(|(deadline, _)| deadline.saturating_duration_since(Instant::now()));
             match connection
-                .start_stream(&path, remaining, request.metadata().clone(), kind_unknown)
+                .start_stream(
+                    &path,
+                    remaining,
+                    request.metadata().clone(),
+                    kind_unknown,
+                    messages.whole(),
+                )
                 .await
             {
                 Ok(open) => break (connection, open),
@@ -572,8 +578,18 @@ async fn call_streaming(
             headers,
             mut inbound,
             mut sink,
+            sent_whole,
         } = open;
+        let messages = match messages {
+            Outbound::Whole(messages) if !sent_whole => {
+                Outbound::many(futures_util::stream::iter(messages), RawCodec)
+            }
+            messages => messages,
+        };
         let pump = match messages {
+            // The messages went with the request frame.
+            _ if sent_whole => None,
+            Outbound::Whole(_) => unreachable!("a whole stream not sent whole became Many"),
             Outbound::One(message) => {
                 if let Err(status) = sink.send_last(message).await {
                     connection.end_call(call_id, status.clone());
@@ -581,10 +597,17 @@ async fn call_streaming(
                 }
                 None
             }
-            Outbound::Many(messages) => Some(
-                tokio::spawn(send_messages(connection.clone(), call_id, sink, messages))
-                    .abort_handle(),
-            ),
+            // Sent from here while the messages are ready and the window
+            // open (a request stream that is there already, such as the one
+            // message of tonic's unary calls, needs no task); the rest from
+            // a task of its own.
+            Outbound::Many(messages) => {
+                let mut pump = Box::pin(send_messages(connection.clone(), call_id, sink, messages));
+                match futures_util::poll!(pump.as_mut()) {
+                    std::task::Poll::Ready(()) => None,
+                    std::task::Poll::Pending => Some(tokio::spawn(pump).abort_handle()),
+                }
+            }
         };
         inbound.set_guard(Box::new(StreamGuard {
             connection,
@@ -595,9 +618,8 @@ async fn call_streaming(
             inbound.set_deadline(deadline, budget);
         }
         let headers = match headers.await {
-            Ok(Ok(frame)) => frame,
-            Ok(Err(failure)) => return Err(failure.status),
-            Err(_) => return Err(Status::unavailable("connection closed")),
+            Ok(frame) => frame,
+            Err(failure) => return Err(failure.status),
         };
         if headers.kind == FrameKind::Response && headers.status != Code::Ok {
             return Err(super::reader::status_of(&headers));

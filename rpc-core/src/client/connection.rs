@@ -253,24 +253,46 @@ impl ClientConnection {
             call_id,
             receiver,
             finished: false,
+            owns_call: true,
             reads: caller_reads(self.multi_thread),
             read: false,
         })
     }
 
     /// Opens a streaming call: registers it and queues its request frame.
-    /// Its messages go through the returned sink; the server's headers
-    /// arrive on `headers`, its messages and end on `inbound`.
+    /// Its messages go through the returned sink, unless `whole` (the
+    /// client's whole stream, encoded) went with the request frame
+    /// (`sent_whole`: it did, when the frame stays within the limit); the
+    /// server's headers arrive on `headers`, its messages and end on
+    /// `inbound`.
     pub(crate) async fn start_stream(
         self: &Arc<Self>,
         path: &str,
         deadline: Option<Duration>,
         metadata: Metadata,
         kind_unknown: bool,
+        whole: Option<Payload>,
     ) -> Result<OpenStream, CallFailure> {
         check_path(path)?;
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
-        let mut frame = Frame::stream_request(call_id, path, deadline, metadata);
+        let mut frame = match whole {
+            Some(messages) => {
+                let frame = Frame::whole_stream_request(
+                    call_id,
+                    path,
+                    deadline,
+                    metadata.clone(),
+                    messages,
+                );
+                if frame.encoded_len() <= self.max_frame_len {
+                    frame
+                } else {
+                    Frame::stream_request(call_id, path, deadline, metadata)
+                }
+            }
+            None => Frame::stream_request(call_id, path, deadline, metadata),
+        };
+        let sent_whole = frame.flags.contains(FrameFlags::END_STREAM);
         if kind_unknown {
             frame.flags = frame.flags | FrameFlags::KIND_UNKNOWN;
         }
@@ -286,7 +308,17 @@ impl ClientConnection {
         self.queue_request(frame, Waiter::Stream(waiter)).await?;
         Ok(OpenStream {
             call_id,
-            headers,
+            headers: PendingCall {
+                connection: self.clone(),
+                call_id,
+                receiver: headers,
+                finished: false,
+                // The stream's guard ends the call when it is dropped.
+                owns_call: false,
+                reads: caller_reads(self.multi_thread),
+                read: false,
+            },
+            sent_whole,
             inbound: RawInbound::new(&feed, call_id, self.outbound.clone()),
             sink: MessageSink::new(
                 call_id,
@@ -382,7 +414,11 @@ fn check_path(path: &str) -> Result<(), CallFailure> {
 /// A streaming call just opened (see [`ClientConnection::start_stream`]).
 pub(crate) struct OpenStream {
     pub(crate) call_id: u64,
-    pub(crate) headers: oneshot::Receiver<CallResult>,
+    /// The server's headers, or a final response (which may carry the one
+    /// message of a call of unknown kind).
+    pub(crate) headers: PendingCall,
+    /// The client's whole stream went with the request frame.
+    pub(crate) sent_whole: bool,
     pub(crate) inbound: RawInbound,
     pub(crate) sink: MessageSink,
 }
@@ -401,6 +437,9 @@ pub(crate) struct PendingCall {
     call_id: u64,
     receiver: oneshot::Receiver<CallResult>,
     finished: bool,
+    /// Dropped before its answer, it abandons the call (a unary call's;
+    /// a stream's headers leave that to the stream).
+    owns_call: bool,
     /// The caller reads frames itself while nobody else does (see
     /// [`super::reader`]).
     reads: bool,
@@ -475,7 +514,9 @@ impl Future for PendingCall {
 impl Drop for PendingCall {
     fn drop(&mut self) {
         if !self.finished {
-            self.connection.abandon(self.call_id);
+            if self.owns_call {
+                self.connection.abandon(self.call_id);
+            }
             if self.read {
                 self.connection.hand_back();
             }
