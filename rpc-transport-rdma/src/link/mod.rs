@@ -167,7 +167,11 @@ pub(crate) fn start(
     tokio::spawn(keeper::run(link.clone(), socket));
     Connection {
         sink: Box::pin(io::RdmaSink::new(link.clone())),
-        stream: Box::pin(io::RdmaStream::new(link, config.poll_mode)),
+        stream: Box::pin(io::RdmaStream::new(
+            link,
+            config.poll_mode,
+            tokio::task::yield_now,
+        )),
         peer,
     }
 }
