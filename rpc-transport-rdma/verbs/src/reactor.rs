@@ -51,18 +51,26 @@ impl AsyncCompletionChannel {
     pub fn poll_events(&self, cx: &mut Context<'_>) -> Poll<Result<u32, VerbsError>> {
         loop {
             let mut guard = ready!(self.fd.poll_read_ready(cx)).map_err(VerbsError::Io)?;
-            let mut events: Vec<(u32, u32)> = Vec::new();
+            // Events per CQ: most channels serve one CQ, so the first one's
+            // count needs no allocation (this runs once per wake-up).
+            let mut first: Option<(u32, u32)> = None;
+            let mut others: Vec<(u32, u32)> = Vec::new();
             while let Some(cq) = self.channel.get_event()? {
-                match events.iter_mut().find(|(id, _)| *id == cq) {
-                    Some((_, count)) => *count += 1,
-                    None => events.push((cq, 1)),
+                match &mut first {
+                    None => first = Some((cq, 1)),
+                    Some((id, count)) if *id == cq => *count += 1,
+                    Some(_) => match others.iter_mut().find(|(id, _)| *id == cq) {
+                        Some((_, count)) => *count += 1,
+                        None => others.push((cq, 1)),
+                    },
                 }
             }
             guard.clear_ready();
-            if !events.is_empty() {
-                let total = events.iter().map(|(_, count)| count).sum();
-                for (cq, count) in events {
+            if let Some(first) = first {
+                let mut total = 0;
+                for (cq, count) in std::iter::once(first).chain(others) {
                     self.channel.ack_events(cq, count);
+                    total += count;
                 }
                 return Poll::Ready(Ok(total));
             }
