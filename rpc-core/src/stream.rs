@@ -723,6 +723,12 @@ impl MessageSink {
 
     /// Queues a `MESSAGE` frame of messages costing `cost` in all.
     async fn send_batch(&mut self, batch: Payload, cost: u64, last: bool) -> Result<(), Status> {
+        // A producer that never waits (a window of 4 MiB is tens of
+        // thousands of small messages) gives its worker back now and then,
+        // as tokio's own resources do: a server polls a new call's handler
+        // from the connection's task first, which meanwhile reads nothing
+        // (not even the cancel of this very call).
+        tokio::task::consume_budget().await;
         if !self.headers_sent {
             self.send_headers(Metadata::new()).await?;
         }

@@ -317,10 +317,14 @@ pub(crate) async fn serve_connection(
                                 break Ending::ProtocolError(format!("client sent {} (call {call_id})", error.describe()));
                             }
                         }
+                        // A streaming call of known kind may stream at once
+                        // (a whole request stream): from its own task, while
+                        // this one reads on (the client's cancel among others).
+                        let inline = !frame.is_streaming() || frame.flags.contains(FrameFlags::KIND_UNKNOWN);
                         let mut call = Box::pin(run_call(frame, stream, service.clone(), peer.clone(), outbound.clone(), config.max_frame_len, config.access_log));
                         // A handler whose future is ready at once answers
                         // from this task; one that waits gets a task of its own.
-                        if futures_util::poll!(call.as_mut()).is_ready() {
+                        if inline && futures_util::poll!(call.as_mut()).is_ready() {
                             if let Some(stream) = streams.remove(&call_id) {
                                 stream.close(|| Status::cancelled("the call has ended"));
                             }
