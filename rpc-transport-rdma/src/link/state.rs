@@ -271,16 +271,18 @@ impl LinkState {
             self.carry_out()?;
         }
         self.adjust_window();
-        if let Some(at) = self.protocol.poll_timeout() {
+        // (The earliest time-out is a scan of the exposed frames: looked up
+        // once per turn, again only after some were handled.)
+        let mut timeout = self.protocol.poll_timeout();
+        if let Some(at) = timeout {
             let now = std::time::Instant::now();
             if at <= now {
                 self.protocol.handle_timeout(now);
                 progressed |= self.carry_out()?;
+                timeout = self.protocol.poll_timeout();
             }
         }
-        if let Some(at) = self.protocol.poll_timeout()
-            && self.keeper_timer.is_none_or(|armed| at < armed)
-        {
+        if timeout.is_some_and(|at| self.keeper_timer.is_none_or(|armed| at < armed)) {
             self.keeper_due = true;
         }
         if !self.keeper_watches_credits && self.protocol.excess_credits() > 0 {
