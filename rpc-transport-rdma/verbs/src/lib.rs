@@ -1168,7 +1168,7 @@ impl RegisteredBuffer {
         let extra = region.access() - access;
         if region.addr() != data.ptr.as_ptr() as u64
             || region.len() != len
-            || extra.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+            || extra.intersects(AccessFlags::all() - AccessFlags::LOCAL_WRITE)
         {
             // A provider that broke its contract: nothing of this memory can
             // be trusted to be out of the device's reach, so it is leaked.
@@ -1748,7 +1748,7 @@ mod tests {
 
     /// A protection domain that registers more rights than asked (what an
     /// `unsafe impl` that broke its contract would do).
-    struct WideningPd(Arc<dyn ProtectionDomain>);
+    struct WideningPd(Arc<dyn ProtectionDomain>, AccessFlags);
 
     // SAFETY: test-only, and deliberately in breach of the contract: the
     // test shows `RegisteredBuffer` refuses what it returns.
@@ -1760,10 +1760,7 @@ mod tests {
             access: AccessFlags,
         ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
             // SAFETY: forwarded with the caller's promise about the memory.
-            unsafe {
-                self.0
-                    .register(addr, len, access | AccessFlags::REMOTE_WRITE)
-            }
+            unsafe { self.0.register(addr, len, access | self.1) }
         }
 
         fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>, VerbsError> {
@@ -1785,12 +1782,21 @@ mod tests {
         let inner = crate::mock::MockContext::open().alloc_pd().unwrap();
         let honest = RegisteredBuffer::new(&inner, 64, AccessFlags::LOCAL_WRITE);
         assert!(honest.is_ok(), "the mock registers what was asked");
-        let widening: Arc<dyn ProtectionDomain> = Arc::new(WideningPd(inner));
-        let refused = RegisteredBuffer::new(&widening, 64, AccessFlags::LOCAL_WRITE);
-        assert!(
-            matches!(refused, Err(VerbsError::InvalidArgument(_))),
-            "a region that lets a peer write is never handed out as safe memory"
-        );
+        // Any right that lets a peer reach the memory, or windows be bound
+        // over it, that nobody asked for.
+        for right in [
+            AccessFlags::REMOTE_WRITE,
+            AccessFlags::REMOTE_READ,
+            AccessFlags::REMOTE_ATOMIC,
+            AccessFlags::MW_BIND,
+        ] {
+            let widening: Arc<dyn ProtectionDomain> = Arc::new(WideningPd(inner.clone(), right));
+            let refused = RegisteredBuffer::new(&widening, 64, AccessFlags::LOCAL_WRITE);
+            assert!(
+                matches!(refused, Err(VerbsError::InvalidArgument(_))),
+                "a region with {right:?} unasked is never handed out as safe memory"
+            );
+        }
     }
 
     #[test]

@@ -511,7 +511,14 @@ unsafe impl ProtectionDomain for IbvPd {
         access: AccessFlags,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
         // SAFETY: the caller upholds `register`'s contract for the memory.
-        let mr = unsafe { sys::ibv_reg_mr(self.raw.pd, addr.cast(), len, access.bits() as i32) };
+        let mr = unsafe {
+            sys::ibv_reg_mr(
+                self.raw.pd,
+                addr.cast(),
+                len,
+                (access & AccessFlags::all()).bits() as i32,
+            )
+        };
         if mr.is_null() {
             return Err(os_error("ibv_reg_mr"));
         }
@@ -598,7 +605,9 @@ unsafe impl ProtectionDomain for IbvPd {
                 mr: raw_mr,
                 addr,
                 length: len as u64,
-                mw_access_flags: access.bits(),
+                // Only the rights this crate names: a value built with
+                // `from_bits_retain` must not reach the device.
+                mw_access_flags: (access & AccessFlags::all()).bits(),
             },
         };
         let mut bad = ptr::null_mut();
