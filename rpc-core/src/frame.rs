@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::metadata::{InvalidMetadata, Metadata};
+use crate::metadata::{InvalidMetadata, Metadata, MetadataOverLimit};
 use crate::payload::Payload;
 use crate::status::Code;
 
@@ -134,7 +134,8 @@ impl std::ops::BitOr for FrameFlags {
     }
 }
 
-/// Why bytes were not a valid frame. The connection that sent them is closed.
+/// Why bytes were not a valid frame. The connection that sent them is closed,
+/// except where a variant says its call fails alone.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
     /// The message is larger than the configured maximum.
@@ -185,6 +186,18 @@ pub enum FrameError {
     /// The metadata block is malformed.
     #[error(transparent)]
     Metadata(#[from] InvalidMetadata),
+    /// A well-formed frame whose metadata is over the limits: refused
+    /// before any entry is decoded, and for its call alone (the receiver
+    /// fails that call with `ResourceExhausted`; the connection goes on).
+    #[error("{kind:?} frame of call {call_id}: {excess}")]
+    MetadataOverLimit {
+        /// The frame's kind.
+        kind: FrameKind,
+        /// The frame's call.
+        call_id: u64,
+        /// Which limit, by how much.
+        excess: MetadataOverLimit,
+    },
     /// A section or flag this kind of frame never carries is present, or a
     /// field has a value its kind forbids.
     #[error("malformed {kind:?} frame: {reason}")]
@@ -194,6 +207,35 @@ pub enum FrameError {
         /// What is wrong.
         reason: &'static str,
     },
+}
+
+/// A frame carried whole but refused for its call alone: the call fails with
+/// `ResourceExhausted`, the connection goes on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Excess {
+    /// Over the receiver's frame limit.
+    Frame {
+        /// The frame's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Its metadata is over [`crate::metadata::MAX_METADATA_LEN`] or
+    /// [`crate::metadata::MAX_METADATA_ENTRIES`].
+    Metadata(MetadataOverLimit),
+}
+
+impl Excess {
+    /// What was refused, in words: "`what` of N bytes exceeds `whose` limit
+    /// of M bytes" or "`what` metadata of ... exceeds the limit of ...".
+    pub(crate) fn describe(&self, what: &str, whose: &str) -> String {
+        match self {
+            Excess::Frame { len, max } => {
+                format!("{what} of {len} bytes exceeds {whose} limit of {max} bytes")
+            }
+            Excess::Metadata(excess) => format!("{what} {excess}"),
+        }
+    }
 }
 
 /// Payloads shorter than this are copied behind the head by
@@ -509,7 +551,10 @@ impl Frame {
     ///
     /// Rejects, with a typed error, a message over `max_len`, a wrong version,
     /// an unknown kind or flag, non-zero reserved fields, a length that does not
-    /// match the header, an invalid path, and malformed metadata.
+    /// match the header, an invalid path, malformed metadata, and metadata
+    /// over [`crate::metadata::MAX_METADATA_LEN`] bytes or
+    /// [`crate::metadata::MAX_METADATA_ENTRIES`] entries (checked before any
+    /// entry is decoded: [`FrameError::MetadataOverLimit`]).
     pub fn decode(mut message: Bytes, max_len: usize) -> Result<Frame, FrameError> {
         let actual = message.len();
         if actual > max_len {
@@ -608,6 +653,13 @@ impl Frame {
                 return malformed("a window grant is at least 1");
             }
             _ => {}
+        }
+        if let Err(excess) = Metadata::check_encoded_limits(&message[..metadata_len]) {
+            return Err(FrameError::MetadataOverLimit {
+                kind,
+                call_id,
+                excess,
+            });
         }
         let metadata = Metadata::decode(message.split_to(metadata_len))?;
         Ok(Frame {

@@ -21,6 +21,35 @@ use bytes::{Buf, BufMut, Bytes};
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 255;
 
+/// Largest metadata block one frame may carry, in encoded bytes (each entry
+/// costs its key, its value and 6 bytes of lengths). A frame over it fails
+/// its call alone with `ResourceExhausted`; its entries are never decoded.
+pub const MAX_METADATA_LEN: usize = 64 << 10;
+
+/// Most metadata entries one frame may carry; counted before any is decoded.
+pub const MAX_METADATA_ENTRIES: usize = 1_024;
+
+/// A metadata block over [`MAX_METADATA_LEN`] or [`MAX_METADATA_ENTRIES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MetadataOverLimit {
+    /// The encoded block is longer than [`MAX_METADATA_LEN`].
+    #[error("metadata of {len} bytes exceeds the limit of {max} bytes")]
+    Bytes {
+        /// The block's encoded length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The block has more entries than [`MAX_METADATA_ENTRIES`].
+    #[error("metadata with {count} entries exceeds the limit of {max} entries")]
+    Entries {
+        /// Entries counted (counting stops one past the limit).
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
 /// Why a key or value was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum InvalidMetadata {
@@ -246,8 +275,61 @@ impl Metadata {
         }
     }
 
+    /// Whether this metadata fits in one frame: at most [`MAX_METADATA_LEN`]
+    /// encoded bytes and [`MAX_METADATA_ENTRIES`] entries (what a receiver
+    /// takes).
+    pub fn check_limits(&self) -> Result<(), MetadataOverLimit> {
+        if self.entries.len() > MAX_METADATA_ENTRIES {
+            return Err(MetadataOverLimit::Entries {
+                count: self.entries.len(),
+                max: MAX_METADATA_ENTRIES,
+            });
+        }
+        let len = self.encoded_len();
+        if len > MAX_METADATA_LEN {
+            return Err(MetadataOverLimit::Bytes {
+                len,
+                max: MAX_METADATA_LEN,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks an encoded block against the limits before anything of it is
+    /// decoded: its length, then its entries, counted by walking their
+    /// lengths (allocating nothing). A block that does not parse is left to
+    /// [`Metadata::decode`] to refuse.
+    pub fn check_encoded_limits(block: &[u8]) -> Result<(), MetadataOverLimit> {
+        if block.len() > MAX_METADATA_LEN {
+            return Err(MetadataOverLimit::Bytes {
+                len: block.len(),
+                max: MAX_METADATA_LEN,
+            });
+        }
+        let mut rest = block;
+        let mut count = 0;
+        while rest.len() >= 6 {
+            count += 1;
+            if count > MAX_METADATA_ENTRIES {
+                return Err(MetadataOverLimit::Entries {
+                    count,
+                    max: MAX_METADATA_ENTRIES,
+                });
+            }
+            let key_len = usize::from(u16::from_le_bytes([rest[0], rest[1]]));
+            let value_len = u32::from_le_bytes([rest[2], rest[3], rest[4], rest[5]]) as usize;
+            let entry = 6usize.saturating_add(key_len).saturating_add(value_len);
+            if entry > rest.len() {
+                break;
+            }
+            rest = &rest[entry..];
+        }
+        Ok(())
+    }
+
     /// Parses the wire form, validating every key and ASCII value. Values are
-    /// slices of `src` (no copy).
+    /// slices of `src` (no copy). Call [`Metadata::check_encoded_limits`]
+    /// first on a block from a peer.
     pub fn decode(mut src: Bytes) -> Result<Metadata, InvalidMetadata> {
         let mut entries = Vec::new();
         while src.has_remaining() {
@@ -289,6 +371,60 @@ impl fmt::Debug for Metadata {
 mod tests {
     use super::*;
     use bytes::BytesMut;
+
+    fn block(entries: usize, value_len: usize) -> Vec<u8> {
+        let mut md = Metadata::new();
+        for i in 0..entries {
+            md.insert(&format!("k{i}"), &"v".repeat(value_len)).unwrap();
+        }
+        let mut out = BytesMut::new();
+        md.encode(&mut out);
+        out.to_vec()
+    }
+
+    #[test]
+    fn limits_are_checked_on_the_encoded_block_before_decoding() {
+        assert_eq!(
+            Metadata::check_encoded_limits(&block(MAX_METADATA_ENTRIES, 1)),
+            Ok(())
+        );
+        assert_eq!(
+            Metadata::check_encoded_limits(&block(MAX_METADATA_ENTRIES + 5, 1)),
+            Err(MetadataOverLimit::Entries {
+                count: MAX_METADATA_ENTRIES + 1,
+                max: MAX_METADATA_ENTRIES
+            }),
+            "counting stops one past the limit"
+        );
+        let long = block(1, MAX_METADATA_LEN);
+        assert_eq!(
+            Metadata::check_encoded_limits(&long),
+            Err(MetadataOverLimit::Bytes {
+                len: long.len(),
+                max: MAX_METADATA_LEN
+            })
+        );
+        // A block that does not parse is decode's to refuse, not a limit.
+        assert_eq!(
+            Metadata::check_encoded_limits(&[1, 0, 9, 9, 9, 9, b'k']),
+            Ok(())
+        );
+        // The sender's check agrees with the receiver's.
+        let mut md = Metadata::new();
+        for i in 0..=MAX_METADATA_ENTRIES {
+            md.insert(&format!("k{i}"), "v").unwrap();
+        }
+        assert!(matches!(
+            md.check_limits(),
+            Err(MetadataOverLimit::Entries { .. })
+        ));
+        let mut md = Metadata::new();
+        md.insert("k", &"v".repeat(MAX_METADATA_LEN)).unwrap();
+        assert!(matches!(
+            md.check_limits(),
+            Err(MetadataOverLimit::Bytes { .. })
+        ));
+    }
 
     #[test]
     fn keys_are_validated_and_folded_to_lower_case() {

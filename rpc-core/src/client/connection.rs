@@ -243,7 +243,7 @@ impl ClientConnection {
         metadata: Metadata,
         payload: Payload,
     ) -> Result<PendingCall, CallFailure> {
-        check_path(path)?;
+        check_request(path, &metadata)?;
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
         let frame = Frame::request(call_id, path, deadline, metadata, payload);
         let (sender, receiver) = oneshot::channel();
@@ -273,7 +273,7 @@ impl ClientConnection {
         kind_unknown: bool,
         whole: Option<Payload>,
     ) -> Result<OpenStream, CallFailure> {
-        check_path(path)?;
+        check_request(path, &metadata)?;
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
         let mut frame = match whole {
             Some(messages) => {
@@ -404,9 +404,14 @@ impl ClientConnection {
     }
 }
 
-fn check_path(path: &str) -> Result<(), CallFailure> {
+/// What a request frame carries beside its payload, checked before anything
+/// is sent: a call the server would refuse fails here, unsent.
+fn check_request(path: &str, metadata: &Metadata) -> Result<(), CallFailure> {
     if path.len() > crate::frame::MAX_PATH_LEN {
         return Err(Status::invalid_argument("method path longer than 65535 bytes").into());
+    }
+    if let Err(excess) = metadata.check_limits() {
+        return Err(Status::invalid_argument(format!("request {excess}")).into());
     }
     Ok(())
 }

@@ -17,7 +17,7 @@ use futures_util::StreamExt;
 
 use super::connection::{CallFailure, Keepalive, Shared, StreamWaiter, Waiter};
 use crate::conn_io::OutboundQueue;
-use crate::frame::{Frame, FrameError, FrameFlags, FrameKind};
+use crate::frame::{Excess, Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::status::{Code, Status};
 use crate::stream::FeedError;
@@ -263,13 +263,18 @@ fn handle_item(
 ) -> Result<(), String> {
     let decoded = match item {
         None => return Err("connection closed by peer".to_owned()),
-        Some(Err(TransportError::Refused { head, len, max })) => Err((head, len, max)),
+        Some(Err(TransportError::Refused { head, len, max })) => {
+            Err((head, Excess::Frame { len, max }))
+        }
         Some(Err(error)) => return Err(format!("connection lost: {error}")),
         Some(Ok(bytes)) => match Frame::decode(bytes.clone(), max_frame_len) {
             Ok(frame) => Ok(frame),
             Err(FrameError::TooLarge { max, .. }) if bytes.len() > max => {
                 let len = bytes.len();
-                Err((bytes, len, max))
+                Err((bytes, Excess::Frame { len, max }))
+            }
+            Err(FrameError::MetadataOverLimit { excess, .. }) => {
+                Err((bytes, Excess::Metadata(excess)))
             }
             Err(error) => {
                 tracing::warn!(peer = %shared.peer, %error, "closing connection: bad frame from server");
@@ -279,10 +284,10 @@ fn handle_item(
     };
     let frame = match decoded {
         Ok(frame) => frame,
-        Err((head, len, max)) => {
+        Err((head, excess)) => {
             // A response over our limit fails its call alone.
             match Frame::peek_header(&head) {
-                Some((FrameKind::Response | FrameKind::Message, call_id)) => {
+                Some((FrameKind::Response | FrameKind::Message | FrameKind::Headers, call_id)) => {
                     let waiter = shared.table().pending.remove(&call_id);
                     if let Some(waiter) = waiter {
                         if matches!(waiter, Waiter::Stream(_)) {
@@ -291,15 +296,21 @@ fn handle_item(
                                 Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
                             let _ = outbound.send_unbounded(cancel.encode_parts());
                         }
-                        waiter.fail(CallFailure::processed(Status::resource_exhausted(
-                            format!("response of {len} bytes exceeds this channel's limit of {max} bytes (Channel::builder().max_frame_len)"),
-                        )));
+                        let hint = match excess {
+                            Excess::Frame { .. } => " (Channel::builder().max_frame_len)",
+                            Excess::Metadata(_) => "",
+                        };
+                        waiter.fail(CallFailure::processed(Status::resource_exhausted(format!(
+                            "{}{hint}",
+                            excess.describe("response", "this channel's")
+                        ))));
                     }
                     return Ok(());
                 }
                 _ => {
                     return Err(format!(
-                        "protocol error from server: frame of {len} bytes exceeds the limit of {max} bytes"
+                        "protocol error from server: {}",
+                        excess.describe("frame", "the")
                     ));
                 }
             }

@@ -34,7 +34,7 @@ use tracing::Instrument;
 use super::stats::{ConnectionSlot, PausedGuard, StatsInner};
 use super::{CLOSE_LINGER, ServerConfig};
 use crate::conn_io::{OutboundQueue, QueueClosed, Space, flush_inline_by_default};
-use crate::frame::{EncodedFrame, Frame, FrameError, FrameFlags, FrameKind};
+use crate::frame::{EncodedFrame, Excess, Frame, FrameError, FrameFlags, FrameKind};
 use crate::metadata::Metadata;
 use crate::metrics::{CallRecord, ConnectionRecord, Side};
 use crate::payload::Payload;
@@ -213,7 +213,9 @@ pub(crate) async fn serve_connection(
                         break Ending::PeerClosed;
                     }
                     // Skipped by the transport.
-                    Some(Err(TransportError::Refused { head, len, max })) => Err((head, len, max)),
+                    Some(Err(TransportError::Refused { head, len, max })) => {
+                        Err((head, Excess::Frame { len, max }))
+                    }
                     Some(Err(rpc_error @ TransportError::Frame(_))) => {
                         break Ending::ProtocolError(format!("bad frame: {rpc_error}"));
                     }
@@ -226,7 +228,10 @@ pub(crate) async fn serve_connection(
                             // (not a header that merely claims more).
                             Err(FrameError::TooLarge { max, .. }) if bytes.len() > max => {
                                 let len = bytes.len();
-                                Err((bytes, len, max))
+                                Err((bytes, Excess::Frame { len, max }))
+                            }
+                            Err(FrameError::MetadataOverLimit { excess, .. }) => {
+                                Err((bytes, Excess::Metadata(excess)))
                             }
                             Err(error) => break Ending::ProtocolError(format!("bad frame: {error}")),
                         }
@@ -234,7 +239,7 @@ pub(crate) async fn serve_connection(
                 };
                 let frame = match over_limit {
                     Ok(frame) => frame,
-                    Err((head, len, max)) => {
+                    Err((head, excess)) => {
                         // A request over the limit fails alone; the
                         // connection and its other calls go on.
                         match Frame::peek_header(&head) {
@@ -242,24 +247,24 @@ pub(crate) async fn serve_connection(
                                 // A stream message over the limit ends that
                                 // stream with the error; its handler decides.
                                 if let Some(stream) = streams.get(&call_id) {
-                                    stream.feed.finish(Err(Status::resource_exhausted(format!(
-                                        "stream message of {len} bytes exceeds the server's limit of {max} bytes"
-                                    ))));
+                                    stream.feed.finish(Err(Status::resource_exhausted(
+                                        excess.describe("stream message", "the server's"),
+                                    )));
                                 }
                                 continue;
                             }
                             Some((FrameKind::Request, call_id)) if !in_flight.contains_key(&call_id) => {
                                 last_activity = Instant::now();
                                 last_call_id = last_call_id.max(call_id);
-                                let status = Status::resource_exhausted(format!(
-                                    "request of {len} bytes exceeds the server's limit of {max} bytes"
-                                ));
+                                let status = Status::resource_exhausted(
+                                    excess.describe("request", "the server's"),
+                                );
                                 let refusal = status_frame(call_id, status).encode_parts();
                                 queue_or_block(&outbound, &stats, &mut blocked, refusal);
                                 continue;
                             }
                             _ => break Ending::ProtocolError(format!(
-                                "bad frame: frame of {len} bytes exceeds the limit of {max} bytes"
+                                "bad frame: {}", excess.describe("frame", "the")
                             )),
                         }
                     }

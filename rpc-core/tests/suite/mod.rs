@@ -145,6 +145,15 @@ impl tower::Service<Request<Bytes>> for Probe {
                         .await?;
                     Ok(response.map(rpc_core::Payload::into_contiguous))
                 }
+                // Answers with as many metadata entries as the request asks.
+                "Fat" => {
+                    let entries = u64::from_le_bytes(request.get_ref()[..8].try_into().unwrap());
+                    let mut metadata = Metadata::new();
+                    for i in 0..entries {
+                        metadata.insert(&format!("k{i}"), "v").unwrap();
+                    }
+                    Ok(Response::from_parts(metadata, Bytes::new()))
+                }
                 "Panic" => panic!("probe handler panics on purpose"),
                 "Timeout" => {
                     let micros = request.timeout().map_or(0, |t| t.as_micros() as u64);
@@ -717,6 +726,126 @@ pub async fn frames_over_the_limit_fail_their_call_only(bed: &dyn Bed) {
     assert_eq!(server.stats.connections(), 2, "both connections still open");
 }
 
+/// A request frame whose metadata is over the limits (a whole frame, well
+/// within the frame limit, that would decode into many tiny keys) fails
+/// its call alone with `ResourceExhausted`, before any entry is decoded; the
+/// connection and its other calls go on. Both limits, both directions; a
+/// `Channel` refuses such metadata itself, unsent.
+pub async fn metadata_over_the_limits_fails_its_call_alone(bed: &dyn Bed) {
+    use futures_util::{SinkExt, StreamExt};
+    use rpc_core::frame::Frame;
+    use rpc_core::metadata::{MAX_METADATA_ENTRIES, MAX_METADATA_LEN};
+    let server = start(bed).await;
+    let config = TransportConfig::default();
+    let mut raw = transport::connect(&server.endpoint, &config).await.unwrap();
+    let head = |call_id: u64, metadata_len: usize| {
+        let mut frame = bytes::BytesMut::new();
+        let path = b"/test.Probe/Echo";
+        frame.extend_from_slice(&[rpc_core::frame::PROTOCOL_VERSION, 1, 0, 0]);
+        frame.extend_from_slice(&0u32.to_le_bytes());
+        frame.extend_from_slice(&call_id.to_le_bytes());
+        frame.extend_from_slice(&0u64.to_le_bytes());
+        frame.extend_from_slice(&(path.len() as u16).to_le_bytes());
+        frame.extend_from_slice(&0u16.to_le_bytes());
+        frame.extend_from_slice(&(metadata_len as u32).to_le_bytes());
+        frame.extend_from_slice(&0u32.to_le_bytes());
+        frame.extend_from_slice(&0u32.to_le_bytes());
+        frame.extend_from_slice(path);
+        frame
+    };
+    // 2,000 entries of a 1-byte key and no value: 14 KB, within the byte
+    // limit, over the entry limit.
+    let entries = 2_000;
+    let mut many = head(1, entries * 7);
+    for _ in 0..entries {
+        many.extend_from_slice(&1u16.to_le_bytes());
+        many.extend_from_slice(&0u32.to_le_bytes());
+        many.extend_from_slice(b"k");
+    }
+    // One entry whose value is over the byte limit.
+    let value_len = MAX_METADATA_LEN;
+    let mut long = head(3, 6 + 1 + value_len);
+    long.extend_from_slice(&1u16.to_le_bytes());
+    long.extend_from_slice(&(value_len as u32).to_le_bytes());
+    long.extend_from_slice(b"k");
+    long.resize(long.len() + value_len, b'v');
+    let fine = Frame::request(
+        5,
+        "/test.Probe/Echo",
+        None,
+        Metadata::new(),
+        Bytes::from_static(b"fine"),
+    );
+    raw.sink.send(many.freeze().into()).await.unwrap();
+    raw.sink.send(long.freeze().into()).await.unwrap();
+    raw.sink.send(fine.encode().into()).await.unwrap();
+    let mut answers = std::collections::HashMap::new();
+    while answers.len() < 3 {
+        let reply = tokio::time::timeout(Duration::from_secs(10), raw.stream.next())
+            .await
+            .expect("an answer for each call")
+            .expect("the connection stays open")
+            .unwrap();
+        let reply = Frame::decode(reply, config.max_frame_len).unwrap();
+        answers.insert(reply.call_id, reply);
+    }
+    let many = &answers[&1];
+    assert_eq!(many.status, Code::ResourceExhausted);
+    let message = String::from_utf8_lossy(&many.payload.clone().into_contiguous()).into_owned();
+    assert!(
+        message.contains(&format!(
+            "request metadata with {} entries exceeds the limit of {MAX_METADATA_ENTRIES} entries",
+            MAX_METADATA_ENTRIES + 1
+        )),
+        "{message}"
+    );
+    let long = &answers[&3];
+    assert_eq!(long.status, Code::ResourceExhausted);
+    let message = String::from_utf8_lossy(&long.payload.clone().into_contiguous()).into_owned();
+    assert!(
+        message.contains(&format!("exceeds the limit of {MAX_METADATA_LEN} bytes")),
+        "{message}"
+    );
+    assert_eq!(answers[&5].status, Code::Ok);
+    assert_eq!(&answers[&5].payload.clone().into_contiguous()[..], b"fine");
+
+    // A channel refuses to send such metadata: the call fails unsent.
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let mut request = probe("Echo", "x");
+    for i in 0..=MAX_METADATA_ENTRIES {
+        request
+            .metadata_mut()
+            .insert(&format!("k{i}"), "v")
+            .unwrap();
+    }
+    let status = channel.unary(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("metadata with"), "{status:?}");
+    // An answer with too much metadata fails that call alone, on the client.
+    let status = channel
+        .unary(probe(
+            "Fat",
+            ((MAX_METADATA_ENTRIES + 1) as u64).to_le_bytes().to_vec(),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("response metadata with"),
+        "{status:?}"
+    );
+    let fat = channel
+        .unary(probe(
+            "Fat",
+            (MAX_METADATA_ENTRIES as u64).to_le_bytes().to_vec(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(fat.metadata().len(), MAX_METADATA_ENTRIES);
+    assert_echoes(&channel, "after").await;
+    assert_eq!(server.stats.failed_connections(), 0, "no connection failed");
+}
+
 pub async fn per_connection_call_limit_refuses_excess_calls(bed: &dyn Bed) {
     let mut server = start_with(bed, |s| s.max_concurrent_calls_per_connection(2)).await;
     let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
@@ -1077,6 +1206,7 @@ macro_rules! transport_suite {
             payload_16_mib_round_trips,
             oversized_request_fails_locally_with_resource_exhausted,
             frames_over_the_limit_fail_their_call_only,
+            metadata_over_the_limits_fails_its_call_alone,
             per_connection_call_limit_refuses_excess_calls,
             graceful_shutdown_finishes_in_flight_calls,
             server_gone_fails_pending_calls_with_unavailable_and_reconnects,
