@@ -1920,3 +1920,86 @@ fn queue_pairs_refuse_completion_queues_and_srqs_of_another_context() {
         "its own CQs are taken"
     );
 }
+
+/// A peer process that never drains what we send (here: stopped, so its
+/// soft engine never reads its ring) makes no post wait: thousands of
+/// inline WRITEs, several times what the soft provider's 4 MiB ring holds,
+/// are each taken at once. On the soft provider what the ring cannot take
+/// waits in the QP, and the QP fails (`RETRY_EXC_ERR`, then flushes) when the
+/// ring has stayed full for 2 s. Before, the post that found the ring full
+/// waited those 2 s itself, holding the QP's lock (a tokio worker frozen by
+/// a hostile peer).
+#[test]
+fn posting_to_a_peer_that_never_drains_never_waits() {
+    let Some(device) = device() else { return };
+    let soft = device.context.device_name().starts_with("soft");
+    let pd = device.context.alloc_pd().unwrap();
+    let writes = 16_000usize;
+    let side = Side::new(
+        &device,
+        &pd,
+        SideOptions {
+            caps: QpCaps {
+                max_send_wr: writes as u32 + 64,
+                ..QpCaps::default()
+            },
+            cq_capacity: writes as u32 + 64,
+            ..Default::default()
+        },
+    );
+    let child = spawn_child(&side);
+    let pid = child.process.id().to_string();
+    let signal = |which: &str| {
+        let status = Command::new("kill")
+            .args([which, &pid])
+            .status()
+            .expect("kill(1)");
+        assert!(status.success(), "kill {which} {pid}");
+    };
+    signal("-STOP");
+    let mut local = Buffer::new(&pd, 512, LW);
+    local.fill(9);
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    for i in 0..writes {
+        let post = Instant::now();
+        side.post_send(wr(
+            i as u64,
+            SendOp::RdmaWrite {
+                remote_addr: child.region_addr + (i % 1024) as u64 * 512,
+                rkey: child.region_rkey,
+            },
+            vec![local.sge(0, 512)],
+        ));
+        slowest = slowest.max(post.elapsed());
+    }
+    let posting = started.elapsed();
+    println!(
+        "{writes} inline 512-byte WRITEs to a stopped peer posted in {posting:?} (slowest post {slowest:?})"
+    );
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a post waited {slowest:?} for a peer that does not drain"
+    );
+    let done = wait(&side.send_cq, writes);
+    signal("-CONT");
+    if soft {
+        assert_eq!(
+            done[0].status,
+            WcStatus::RetryExcErr,
+            "the QP fails once the ring stayed full"
+        );
+        assert!(
+            done[1..]
+                .iter()
+                .all(|c| matches!(c.status, WcStatus::WrFlushErr | WcStatus::Success)),
+            "{:?}",
+            &done[..4]
+        );
+        let waited = started.elapsed();
+        assert!(
+            waited < Duration::from_secs(8),
+            "the QP failed after {waited:?}"
+        );
+    }
+}

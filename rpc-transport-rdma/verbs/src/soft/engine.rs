@@ -73,6 +73,8 @@ struct Engine {
     epoll: OwnedFd,
     wake: OwnedFd,
     incoming: Mutex<Vec<(u64, Entry)>>,
+    /// Keys of QPs a caller asked a turn for ([`poke`]).
+    poked: Mutex<Vec<u64>>,
 }
 
 /// The process's engines, started on first use.
@@ -117,12 +119,13 @@ pub(crate) fn engine_count() -> usize {
 static NEXT_KEY: AtomicU64 = AtomicU64::new(WAKE_KEY + 1);
 
 /// Hands an attached QP to an engine; its first turn comes at once.
+/// Returns the QP's key at its engine (for [`poke`]).
 pub(crate) fn attach(
     qp: Arc<QpShared>,
     waiter: UnixStream,
     ring: Arc<RingPair>,
     generation: u64,
-) -> io::Result<()> {
+) -> io::Result<u64> {
     let engines = engines()?;
     let engine = &engines[qp.qp_num as usize % engines.len()];
     waiter.set_nonblocking(true)?;
@@ -138,7 +141,19 @@ pub(crate) fn attach(
         },
     ));
     engine.wake();
-    Ok(())
+    Ok(key)
+}
+
+/// Asks the engine of QP `qp_num` for a turn of the QP attached under `key`
+/// soon (a caller left it messages that a full ring did not take: the
+/// engine writes them as room appears, or fails the QP when none does).
+pub(crate) fn poke(qp_num: u32, key: u64) {
+    let Ok(engines) = engines() else {
+        return;
+    };
+    let engine = &engines[qp_num as usize % engines.len()];
+    lock(&engine.poked).push(key);
+    engine.wake();
 }
 
 impl Engine {
@@ -151,6 +166,7 @@ impl Engine {
             epoll,
             wake,
             incoming: Mutex::new(Vec::new()),
+            poked: Mutex::new(Vec::new()),
         })))
     }
 
@@ -212,6 +228,7 @@ impl Engine {
                 entries.insert(key, entry);
                 due.push(key);
             }
+            due.extend(lock(&self.poked).drain(..));
             let now = Instant::now();
             while let Some(Reverse((at, key))) = timers.peek().copied() {
                 if at > now {

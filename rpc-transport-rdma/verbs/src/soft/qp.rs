@@ -32,8 +32,8 @@ use crate::{
 /// Responses an engine turn queues for a peer whose ring is full before it
 /// stops reading that peer's requests.
 const ENGINE_BACKLOG: usize = 64 * 1024;
-/// A peer that leaves no room in its ring for this long fails the QP (as a
-/// caller's write to a full ring times out).
+/// A peer that leaves no room in its ring for this long fails the QP: it has
+/// stopped reading (nobody ever waits for the room; the engine retries).
 const BACKLOG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// SENDs and WRITEs up to this many bytes travel inside their descriptor.
 const EAGER_COPY_BYTES: u64 = 512;
@@ -121,6 +121,9 @@ pub(crate) struct QpShared {
     responses_pending: AtomicBool,
     /// The peer's completion-channel eventfds, once attached.
     peer_wakers: OnceLock<PeerWakers>,
+    /// This QP's key at its engine (0 before the first attach): a caller
+    /// whose messages a full ring did not take asks the engine for a turn.
+    engine_key: AtomicU64,
 }
 
 /// The soft CQ behind `cq`, which must belong to device context `context`:
@@ -198,6 +201,7 @@ pub(crate) fn create(
         rnr_pending: AtomicBool::new(false),
         responses_pending: AtomicBool::new(false),
         peer_wakers: OnceLock::new(),
+        engine_key: AtomicU64::new(0),
         context: context.clone(),
     });
     lock(&context.qps).insert(qp_num, Arc::downgrade(&shared));
@@ -440,10 +444,13 @@ impl QpShared {
         let _ = self.polled_ring.set(ring.clone());
         *lock(&self.reader) = Some((stream, MessageReader::new(), ring.clone()));
         let generation = self.generation.fetch_add(1, AtomicOrdering::SeqCst) + 1;
-        if let Err(error) = super::engine::attach(self.clone(), waiter, ring, generation) {
-            tracing::warn!(qp = self.qp_num, %error, "soft QP has no engine");
-            self.enter_error(&mut inner, None);
-            return false;
+        match super::engine::attach(self.clone(), waiter, ring, generation) {
+            Ok(key) => self.engine_key.store(key, AtomicOrdering::Release),
+            Err(error) => {
+                tracing::warn!(qp = self.qp_num, %error, "soft QP has no engine");
+                self.enter_error(&mut inner, None);
+                return false;
+            }
         }
         tracing::trace!(qp = self.qp_num, ?peer, dialed, "soft QP attached");
         self.send_unsent(&mut inner);
@@ -524,20 +531,24 @@ impl QpShared {
         }
     }
 
-    /// Writes the queued messages in one go, waiting while the peer's ring
-    /// is full; on failure the QP goes to ERROR.
+    /// Writes the queued messages, as far as the peer's ring has room, for
+    /// a caller (a post, a poll): it never waits on the peer. What a full
+    /// ring did not take stays queued and the QP's engine is asked for a
+    /// turn: it writes the rest as room appears, and fails the QP when none
+    /// appears within [`BACKLOG_TIMEOUT`] (a peer that stopped reading). So
+    /// no caller, a tokio worker least of all, spins on a hostile peer.
     fn flush(&self, inner: &mut QpInner) {
-        self.write_out(inner, true);
+        if !self.flush_some(inner) {
+            let key = self.engine_key.load(AtomicOrdering::Acquire);
+            if key != 0 {
+                super::engine::poke(self.qp_num, key);
+            }
+        }
     }
 
-    /// [`QpShared::flush`] for the engine, which never waits on one peer:
-    /// writes what the peer's ring has room for and keeps the rest queued.
-    /// True when nothing is left.
+    /// Writes what the peer's ring has room for and keeps the rest queued
+    /// (the engine's flush, and a caller's). True when nothing is left.
     fn flush_some(&self, inner: &mut QpInner) -> bool {
-        self.write_out(inner, false)
-    }
-
-    fn write_out(&self, inner: &mut QpInner, wait: bool) -> bool {
         if inner.unwritten.is_empty() {
             return true;
         }
@@ -559,11 +570,7 @@ impl QpShared {
         // SAFETY: this QP's ring pair is produced on only through
         // `inner.ring`, and only with `&mut QpInner`, which the QP's lock
         // hands out to one thread at a time: we are its only producer now.
-        let written = if wait {
-            unsafe { ring.send(batch, writer, needs != 0, direct) }.map(|()| batch.len())
-        } else {
-            unsafe { ring.send_some(batch, writer, needs != 0, direct) }
-        };
+        let written = unsafe { ring.send_some(batch, writer, needs != 0, direct) };
         // Either way a polling caller has nothing left to write: what a
         // full ring kept waits for the engine's next turn.
         self.responses_pending.store(false, AtomicOrdering::Relaxed);
@@ -674,7 +681,7 @@ impl QpShared {
                 .backlog_since
                 .is_some_and(|since| since.elapsed() > BACKLOG_TIMEOUT)
             {
-                // As a blocked write would: the peer has stopped reading.
+                // The peer has stopped reading.
                 self.enter_error(&mut inner, Some(WcStatus::RetryExcErr));
                 return Ok(Next::Done);
             }
@@ -791,12 +798,13 @@ impl QpShared {
             // published before it went is ours.
             let peer_gone = check_socket && drain_doorbells(stream);
             loop {
-                if check_socket {
+                {
                     let mut inner = self.lock();
                     if inner.unwritten.len() >= ENGINE_BACKLOG && !self.flush_some(&mut inner) {
                         // The peer does not drain its ring: read no more of
                         // its requests (each owes it a response) until it
-                        // does. The engine retries after a nap.
+                        // does, whoever reads (the engine or a polling
+                        // caller). The engine retries after a nap.
                         break;
                     }
                 }

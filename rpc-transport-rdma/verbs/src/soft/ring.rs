@@ -27,7 +27,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::net::{
@@ -51,8 +51,6 @@ pub(crate) const POLLED_ENGINE_NAP: Duration = Duration::from_millis(1);
 const HALF: usize = CONTROL + RING_BYTES;
 /// Bytes of the shared mapping (both halves).
 const MAPPED: usize = 2 * HALF;
-/// How long a producer waits for room before declaring the peer stuck.
-const FULL_TIMEOUT: Duration = Duration::from_secs(2);
 const _: () = assert!(RING_BYTES.is_power_of_two(), "index arithmetic masks");
 
 /// The shared mapping: two halves, dialer → acceptor first.
@@ -234,34 +232,19 @@ impl RingPair {
         1 - self.tx
     }
 
-    /// Appends `bytes` (the caller is the only producer), waiting while the
-    /// ring is full; then, when `wake` and the consumer's engine sleeps,
-    /// calls `direct`: true when it woke the consumer's sleeping caller (or
-    /// nobody needs waking), else the doorbell rings on `socket`. Without
-    /// `wake` the bytes wait for the consumer's next look (it is woken for a
-    /// full ring all the same).
+    /// Appends what of `bytes` fits (the caller is the only producer) and
+    /// returns how many bytes that was: it never waits for the consumer,
+    /// which is rung for a full ring. Then, when `wake` and the consumer's
+    /// engine sleeps, calls `direct`: true when it woke the consumer's
+    /// sleeping caller (or nobody needs waking), else the doorbell rings on
+    /// `socket`. Without `wake` the bytes wait for the consumer's next look.
+    /// Nobody waits on a peer here: what does not fit is the caller's to
+    /// keep and write later (the QP's engine does).
     ///
     /// # Safety
-    /// No other thread of this process produces on this ring pair (`send`,
-    /// `send_some`) while this call runs: two copies into the same ring
-    /// bytes at once would race.
-    pub(crate) unsafe fn send(
-        &self,
-        bytes: &[u8],
-        socket: &UnixStream,
-        wake: bool,
-        direct: impl FnOnce() -> bool,
-    ) -> io::Result<()> {
-        // SAFETY: this function's caller is the only producer meanwhile.
-        unsafe { self.append(bytes, socket, wake, direct, true) }.map(|_| ())
-    }
-
-    /// Like [`RingPair::send`], but never waits: appends what fits and
-    /// returns how many bytes that was (the consumer is rung for a full
-    /// ring). For the engine threads, which must not wait on one peer.
-    ///
-    /// # Safety
-    /// As for [`RingPair::send`].
+    /// No other thread of this process produces on this ring pair while
+    /// this call runs: two copies into the same ring bytes at once would
+    /// race.
     pub(crate) unsafe fn send_some(
         &self,
         bytes: &[u8],
@@ -269,24 +252,9 @@ impl RingPair {
         wake: bool,
         direct: impl FnOnce() -> bool,
     ) -> io::Result<usize> {
-        // SAFETY: this function's caller is the only producer meanwhile.
-        unsafe { self.append(bytes, socket, wake, direct, false) }
-    }
-
-    /// # Safety
-    /// As for [`RingPair::send`].
-    unsafe fn append(
-        &self,
-        bytes: &[u8],
-        socket: &UnixStream,
-        wake: bool,
-        direct: impl FnOnce() -> bool,
-        wait: bool,
-    ) -> io::Result<usize> {
         let half = self.tx;
         let mut written = 0;
         let mut consumer_sleeps = false;
-        let deadline = Instant::now() + FULL_TIMEOUT;
         // Free bytes between the consumer's tail and our head; never more
         // than RING_BYTES, whatever the indices say.
         let room_between = |head: u64, tail: u64| {
@@ -307,19 +275,9 @@ impl RingPair {
             }
             let room = room_between(head, tail);
             if room == 0 {
-                // Wake the consumer if it sleeps, then wait for it to drain.
+                // Wake the consumer if it sleeps; the rest is the caller's.
                 self.doorbell(socket);
-                if !wait {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "soft-RDMA ring full: the peer does not drain it",
-                    ));
-                }
-                std::thread::yield_now();
-                continue;
+                break;
             }
             let n = room.min(bytes.len() - written);
             let at = (head as usize) & (RING_BYTES - 1);
@@ -562,9 +520,10 @@ pub(crate) fn receive_with_fds(socket: &UnixStream, out: &mut [u8]) -> io::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     // Each test below has one producer and one consumer thread per ring
-    // pair: the contract of `send`, `send_some` and `receive`.
+    // pair: the contract of `send_some` and `receive`.
     fn receive(ring: &RingPair, out: &mut [u8]) -> io::Result<usize> {
         // SAFETY: see above.
         unsafe { ring.receive(out) }
@@ -581,15 +540,24 @@ mod tests {
         unsafe { ring.send_some(bytes, socket, wake, direct) }
     }
 
+    /// All of `bytes`, waiting (in a test thread) while the ring is full.
     fn send(
         ring: &RingPair,
         bytes: &[u8],
         socket: &UnixStream,
         wake: bool,
-        direct: impl FnOnce() -> bool,
+        direct: impl Fn() -> bool,
     ) -> io::Result<()> {
-        // SAFETY: see above.
-        unsafe { ring.send(bytes, socket, wake, direct) }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut written = 0;
+        while written < bytes.len() {
+            written += send_some(ring, &bytes[written..], socket, wake, &direct)?;
+            assert!(Instant::now() < deadline, "the consumer never drained");
+            if written < bytes.len() {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
     }
 
     #[test]
@@ -634,7 +602,7 @@ mod tests {
             send_some(&producer, &[1u8; 300], &socket, true, || false).unwrap(),
             0
         );
-        assert!(started.elapsed() < FULL_TIMEOUT / 4);
+        assert!(started.elapsed() < Duration::from_millis(500));
         // Once the consumer drains, the rest goes through.
         let mut buffer = vec![0u8; 4096];
         assert_eq!(receive(&consumer, &mut buffer).unwrap(), 4096);
