@@ -2003,3 +2003,127 @@ fn posting_to_a_peer_that_never_drains_never_waits() {
         );
     }
 }
+
+/// A QP on a shared receive queue whose peer sends more than its receive CQ
+/// holds (here: before the QP is ready, so that all of it is executed at
+/// once when it reaches RTR, with nobody polling yet) fails before any
+/// completion is lost: its CQ keeps polling, and every receive the SRQ gave
+/// it has its completion there. Before, the CQ overflowed, `poll` failed
+/// for good, and the SRQ slots behind the lost completions were gone for
+/// every QP of the SRQ. Soft only: a device's CQ overflow is its own.
+#[test]
+fn soft_fails_a_qp_before_its_receive_cq_would_overflow() {
+    let test = "soft_fails_a_qp_before_its_receive_cq_would_overflow";
+    let Some(device) = device() else { return };
+    if !device.context.device_name().starts_with("soft") {
+        return skip(test, "soft's own guarantee");
+    }
+    let pd = device.context.alloc_pd().unwrap();
+    let slots = 128usize;
+    let srq = pd.create_srq(slots as u32, 1).unwrap();
+    let inbox = Buffer::new(&pd, slots * 16, LW);
+    post_srq_recvs(
+        &srq,
+        (0..slots as u64)
+            .map(|i| RecvWr {
+                wr_id: i,
+                sg_list: vec![inbox.sge(i as usize * 16, 16)],
+            })
+            .collect(),
+    )
+    .unwrap();
+    let receiver_qp = |cq: &Arc<dyn rdma_verbs::CompletionQueue>| {
+        pd.create_qp(rdma_verbs::QpInit {
+            send_cq: cq.clone(),
+            recv_cq: cq.clone(),
+            srq: Some(srq.clone()),
+            caps: QpCaps::default(),
+            sq_sig_all: false,
+        })
+        .unwrap()
+    };
+    // The victim: one CQ of 64 entries for sends and receives. Created
+    // before the sender, so the sender (the larger address) dials it.
+    let small_cq = device.context.create_cq(64, None).unwrap();
+    let victim = receiver_qp(&small_cq);
+    let flooder = Side::new(
+        &device,
+        &pd,
+        SideOptions {
+            caps: QpCaps {
+                max_send_wr: 512,
+                ..QpCaps::default()
+            },
+            cq_capacity: 1024,
+            ..Default::default()
+        },
+    );
+    victim.to_init().unwrap();
+    flooder.qp.to_init().unwrap();
+    flooder
+        .qp
+        .to_rtr(&victim.local_address(), &ConnectOptions::default())
+        .unwrap();
+    flooder.qp.to_rts().unwrap();
+    // 200 SENDs while the victim is in INIT: held, then run at its RTR.
+    let src = Buffer::new(&pd, 16, LW);
+    for i in 0..200u64 {
+        flooder.post_send(wr(i, SendOp::Send, vec![src.sge(0, 8)]));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    victim
+        .to_rtr(&flooder.qp.local_address(), &ConnectOptions::default())
+        .unwrap();
+    let _ = victim.to_rts();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut received = Vec::new();
+    let mut batch = [harness::BLANK; 32];
+    while Instant::now() < deadline {
+        let polled = small_cq
+            .poll(&mut batch)
+            .expect("the victim's CQ still polls");
+        received.extend_from_slice(&batch[..polled]);
+        if polled == 0 && victim.state() == QpState::Error {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(victim.state(), QpState::Error);
+    let consumed = received
+        .iter()
+        .filter(|c| c.opcode == WcOpcode::Recv && c.status == WcStatus::Success)
+        .count();
+    assert!(
+        (1..slots).contains(&consumed),
+        "{consumed} receives completed before the QP failed"
+    );
+    // Every slot the victim did not report is still in the SRQ: a fresh QP
+    // on it receives exactly that many messages, then finds none (RNR).
+    let cq = device.context.create_cq(1024, None).unwrap();
+    let fresh = receiver_qp(&cq);
+    let sender = Side::new(&device, &pd, SideOptions::default());
+    let strict = ConnectOptions {
+        rnr_retry: 0,
+        ..ConnectOptions::default()
+    };
+    let _cm = harness::connect_qps(&device, &sender.qp, &fresh, strict);
+    for i in 0..(slots - consumed) as u64 {
+        sender.post_send(wr(i, SendOp::Send, vec![src.sge(0, 8)]));
+        assert_eq!(
+            wait(&sender.send_cq, 1)[0].status,
+            WcStatus::Success,
+            "slot {i} of the {} left",
+            slots - consumed
+        );
+    }
+    sender.post_send(wr(999, SendOp::Send, vec![src.sge(0, 8)]));
+    assert_eq!(
+        wait(&sender.send_cq, 1)[0].status,
+        WcStatus::RnrRetryExcErr,
+        "no slot more than the victim left"
+    );
+    println!(
+        "a flood of 200 SENDs into a 64-entry CQ: {consumed} received, then the QP failed; {} slots left in the SRQ",
+        slots - consumed
+    );
+}

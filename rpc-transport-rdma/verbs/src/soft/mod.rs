@@ -825,6 +825,20 @@ impl CqShared {
             .is_some_and(|arm| matches!(arm.state(), wake::ARMED_ANY | wake::ARMED_SOLICITED))
     }
 
+    /// Entries this CQ can still take (none once it overflowed).
+    pub(crate) fn room(&self) -> usize {
+        let state = lock(&self.state);
+        if state.overflowed {
+            return 0;
+        }
+        (self.capacity as usize).saturating_sub(state.entries.len())
+    }
+
+    /// Whether this is the same CQ as `other`.
+    pub(crate) fn is(&self, other: &CqShared) -> bool {
+        std::ptr::eq(self, other)
+    }
+
     /// Adds a completion; raises the channel event if the CQ is armed for it.
     pub(crate) fn push(&self, completion: WorkCompletion, solicited: bool) {
         let mut state = lock(&self.state);

@@ -39,7 +39,7 @@ const BACKLOG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 const EAGER_COPY_BYTES: u64 = 512;
 /// Requests a peer may send before this QP reaches RTR (held until then);
 /// more is a flood, and the QP fails.
-const MAX_EARLY_REQUESTS: usize = 4096;
+const MAX_EARLY_REQUESTS: usize = 256;
 /// How long a dialing QP waits for the acceptor's reply to its handshake.
 const DIAL_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Bytes of a soft QP address's provider part: pid, context id, secret.
@@ -880,6 +880,20 @@ impl QpShared {
             // After an RNR NAK: drop until the NAKed request comes again.
             return;
         }
+        if request.consumes_receive() && !self.recv_cq_has_room(inner) {
+            // Its completion would overflow the CQ (hardware would then
+            // lose completions and fail the CQ): the QP fails first, before
+            // the request takes a receive, so every receive it took has its
+            // completion in a CQ that still polls (a pool gets its slots
+            // back). A peer that floods SENDs faster than its owner polls
+            // (or before the owner polls at all) ends its own connection.
+            tracing::debug!(
+                qp = self.qp_num,
+                "soft peer's requests would overflow the receive CQ"
+            );
+            self.enter_error(inner, None);
+            return;
+        }
         let seq = request.seq;
         let ack = request.ack;
         let outcome = self.execute(inner, request);
@@ -906,6 +920,17 @@ impl QpShared {
             // As on rxe: the responder's QP goes to ERROR too.
             self.enter_error(inner, None);
         }
+    }
+
+    /// Whether the receive CQ has room for one more receive completion and
+    /// still for the flush of everything this QP has outstanding (the
+    /// completions an ERROR would push), when sends complete there too.
+    fn recv_cq_has_room(&self, inner: &QpInner) -> bool {
+        let mut reserve = 1 + inner.recv_queue.len();
+        if self.recv_cq.is(&self.send_cq) {
+            reserve += inner.outstanding.len();
+        }
+        self.recv_cq.room() >= reserve
     }
 
     fn take_receive(&self, inner: &mut QpInner) -> Option<RecvWr> {

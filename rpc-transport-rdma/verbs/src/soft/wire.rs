@@ -32,6 +32,15 @@ impl Request {
             None => self.spans.iter().map(|(_, len)| *len as usize).sum(),
         }
     }
+
+    /// Whether the responder takes a receive for it (a SEND, or a WRITE
+    /// with an immediate).
+    pub(crate) fn consumes_receive(&self) -> bool {
+        matches!(
+            self.op,
+            RequestOp::Send { .. } | RequestOp::Write { imm: Some(_), .. }
+        )
+    }
 }
 
 /// How promptly an initiator wants a request acknowledged.
