@@ -36,6 +36,7 @@
 //! | `rdma_credit_stalls_total` | counter | | times a connection's messages had to wait for the peer's credits |
 //! | `rdma_rendezvous_in_flight` | gauge | `direction` (`out`: ours the peer may READ; `in`: the peer's being pulled) | large frames in flight |
 
+mod admission;
 pub mod config;
 pub mod device;
 mod link;

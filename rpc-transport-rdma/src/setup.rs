@@ -200,7 +200,26 @@ pub fn fuzz_decode_hello(body: &[u8]) -> Result<Hello, SetupError> {
     Ok(hello)
 }
 
-async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, SetupError> {
+/// What an accepting side writes before it closes a connection whose first
+/// bytes were no hello: a length-prefixed body that begins with the hello's
+/// magic and is as long as an rpc-core frame header, so that whoever dialed
+/// can name the mix-up (a `tcp://` client reads an rdma:// peer; a TLS
+/// client reads no TLS). Best effort, within `limit`.
+pub async fn refuse_non_hello<S: AsyncWrite + Unpin>(stream: &mut S, limit: std::time::Duration) {
+    let mut refusal = Vec::with_capacity(4 + rpc_core::frame::HEADER_LEN);
+    refusal.extend_from_slice(&(rpc_core::frame::HEADER_LEN as u32).to_le_bytes());
+    refusal.extend_from_slice(MAGIC);
+    refusal.resize(4 + rpc_core::frame::HEADER_LEN, 0);
+    let _ = tokio::time::timeout(limit, async {
+        stream.write_all(&refusal).await?;
+        stream.flush().await
+    })
+    .await;
+}
+
+/// Reads the peer's hello (what an accepting side does first, before it
+/// builds anything for the peer: [`establish_with`]'s `peer`).
+pub async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, SetupError> {
     let mut prefix = [0u8; 4];
     if let Err(error) = stream.read_exact(&mut prefix).await {
         if error.kind() == std::io::ErrorKind::UnexpectedEof {
@@ -297,17 +316,23 @@ where
         qp.to_rts()?;
         Ok(peer)
     };
-    establish_with(stream, qp, provider, payload, check, direct).await
+    establish_with(stream, qp, provider, payload, None, check, direct).await
 }
 
 /// The general form: exchanges hellos, runs `check` on the peer's, lets
 /// `connect` bring the QP to RTS (directly from the peer's address, or
 /// through a connection manager), then exchanges the readiness byte.
+///
+/// `peer`: the peer's hello when the caller read it already
+/// ([`read_hello`]): an accepting side reads it first, so that a peer that
+/// never sends one costs it no QP. A dialing side writes its hello first,
+/// so the two orders meet.
 pub async fn establish_with<S, T, F, Fut>(
     stream: &mut S,
     qp: &Arc<dyn QueuePair>,
     provider: &str,
     payload: &[u8],
+    peer: Option<Hello>,
     check: impl FnOnce(&Hello) -> Result<(), SetupError>,
     connect: F,
 ) -> Result<T, SetupError>
@@ -326,7 +351,10 @@ where
     };
     stream.write_all(&local.encode()).await?;
     stream.flush().await?;
-    let peer = read_hello(stream).await?;
+    let peer = match peer {
+        Some(peer) => peer,
+        None => read_hello(stream).await?,
+    };
     if peer.provider != provider {
         return Err(SetupError::ProviderMismatch {
             local: provider.to_owned(),

@@ -23,6 +23,7 @@ use rpc_core::transport::{
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
+use crate::admission::Slots;
 use crate::config::RdmaConfig;
 use crate::device::{self, Device};
 use crate::link::{Commitment, Endpoint as QpEndpoint};
@@ -37,13 +38,13 @@ use crate::verbs::{
 #[cfg(feature = "tls")]
 use rpc_core::transport::tls::TlsTransport;
 
-/// How long the set-up exchange may take before the attempt is abandoned.
+/// How long the set-up exchange may take before the attempt is abandoned
+/// (an accepted one: from the connection, hello included).
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
-/// Set-up exchanges a listener runs at once. Each holds a QP, a CQ and its
-/// registered receive and send slots until it completes or times out, so a
-/// peer that opens connections and never finishes the hello can hold at
-/// most this many; beyond it new connections are closed at once.
-pub const MAX_PENDING_SETUPS: usize = 128;
+pub use crate::admission::{
+    HELLO_TIMEOUT, MAX_PENDING_HELLOS, MAX_PENDING_HELLOS_PER_SOURCE, MAX_PENDING_SETUPS,
+    MAX_PENDING_SETUPS_PER_SOURCE,
+};
 
 /// The RDMA transport; register it with [`crate::register`].
 #[derive(Debug, Clone)]
@@ -146,6 +147,7 @@ impl Transport for RdmaTransport {
                 let socket = transport.open_setup(socket, &endpoint).await?;
                 establish(
                     socket,
+                    None,
                     peer_ip,
                     &device,
                     &rdma,
@@ -266,7 +268,8 @@ async fn accept_loop(
     receive_budget: Option<rpc_core::transport::ReceiveBudget>,
     accepted: mpsc::Sender<Result<Connection, TransportError>>,
 ) {
-    let pending = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_SETUPS));
+    let hellos = Slots::hellos();
+    let setups = Slots::setups();
     let mut refused: u64 = 0;
     let mut last_refusal_log: Option<std::time::Instant> = None;
     loop {
@@ -282,16 +285,17 @@ async fn accept_loop(
             },
             () = accepted.closed() => return,
         };
-        let Ok(permit) = pending.clone().try_acquire_owned() else {
-            // Too many set-ups in progress: refuse this one now (dropping
-            // the socket closes it) rather than allocate for it.
+        let Some(hello_slot) = hellos.try_take(peer.ip()) else {
+            // Too many connections wait to say hello (in all, or from this
+            // address): refuse this one now (dropping the socket closes it).
             refused += 1;
             if last_refusal_log.is_none_or(|at| at.elapsed() >= Duration::from_secs(5)) {
                 tracing::warn!(
                     %peer,
                     refused,
-                    limit = MAX_PENDING_SETUPS,
-                    "rdma set-ups at their limit: refusing new connections"
+                    limit = MAX_PENDING_HELLOS,
+                    per_source = MAX_PENDING_HELLOS_PER_SOURCE,
+                    "rdma connections waiting for a hello at their limit: refusing new ones"
                 );
                 last_refusal_log = Some(std::time::Instant::now());
                 refused = 0;
@@ -307,18 +311,50 @@ async fn accept_loop(
         let budget = receive_budget
             .as_ref()
             .map(rpc_core::transport::ReceiveBudget::connection);
+        let setups = setups.clone();
         tokio::spawn(async move {
-            let _permit = permit;
             let _ = socket.set_nodelay(true);
             let role = Role::Accept {
                 cm: cm.clone(),
                 token: new_token(),
                 budget,
             };
+            let deadline = tokio::time::Instant::now() + SETUP_TIMEOUT;
             let attempt = async {
-                let socket = transport.accept_setup(socket, &scheme).await?;
+                // The peer's hello first, before anything is built for it.
+                let said_hello = async {
+                    let mut socket = transport.accept_setup(socket, &scheme).await?;
+                    match setup::read_hello(&mut socket).await {
+                        Ok(hello) => Ok::<_, TransportError>((socket, hello)),
+                        Err(error) => {
+                            if !matches!(error, SetupError::Io(_)) {
+                                setup::refuse_non_hello(&mut socket, Duration::from_millis(100))
+                                    .await;
+                            }
+                            Err(other(error))
+                        }
+                    }
+                };
+                let (socket, hello) = tokio::time::timeout(HELLO_TIMEOUT, said_hello)
+                    .await
+                    .map_err(|_| {
+                        TransportError::Io(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("{peer} sent no hello within {HELLO_TIMEOUT:?}"),
+                        ))
+                    })??;
+                let Some(_setup_slot) = setups.take(peer.ip(), deadline).await else {
+                    return Err(TransportError::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "no set-up slot for {peer} in time ({MAX_PENDING_SETUPS} in all, {MAX_PENDING_SETUPS_PER_SOURCE} per address)"
+                        ),
+                    )));
+                };
+                drop(hello_slot);
                 establish(
                     socket,
+                    Some(hello),
                     peer.ip(),
                     &device,
                     &config,
@@ -328,7 +364,7 @@ async fn accept_loop(
                 )
                 .await
             };
-            let result = match tokio::time::timeout(SETUP_TIMEOUT, attempt).await {
+            let result = match tokio::time::timeout_at(deadline, attempt).await {
                 Ok(result) => result,
                 Err(_) => Err(TransportError::Io(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
@@ -648,6 +684,7 @@ fn prepare(
 #[allow(clippy::too_many_arguments)]
 async fn establish(
     mut socket: SetupSocket,
+    peer_hello: Option<Hello>,
     peer_ip: std::net::IpAddr,
     device: &Arc<Device>,
     config: &RdmaConfig,
@@ -691,6 +728,7 @@ async fn establish(
         endpoint.queue.qp(),
         device.provider,
         &hello.encode(),
+        peer_hello,
         |hello| {
             peer_geometry = Some(check_peer(hello, device.provider, &host)?.geometry);
             Ok(())

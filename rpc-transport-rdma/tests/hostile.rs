@@ -635,6 +635,69 @@ async fn rdma_connections_beyond_the_limit_are_refused_cleanly() {
     assert_serves(&second).await;
 }
 
+/// Idle TCP connections to an `rdma://` listener, more than one address may
+/// hold, and more coming while they are held: they cost the server no QP,
+/// and 64 new clients from another address all get through at once (each
+/// call within a second). Before, 128 idle connections from anywhere held
+/// every set-up slot for 10 s each: 0 of 64 new clients got through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_set_up_connections_from_one_address_keep_no_other_client_out() {
+    use rpc_transport_rdma::transport::MAX_PENDING_HELLOS_PER_SOURCE;
+    crate::require_device!();
+    let server = start_with(&RdmaBed, |s| s).await;
+    let target: std::net::SocketAddr = server.endpoint.authority().parse().unwrap();
+    if !target.ip().is_loopback() {
+        println!("skipped: needs a loopback server to attack from a second loopback address");
+        return;
+    }
+    let attacker = std::net::SocketAddr::from(([127, 0, 0, 2], 0));
+    let connect_idle = move || async move {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(attacker).unwrap();
+        socket.connect(target).await
+    };
+    let mut idle = Vec::new();
+    for _ in 0..MAX_PENDING_HELLOS_PER_SOURCE + 44 {
+        // Those beyond the address's share are closed by the server.
+        if let Ok(socket) = connect_idle().await {
+            idle.push(socket);
+        }
+    }
+    // The attacker keeps opening more while the clients come.
+    let flood = tokio::spawn(async move {
+        loop {
+            if let Ok(socket) = connect_idle().await {
+                idle.push(socket);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let mut clients = tokio::task::JoinSet::new();
+    for i in 0..64u8 {
+        let endpoint = server.endpoint.clone();
+        clients.spawn(async move {
+            let started = Instant::now();
+            let channel = Channel::connect(endpoint)
+                .await
+                .expect("a new client connects");
+            let payload = Bytes::from(vec![i; 64]);
+            let reply = channel
+                .unary(probe("Echo", payload.clone()))
+                .await
+                .expect("a new client is served");
+            assert_eq!(reply.into_inner(), payload);
+            started.elapsed()
+        });
+    }
+    let slowest = clients.join_all().await.into_iter().max().unwrap();
+    flood.abort();
+    println!("64 new clients beside the idle flood: slowest connect and call {slowest:?}");
+    assert!(
+        slowest < Duration::from_secs(1),
+        "a new client waited {slowest:?}"
+    );
+}
+
 /// Large frames over rdma:// count against the server's receive budget:
 /// a pull waits for its bytes (no READ, no destination) while the budget is
 /// spent, and goes on when it frees. Other connections' small frames pass.

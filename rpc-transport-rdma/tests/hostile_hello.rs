@@ -73,7 +73,7 @@ struct RawHello<'a> {
     payload: &'a [u8],
 }
 
-/// Splits the server's hello body into its parts.
+/// Splits a hello body into its parts.
 fn parse(body: &[u8]) -> RawHello<'_> {
     assert_eq!(&body[..4], b"RRPC");
     let provider_len = body[6] as usize;
@@ -105,22 +105,45 @@ fn hello_body(provider: &[u8], address_len: u32, address: &[u8], payload: &[u8])
     body
 }
 
-/// Speaks the set-up protocol by hand: reads the server's hello, answers
-/// with `make(server's hello)`, and returns what the server does next: the
+/// A hello body as this process's own client sends it (the accepting side
+/// reads the dialer's hello first, so the attacker starts from a real one):
+/// a client dials a listener of ours, which keeps what it says.
+async fn template_hello() -> Vec<u8> {
+    let listener = tokio::net::TcpListener::bind((crate::common::test_addr(), 0))
+        .await
+        .unwrap();
+    let endpoint: rpc_core::transport::Endpoint =
+        format!("rdma://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+    let dialer = tokio::spawn(async move { Channel::connect(endpoint).await });
+    let (mut stream, _) = listener.accept().await.unwrap();
+    let len = stream.read_u32_le().await.unwrap() as usize;
+    let mut body = vec![0; len];
+    stream.read_exact(&mut body).await.unwrap();
+    dialer.abort();
+    body
+}
+
+/// Speaks the set-up protocol by hand: sends `body` as its hello, reads the
+/// server's answer (its hello, or its refusal of a hello it cannot read), and returns what the server does next: the
 /// readiness byte, or `None` when it closes the connection instead.
-async fn hostile_setup(endpoint: &str, make: impl FnOnce(&RawHello<'_>) -> Vec<u8>) -> Option<u8> {
+async fn hostile_setup(endpoint: &str, body: Vec<u8>) -> Option<u8> {
     let addr = endpoint.strip_prefix("rdma://").unwrap();
     let mut stream = TcpStream::connect(addr).await.unwrap();
-    let len = stream.read_u32_le().await.unwrap() as usize;
-    let mut server = vec![0; len];
-    stream.read_exact(&mut server).await.unwrap();
-    let body = make(&parse(&server));
     stream.write_u32_le(body.len() as u32).await.unwrap();
     stream.write_all(&body).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(5), stream.read_u8())
+    let answer = async {
+        let len = stream.read_u32_le().await.ok()? as usize;
+        let mut server = vec![0; len];
+        // Its hello, or the refusal it writes for a hello it cannot read.
+        stream.read_exact(&mut server).await.ok()?;
+        assert_eq!(&server[..4], b"RRPC");
+        stream.read_u8().await.ok()
+    };
+    tokio::time::timeout(Duration::from_secs(5), answer)
         .await
         .expect("the server answers or closes within the set-up time")
-        .ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -132,8 +155,10 @@ async fn an_absurd_hello_is_refused_with_the_reason_and_other_clients_keep_worki
     let before = Channel::connect(server.endpoint.clone()).await.unwrap();
     assert_echoes(&before, "before").await;
 
-    // The server's own transport hello with the geometry replaced: every
+    // A real client's transport hello with the geometry replaced: every
     // other field (version, host, rdma_cm) is one the server accepts.
+    let template = template_hello().await;
+    let client = parse(&template);
     let absurd = Geometry {
         recv_slots: u32::MAX,
         initial_credits: u32::MAX,
@@ -141,17 +166,15 @@ async fn an_absurd_hello_is_refused_with_the_reason_and_other_clients_keep_worki
         eager_threshold: u32::MAX - 16,
         max_frame_len: u64::MAX,
     };
-    let answer = hostile_setup(&endpoint, |server| {
-        let mut payload = server.payload.to_vec();
-        payload[1..1 + GEOMETRY_LEN].copy_from_slice(&absurd.encode());
-        hello_body(
-            server.provider,
-            server.address.len() as u32,
-            server.address,
-            &payload,
-        )
-    })
-    .await;
+    let mut payload = client.payload.to_vec();
+    payload[1..1 + GEOMETRY_LEN].copy_from_slice(&absurd.encode());
+    let body = hello_body(
+        client.provider,
+        client.address.len() as u32,
+        client.address,
+        &payload,
+    );
+    let answer = hostile_setup(&endpoint, body).await;
     assert_eq!(answer, None, "the server must not confirm readiness");
     // Why, in the server's log (the listener's error for that connection).
     assert_logged(
@@ -161,10 +184,8 @@ async fn an_absurd_hello_is_refused_with_the_reason_and_other_clients_keep_worki
     .await;
 
     // A hello that claims a 4 GiB address.
-    let answer = hostile_setup(&endpoint, |server| {
-        hello_body(server.provider, u32::MAX, server.address, server.payload)
-    })
-    .await;
+    let body = hello_body(client.provider, u32::MAX, client.address, client.payload);
+    let answer = hostile_setup(&endpoint, body).await;
     assert_eq!(answer, None);
     assert_logged(&log, "hello: address_len = 4294967295 is outside 0..=1024").await;
 
