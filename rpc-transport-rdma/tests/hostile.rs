@@ -564,6 +564,64 @@ async fn hellos_that_make_the_server_dial_a_silent_socket_block_no_runtime_threa
     target.assert_still_serving().await;
 }
 
+/// Threads of process `pid`.
+fn threads_of(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// 300 hellos, each making the server dial a socket that never answers:
+/// the server waits for at most 64 replies at once (each on a short-lived
+/// thread), so its threads stay bounded, and a normal client is served
+/// throughout. Before, each such hello cost a thread for 5 s, uncapped
+/// (480 threads at 100 hellos/s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hellos_that_make_the_server_dial_cost_it_a_bounded_number_of_threads() {
+    crate::require_device!();
+    let mut target = Target::start().await;
+    let pid = target.child.id();
+    let baseline = threads_of(pid);
+    let mut decoys = Vec::new();
+    for context in 0..4u64 {
+        let name = format!("rdma-rpc-soft.{}.{}", std::process::id(), 2000 + context);
+        decoys.push(
+            UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap(),
+        );
+    }
+    let mut setups = tokio::task::JoinSet::new();
+    for i in 0..300u64 {
+        let addr = target.addr();
+        setups.spawn(async move {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(8),
+                begin_setup(&addr, std::process::id(), 2000 + i % 4, 1),
+            )
+            .await;
+        });
+    }
+    let mut most = 0;
+    let deadline = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < deadline {
+        most = most.max(threads_of(pid));
+        assert_serves(&target.normal).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    setups.abort_all();
+    println!("server threads: {baseline} before, at most {most} during 300 dialing hellos");
+    assert!(
+        most <= baseline + 64 + 4,
+        "{most} threads (from {baseline}) for hellos that make the server dial"
+    );
+    drop(decoys);
+    target.assert_still_serving().await;
+}
+
 // ------------------------------------------------- limits over rdma://
 
 /// A peer that completes the TCP set-up (hello and readiness) but never

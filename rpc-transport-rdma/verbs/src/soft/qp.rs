@@ -42,6 +42,34 @@ const EAGER_COPY_BYTES: u64 = 512;
 const MAX_EARLY_REQUESTS: usize = 256;
 /// How long a dialing QP waits for the acceptor's reply to its handshake.
 const DIAL_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Dials awaiting their reply at once in this process (each on a thread of
+/// its own, for at most [`DIAL_REPLY_TIMEOUT`]); a dial beyond fails at once.
+/// Peers that make a server dial sockets that never answer cost it at most
+/// this many threads.
+pub(crate) const MAX_DIALS_AWAITING_REPLY: usize = 64;
+/// Dials awaiting their reply now.
+static DIALS_AWAITING_REPLY: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// One dial's place among [`MAX_DIALS_AWAITING_REPLY`]; freed when dropped.
+struct DialSlot;
+
+impl DialSlot {
+    fn take() -> Option<DialSlot> {
+        let taken = DIALS_AWAITING_REPLY.fetch_add(1, AtomicOrdering::AcqRel);
+        if taken >= MAX_DIALS_AWAITING_REPLY {
+            DIALS_AWAITING_REPLY.fetch_sub(1, AtomicOrdering::AcqRel);
+            return None;
+        }
+        Some(DialSlot)
+    }
+}
+
+impl Drop for DialSlot {
+    fn drop(&mut self) {
+        DIALS_AWAITING_REPLY.fetch_sub(1, AtomicOrdering::AcqRel);
+    }
+}
 /// Bytes of a soft QP address's provider part: pid, context id, secret.
 const ADDRESS_EXTRA_LEN: usize = 4 + 8 + SECRET_LEN;
 
@@ -240,6 +268,14 @@ impl SoftQp {
     /// the peer.
     fn dial(&self, peer: Peer, peer_secret: &Secret) -> Result<(), VerbsError> {
         let shared = &self.shared;
+        let Some(slot) = DialSlot::take() else {
+            return Err(VerbsError::Io(std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                format!(
+                    "{MAX_DIALS_AWAITING_REPLY} soft dials already await their peers' replies: refusing another"
+                ),
+            )));
+        };
         let name = rendezvous_name(peer.pid, peer.context);
         let stream = super::connect_abstract_nonblocking(&name).map_err(|error| {
             VerbsError::Io(std::io::Error::new(
@@ -279,6 +315,7 @@ impl SoftQp {
         std::thread::Builder::new()
             .name(format!("soft-rdma-dial-{}", shared.qp_num))
             .spawn(move || {
+                let _slot = slot;
                 let attached = match await_reply(&stream) {
                     Ok(wakers) => qp.attach(stream, ring, peer, process, true, wakers),
                     Err(error) => {
