@@ -646,3 +646,49 @@ async fn out_of_file_descriptors_the_server_backs_off_and_recovers() {
     assert_eq!(response.into_inner(), Bytes::from_static(b"back"));
     assert!(child.0.try_wait().unwrap().is_none(), "the server exited");
 }
+
+/// One host cannot take every connection place: beyond its share (here 3
+/// of 10) its new connections are refused with the reason, while a client
+/// from another address is served; a freed place is its host's again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holds_at_most_its_share_of_the_connections() {
+    let server = start_with(&TcpBed, |s| {
+        s.max_connections(10).max_connections_per_address(3)
+    })
+    .await;
+    let stats = server.stats.clone();
+    let target: std::net::SocketAddr = server.endpoint.authority().parse().unwrap();
+    let from_second_address = || async move {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket
+            .bind(std::net::SocketAddr::from(([127, 0, 0, 2], 0)))
+            .unwrap();
+        socket.connect(target).await.unwrap()
+    };
+    // Three idle connections from 127.0.0.2 are served (kept open).
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(from_second_address().await);
+    }
+    until("three connections are served", || stats.connections() == 3).await;
+    // The fourth from that address reads the refusal.
+    let mut fourth = from_second_address().await;
+    let frames = frames_until_closed(&mut fourth, Duration::from_secs(10)).await;
+    assert_eq!(frames.len(), 1, "{frames:?}");
+    assert_eq!(frames[0].kind, FrameKind::GoAway);
+    assert_eq!(frames[0].status, Code::ResourceExhausted);
+    let reason = String::from_utf8(frames[0].payload.clone().into_contiguous().to_vec()).unwrap();
+    assert!(
+        reason.contains("connection limit of 3 per address reached for 127.0.0.2"),
+        "{reason}"
+    );
+    // A client from 127.0.0.1 is served meanwhile.
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    assert_echoes(&channel, "another address").await;
+    // A place freed is the address's again.
+    drop(held.pop());
+    until("the closed one is gone", || stats.connections() == 3).await;
+    let again = from_second_address().await;
+    until("its place is taken again", || stats.connections() == 4).await;
+    drop(again);
+}

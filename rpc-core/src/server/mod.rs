@@ -42,6 +42,7 @@
 //! | bytes of frames queued for sending, per connection | [`Server::outbound_queue_bytes`] | 1 MiB |
 //! | calls in flight, per connection | [`Server::max_concurrent_calls_per_connection`] | 4096 |
 //! | connections | [`Server::max_connections`] | 10,000 |
+//! | connections from one address | [`Server::max_connections_per_address`] | 1,024 |
 //! | silence of a connection with no call in flight; a peer that takes none of our frames | [`Server::idle_timeout`] | 60 s |
 //!
 //! When a bound is reached the server pushes back instead of buffering: a
@@ -50,6 +51,7 @@
 //! peer through the transport's flow control. [`Listening::stats`] shows the
 //! gauges. `docs/security.md` explains what each limit protects.
 
+mod address_share;
 mod connection;
 mod routes;
 mod stats;
@@ -88,6 +90,8 @@ pub const DEFAULT_MAX_CONCURRENT_CALLS_PER_CONNECTION: usize = 4096;
 
 /// Default limit on open connections.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+/// Default of [`Server::max_connections_per_address`].
+pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: usize = 1_024;
 
 /// Default idle time-out; see [`Server::idle_timeout`].
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -118,6 +122,7 @@ pub(crate) struct ServerConfig {
     pub(crate) max_concurrent_calls_per_connection: usize,
     pub(crate) max_frame_len: usize,
     pub(crate) max_connections: usize,
+    pub(crate) max_connections_per_address: usize,
     pub(crate) idle_timeout: Duration,
     /// `None`: the default, which depends on `max_frame_len`.
     pub(crate) receive_budget: Option<usize>,
@@ -149,6 +154,7 @@ impl Server {
                 max_concurrent_calls_per_connection: DEFAULT_MAX_CONCURRENT_CALLS_PER_CONNECTION,
                 max_frame_len: DEFAULT_MAX_FRAME_LEN,
                 max_connections: DEFAULT_MAX_CONNECTIONS,
+                max_connections_per_address: DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
                 idle_timeout: DEFAULT_IDLE_TIMEOUT,
                 receive_budget: None,
                 outbound_queue_bytes: DEFAULT_OUTBOUND_QUEUE_BYTES,
@@ -193,6 +199,20 @@ impl<L> Server<L> {
     /// per 5 s, and keeps accepting.)
     pub fn max_connections(mut self, limit: usize) -> Self {
         self.config.max_connections = limit.max(1);
+        self
+    }
+
+    /// Caps the connections open at once from one source address (default
+    /// [`DEFAULT_MAX_CONNECTIONS_PER_ADDRESS`], 1,024), so that one host
+    /// cannot take every place of [`Server::max_connections`] and lock out
+    /// the rest. A connection beyond it is refused as one beyond
+    /// `max_connections` is (GOAWAY `RESOURCE_EXHAUSTED`, "connection limit
+    /// of N per address reached for IP"). Transports whose peers have no IP
+    /// address (`mem://`) count toward `max_connections` only. Raise it for
+    /// a server whose clients share an address by design (a proxy, a load
+    /// test from one host).
+    pub fn max_connections_per_address(mut self, limit: usize) -> Self {
+        self.config.max_connections_per_address = limit.max(1);
         self
     }
 
@@ -400,6 +420,7 @@ impl Listening {
         let connections = TaskTracker::new();
         let shutdown = CancellationToken::new();
         let slots = Arc::new(Semaphore::new(config.max_connections));
+        let shares = address_share::AddressShares::new(config.max_connections_per_address);
         let lingering_refusals = Arc::new(Semaphore::new(MAX_LINGERING_REFUSALS));
         let mut accept_warnings = RateLimit::new(WARN_INTERVAL);
         let mut refusal_warnings = RateLimit::new(WARN_INTERVAL);
@@ -408,11 +429,11 @@ impl Listening {
             tokio::select! {
                 () = &mut signal => break,
                 accepted = listener.next() => match accepted {
-                    Some(Ok(connection)) => match slots.clone().try_acquire_owned() {
-                        Ok(slot) => {
+                    Some(Ok(connection)) => match (slots.clone().try_acquire_owned(), shares.take(&connection.peer)) {
+                        (Ok(slot), Ok(share)) => {
                             tracing::debug!(peer = %connection.peer, "accepted connection");
                             let slot = stats.inner.connection_slot(slot);
-                            connections.spawn(connection::serve_connection(
+                            let served = connection::serve_connection(
                                 connection,
                                 service.clone(),
                                 config.clone(),
@@ -420,9 +441,35 @@ impl Listening {
                                 stats.inner.clone(),
                                 slot,
                                 scheme.clone(),
+                            );
+                            connections.spawn(async move {
+                                let _share = share;
+                                served.await
+                            });
+                        }
+                        (_, Err(ip)) => {
+                            stats.inner.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if let Some(suppressed) = refusal_warnings.allow() {
+                                tracing::warn!(
+                                    %endpoint,
+                                    peer = %connection.peer,
+                                    limit = config.max_connections_per_address,
+                                    suppressed,
+                                    "connection limit per address reached: refusing that address's new connections"
+                                );
+                            }
+                            let reason = format!(
+                                "server connection limit of {} per address reached for {ip}; try again later",
+                                config.max_connections_per_address
+                            );
+                            connections.spawn(refuse(
+                                connection,
+                                reason,
+                                lingering_refusals.clone().try_acquire_owned().ok(),
+                                shutdown.child_token(),
                             ));
                         }
-                        Err(_) => {
+                        (Err(_), Ok(_)) => {
                             stats.inner.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             if let Some(suppressed) = refusal_warnings.allow() {
                                 tracing::warn!(
