@@ -1518,10 +1518,14 @@ impl Drop for Child {
 }
 
 fn spawn_child(side: &Side) -> Child {
+    // Tests run in parallel, each with its own device context (whose QP
+    // numbers start alike): a counter keeps their sockets apart.
+    static CHILDREN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let path = std::env::temp_dir().join(format!(
-        "rdma-conformance-{}-{}.sock",
+        "rdma-conformance-{}-{}-{}.sock",
         std::process::id(),
-        side.qp.qp_num()
+        side.qp.qp_num(),
+        CHILDREN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
@@ -1538,7 +1542,23 @@ fn spawn_child(side: &Side) -> Child {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    let (mut oob, _) = listener.accept().unwrap();
+    // The child connects within seconds, or it died: never wait forever.
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut oob = loop {
+        match listener.accept() {
+            Ok((oob, _)) => break oob,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the child process never connected"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(error) => panic!("accepting the child: {error}"),
+        }
+    };
+    oob.set_nonblocking(false).unwrap();
     let _ = std::fs::remove_file(&path);
     let address = QpAddress::from_bytes(&recv_blob(&mut oob)).unwrap();
     let info = recv_blob(&mut oob);
@@ -1982,7 +2002,8 @@ fn posting_to_a_peer_that_never_drains_never_waits() {
         "a post waited {slowest:?} for a peer that does not drain"
     );
     let done = wait(&side.send_cq, writes);
-    signal("-CONT");
+    // Killed while stopped.
+    drop(child);
     if soft {
         assert_eq!(
             done[0].status,
@@ -2125,5 +2146,74 @@ fn soft_fails_a_qp_before_its_receive_cq_would_overflow() {
     println!(
         "a flood of 200 SENDs into a 64-entry CQ: {consumed} received, then the QP failed; {} slots left in the SRQ",
         slots - consumed
+    );
+}
+
+/// A peer that answers none of our requests (here: a stopped process, whose
+/// soft engine never runs) fails the QP with RETRY_EXC_ERR after the soft
+/// provider's acknowledgement time-out (10 s), as a device's transport
+/// retries would: what the requests held comes back with their completions
+/// instead of staying held for as long as the peer lives. Soft only (a
+/// device's time-out follows its QP attributes).
+#[test]
+fn soft_fails_a_qp_whose_peer_answers_nothing() {
+    let test = "soft_fails_a_qp_whose_peer_answers_nothing";
+    let Some(device) = device() else { return };
+    if !device.context.device_name().starts_with("soft") {
+        return skip(test, "soft's own time-out");
+    }
+    let pd = device.context.alloc_pd().unwrap();
+    let side = Side::new(&device, &pd, SideOptions::default());
+    let child = spawn_child(&side);
+    let pid = child.process.id().to_string();
+    let signal = |which: &str| {
+        assert!(
+            Command::new("kill")
+                .args([which, &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    signal("-STOP");
+    let src = Buffer::new(&pd, 64, LW);
+    let started = Instant::now();
+    for i in 0..4 {
+        side.post_send(wr(
+            i,
+            SendOp::RdmaWrite {
+                remote_addr: child.region_addr,
+                rkey: child.region_rkey,
+            },
+            vec![src.sge(0, 64)],
+        ));
+    }
+    let mut done = Vec::new();
+    let mut batch = [BLANK; 8];
+    while done.len() < 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no completion after {:?}",
+            started.elapsed()
+        );
+        let n = side.send_cq.poll(&mut batch).unwrap();
+        done.extend_from_slice(&batch[..n]);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let waited = started.elapsed();
+    // Killed while stopped (its own wait would have timed out by now).
+    drop(child);
+    println!(
+        "4 WRITEs to a stopped peer: {:?} after {waited:?}",
+        done[0].status
+    );
+    assert_eq!(done[0].status, WcStatus::RetryExcErr, "{done:?}");
+    assert!(
+        done[1..].iter().all(|c| c.status == WcStatus::WrFlushErr),
+        "{done:?}"
+    );
+    assert!(
+        (Duration::from_secs(9)..Duration::from_secs(13)).contains(&waited),
+        "failed after {waited:?}"
     );
 }

@@ -43,7 +43,9 @@ const EVENTS_PER_WAIT: usize = 256;
 const WAKE_KEY: u64 = 0;
 /// How often an engine with QPs looks for one that a polling caller left
 /// without saying so (it stopped polling without arming a CQ): doorbells
-/// turned off, or acknowledgements left for a next poll that never came.
+/// turned off, or acknowledgements left for a next poll that never came;
+/// and for one whose peer answered none of its requests for the
+/// acknowledgement time-out.
 /// Such a QP is taken up again within this bound. One look at all QPs per
 /// engine (atomic loads), not a wake-up per QP.
 const ABANDONED_POLL_CHECK: Duration = Duration::from_millis(100);
@@ -244,7 +246,10 @@ impl Engine {
                 due.extend(
                     entries
                         .iter()
-                        .filter(|(_, e)| e.timer.is_none() && e.qp.left_by_poller(&e.ring))
+                        .filter(|(_, e)| {
+                            (e.timer.is_none() && e.qp.left_by_poller(&e.ring))
+                                || e.qp.answer_overdue()
+                        })
                         .map(|(key, _)| *key),
                 );
             }

@@ -32,6 +32,19 @@ use crate::{
 /// Responses an engine turn queues for a peer whose ring is full before it
 /// stops reading that peer's requests.
 const ENGINE_BACKLOG: usize = 64 * 1024;
+/// A peer that answers none of our outstanding requests for this long fails
+/// the QP with RETRY_EXC_ERR, as a device's transport retries would (soft
+/// has no lost packets to retry: only a peer that stopped answering). So
+/// such a peer ends its own connection and lets go of what its requests
+/// held, instead of holding it for as long as it lives.
+pub(crate) const ACK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Milliseconds since this process first asked (never 0: 0 means "none").
+fn now_millis() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+}
+
 /// A peer that leaves no room in its ring for this long fails the QP: it has
 /// stopped reading (nobody ever waits for the room; the engine retries).
 const BACKLOG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -152,6 +165,10 @@ pub(crate) struct QpShared {
     /// This QP's key at its engine (0 before the first attach): a caller
     /// whose messages a full ring did not take asks the engine for a turn.
     engine_key: AtomicU64,
+    /// When the peer must have answered the oldest outstanding request
+    /// ([`now_millis`] + [`ACK_TIMEOUT`]; 0 with nothing outstanding): the
+    /// engine's periodic look reads it without a lock.
+    ack_deadline: AtomicU64,
 }
 
 /// The soft CQ behind `cq`, which must belong to device context `context`:
@@ -230,6 +247,7 @@ pub(crate) fn create(
         responses_pending: AtomicBool::new(false),
         peer_wakers: OnceLock::new(),
         engine_key: AtomicU64::new(0),
+        ack_deadline: AtomicU64::new(0),
         context: context.clone(),
     });
     lock(&context.qps).insert(qp_num, Arc::downgrade(&shared));
@@ -639,6 +657,7 @@ impl QpShared {
         if inner.state == QpState::Error {
             return;
         }
+        self.ack_deadline.store(0, AtomicOrdering::Relaxed);
         inner.state = QpState::Error;
         inner.rnr_resend_at = None;
         self.rnr_pending.store(false, AtomicOrdering::Relaxed);
@@ -722,6 +741,15 @@ impl QpShared {
                 self.enter_error(&mut inner, Some(WcStatus::RetryExcErr));
                 return Ok(Next::Done);
             }
+            if inner.outstanding.is_empty() {
+                self.ack_deadline.store(0, AtomicOrdering::Relaxed);
+            } else if !caller_active && self.answer_overdue() {
+                // The ring was read just above (no caller holds it): the
+                // peer has answered nothing for the whole time-out.
+                tracing::debug!(qp = self.qp_num, "soft peer answers none of our requests");
+                self.enter_error(&mut inner, Some(WcStatus::RetryExcErr));
+                return Ok(Next::Done);
+            }
             if !inner.unwritten.is_empty() && !ring.polled_recently() {
                 // Acknowledgements a polling caller left for its next poll
                 // before it stopped (or what a full ring did not take): the
@@ -750,6 +778,22 @@ impl QpShared {
         } else {
             Err(())
         }
+    }
+
+    /// Outstanding requests (from now on) must see an answer within
+    /// [`ACK_TIMEOUT`].
+    fn await_answer_from_now(&self) {
+        self.ack_deadline.store(
+            now_millis() + ACK_TIMEOUT.as_millis() as u64,
+            AtomicOrdering::Relaxed,
+        );
+    }
+
+    /// True when requests are outstanding and the peer has answered none of
+    /// them for [`ACK_TIMEOUT`] (a lock-free look: the engine's turn decides).
+    pub(crate) fn answer_overdue(&self) -> bool {
+        let deadline = self.ack_deadline.load(AtomicOrdering::Relaxed);
+        deadline != 0 && now_millis() >= deadline
     }
 
     /// True when a caller that polled this QP stopped without arming a CQ
@@ -1196,6 +1240,8 @@ impl QpShared {
         if inner.state == QpState::Error {
             return;
         }
+        // The peer answers: the next answer is due a full time-out from now.
+        self.await_answer_from_now();
         let Some(head) = inner.outstanding.front() else {
             return;
         };
@@ -1613,6 +1659,9 @@ unsafe impl QueuePair for SoftQp {
                 && inner.outstanding.iter().all(|o| o.local_error.is_none());
             if sendable {
                 shared.write(&mut inner, &request, QpShared::request_needs(&request));
+            }
+            if inner.outstanding.is_empty() {
+                shared.await_answer_from_now();
             }
             inner.outstanding.push_back(Outstanding {
                 wr,
