@@ -39,6 +39,12 @@ use crate::suite::{ChildServer, probe, start_with};
 const SERVER_ENV: &str = "RDMA_HOSTILE_SERVER";
 const CLIENT_ENV: &str = "RDMA_HOSTILE_CLIENT";
 const NOBODY_ENV: &str = "RDMA_HOSTILE_NOBODY";
+const NOBODY_FLOOD_ENV: &str = "RDMA_HOSTILE_NOBODY_FLOOD";
+/// Threads of the flood (each connecting as fast as it can): one CPU of a
+/// 2-core machine; more is a CPU flood no server survives, whatever it does.
+const FLOOD_THREADS: usize = 1;
+/// Pause between two of the flood's connections.
+const FLOOD_PAUSE: Duration = Duration::from_micros(50);
 
 /// Not a test by itself: the echo server the attacks aim at, in a child process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,12 +98,56 @@ fn hostile_child_nobody() {
         Ok(stream) => {
             let fd = memfd(0, false);
             let handshake = target.handshake(std::process::id(), target.secret);
-            send_with_fds(&stream, &handshake, &[fd.as_fd()]);
+            // The server may refuse us (and close) before we send a thing:
+            // the send may fail, the reply is still there to read.
+            let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            let fds = [fd.as_fd()];
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+            let _ = rustix::net::sendmsg(
+                &stream,
+                &[IoSlice::new(&handshake)],
+                &mut control,
+                SendFlags::NOSIGNAL,
+            );
             read_reply(&stream)
         }
         Err(error) => format!("connect failed: {error}"),
     };
     println!("LISTENING {reply}");
+}
+
+/// Not a test by itself: floods the soft socket named in the environment
+/// with connections that say nothing (each thread keeping its newest 500
+/// open), as
+/// whatever user runs it (the tests run it as `nobody`), until killed.
+#[test]
+#[ignore = "helper process for the hostile-peer tests"]
+fn hostile_child_nobody_flood() {
+    let Ok(args) = std::env::var(NOBODY_FLOOD_ENV) else {
+        return;
+    };
+    let target: ServerQp = args.parse().unwrap();
+    println!("LISTENING flooding");
+    let flooders: Vec<_> = (0..FLOOD_THREADS)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut held = std::collections::VecDeque::new();
+                loop {
+                    if let Ok(stream) = UnixStream::connect_addr(&target.socket_name()) {
+                        held.push_back(stream);
+                        if held.len() > 500 {
+                            held.pop_front();
+                        }
+                    }
+                    std::thread::sleep(FLOOD_PAUSE);
+                }
+            })
+        })
+        .collect();
+    for flooder in flooders {
+        let _ = flooder.join();
+    }
 }
 
 // ------------------------------------------------------------------ the bed
@@ -450,6 +500,80 @@ async fn another_user_is_refused_before_anything_is_mapped() {
         })
         .unwrap_or_else(|| panic!("the nobody attacker printed nothing: {stdout}"));
     assert_eq!(reply, "byte 0", "another user's handshake is refused");
+    target.assert_still_serving().await;
+}
+
+/// Whether this test binary can run as `nobody` (a checkout under /root
+/// cannot): `Err(why)` to print as skipped.
+fn runs_as_nobody() -> Result<(), &'static str> {
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::geteuid().is_root() {
+        return Err("needs root to run the attacker as another user (nobody)");
+    }
+    let reachable = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--list"])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if !reachable {
+        return Err("this test binary cannot be run as nobody (uid 65534) from where it lies");
+    }
+    Ok(())
+}
+
+/// A user the server does not allow floods its soft socket with silent
+/// connections (one thread, one every 50 µs) while new clients dial it:
+/// every client connects and is served (the flood is refused as it is
+/// accepted, never takes a handshake's place, and a dialer that finds the
+/// listen queue full tries again on its dial thread). This rate does not
+/// make the code before these defences fail either; a flood that takes a
+/// whole CPU of this 2-core machine starves the server's calls past their
+/// deadlines before and after (a CPU flood, beyond what the socket can
+/// refuse).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_from_another_user_on_the_soft_socket_keeps_no_client_out() {
+    use std::os::unix::process::CommandExt;
+    crate::require_device!();
+    if let Err(why) = runs_as_nobody() {
+        println!("skipped: {why}");
+        return;
+    }
+    let mut target = Target::start().await;
+    let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
+    /// Kills the flood however the test ends.
+    struct Flood(std::process::Child);
+    impl Drop for Flood {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut flood = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "hostile_child_nobody_flood",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(NOBODY_FLOOD_ENV, server.to_string())
+        .uid(65534)
+        .gid(65534)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .map(Flood)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..8 {
+        let client =
+            ChildServer::spawn_with("hostile_child_client", CLIENT_ENV, &target.child.endpoint);
+        assert_eq!(client.endpoint, "OK", "a new client's 50 calls succeed");
+    }
+    assert!(
+        flood.0.try_wait().unwrap().is_none(),
+        "the flood ran throughout"
+    );
+    drop(flood);
     target.assert_still_serving().await;
 }
 

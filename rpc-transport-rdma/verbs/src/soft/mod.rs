@@ -45,8 +45,7 @@ use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant};
@@ -141,9 +140,7 @@ impl ContextShared {
             next_pd: AtomicU64::new(1),
             qps: Mutex::new(HashMap::new()),
         });
-        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(rendezvous_name(
-            shared.pid, shared.id,
-        ))?)?;
+        let listener = listen_abstract(&rendezvous_name(shared.pid, shared.id))?;
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
             .name(format!("soft-rdma-listen-{}", shared.id))
@@ -312,6 +309,28 @@ pub(crate) fn connect_abstract_nonblocking(name: &[u8]) -> std::io::Result<UnixS
     Ok(UnixStream::from(fd))
 }
 
+/// Connections the kernel queues for the soft socket before the acceptor
+/// takes them (the kernel caps it at `net.core.somaxconn`): a burst of
+/// connections, a flood from a user the acceptor then refuses included,
+/// leaves room for a dialer, whose non-blocking connect would fail on a full
+/// queue instead of waiting.
+const LISTEN_BACKLOG: i32 = 4096;
+
+/// Listens on abstract Unix socket `name` with [`LISTEN_BACKLOG`].
+fn listen_abstract(name: &[u8]) -> std::io::Result<UnixListener> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let addr = SocketAddrUnix::new_abstract_name(name)?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::bind(&fd, &addr)?;
+    rustix::net::listen(&fd, LISTEN_BACKLOG)?;
+    Ok(UnixListener::from(fd))
+}
+
 /// A Unix connection waiting for its handshake.
 struct PendingHandshake {
     stream: UnixStream,
@@ -373,6 +392,15 @@ fn accept_loop(listener: UnixListener, context: Weak<ContextShared>) {
                 match listener.accept() {
                     Ok((stream, _)) => {
                         if stream.set_nonblocking(true).is_err() {
+                            continue;
+                        }
+                        // A user the policy does not allow is refused now,
+                        // before it takes a handshake's place: a flood from
+                        // another user never pushes an allowed dialer out.
+                        let allowed = peer::peer_credentials(&stream)
+                            .is_ok_and(|cred| context.policy.allows(cred.uid));
+                        if !allowed {
+                            let _ = (&stream).write_all(&[0]);
                             continue;
                         }
                         if pending.len() >= MAX_PENDING_HANDSHAKES {

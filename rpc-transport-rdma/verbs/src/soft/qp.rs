@@ -285,7 +285,6 @@ impl SoftQp {
     /// within [`DIAL_REPLY_TIMEOUT`]. No thread of the caller ever waits on
     /// the peer.
     fn dial(&self, peer: Peer, peer_secret: &Secret) -> Result<(), VerbsError> {
-        let shared = &self.shared;
         let Some(slot) = DialSlot::take() else {
             return Err(VerbsError::Io(std::io::Error::new(
                 std::io::ErrorKind::WouldBlock,
@@ -295,47 +294,34 @@ impl SoftQp {
             )));
         };
         let name = rendezvous_name(peer.pid, peer.context);
-        let stream = super::connect_abstract_nonblocking(&name).map_err(|error| {
-            VerbsError::Io(std::io::Error::new(
-                error.kind(),
-                format!(
-                    "cannot reach soft QP {} of process {}: {error} (soft peers must be on this host)",
-                    peer.qp_num, peer.pid
-                ),
-            ))
-        })?;
-        let process = PeerProcess::of_socket(&stream, &shared.context.policy)?;
-        if process.pid() != peer.pid {
-            return Err(VerbsError::Io(std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                format!(
-                    "the soft device socket of process {} is held by process {}: refusing to connect",
-                    peer.pid,
-                    process.pid()
-                ),
-            )));
-        }
-        let (flags, wake_fds) = shared.wake_fds();
-        let handshake = super::Handshake {
-            target_qp: peer.qp_num,
-            qp_num: shared.qp_num,
-            pid: shared.context.pid,
-            context: shared.context.id,
-            target_secret: *peer_secret,
-            wake_flags: flags,
+        // A full listen queue (a burst, or a flood the acceptor is still
+        // refusing) makes a non-blocking connect fail at once: the dial's
+        // own thread tries again, off the caller's thread.
+        let sent = match super::connect_abstract_nonblocking(&name) {
+            Ok(stream) => Some(send_handshake(&self.shared, stream, peer, peer_secret)?),
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => None,
+            Err(error) => return Err(unreachable(peer, error)),
         };
-        let (ring, fd) = RingPair::create()?;
-        let mut fds = vec![fd.as_fd()];
-        fds.extend(wake_fds);
-        super::ring::send_with_fds(&stream, &handshake.encode(), &fds)?;
-        drop(fd);
-        let qp = shared.clone();
+        let qp = self.shared.clone();
+        let secret = *peer_secret;
         std::thread::Builder::new()
-            .name(format!("soft-rdma-dial-{}", shared.qp_num))
+            .name(format!("soft-rdma-dial-{}", qp.qp_num))
             .spawn(move || {
                 let _slot = slot;
-                let attached = match await_reply(&stream) {
-                    Ok(wakers) => qp.attach(stream, ring, peer, process, true, wakers),
+                let sent = match sent {
+                    Some(sent) => Ok(sent),
+                    None => connect_when_room(&name)
+                        .map_err(|error| unreachable(peer, error))
+                        .and_then(|stream| send_handshake(&qp, stream, peer, &secret)),
+                };
+                let attached = match sent {
+                    Ok((stream, ring, process)) => match await_reply(&stream) {
+                        Ok(wakers) => qp.attach(stream, ring, peer, process, true, wakers),
+                        Err(error) => {
+                            tracing::debug!(qp = qp.qp_num, %error, "soft dial failed");
+                            false
+                        }
+                    },
                     Err(error) => {
                         tracing::debug!(qp = qp.qp_num, %error, "soft dial failed");
                         false
@@ -347,6 +333,69 @@ impl SoftQp {
             })?;
         Ok(())
     }
+}
+
+/// Why a dial could not reach the peer's soft socket.
+fn unreachable(peer: Peer, error: std::io::Error) -> VerbsError {
+    VerbsError::Io(std::io::Error::new(
+        error.kind(),
+        format!(
+            "cannot reach soft QP {} of process {}: {error} (soft peers must be on this host)",
+            peer.qp_num, peer.pid
+        ),
+    ))
+}
+
+/// Connects to abstract socket `name`, trying again while its listen queue
+/// is full, for at most [`DIAL_REPLY_TIMEOUT`] (on a dial's own thread).
+fn connect_when_room(name: &[u8]) -> std::io::Result<UnixStream> {
+    let deadline = Instant::now() + DIAL_REPLY_TIMEOUT;
+    loop {
+        match super::connect_abstract_nonblocking(name) {
+            Err(error)
+                if error.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Checks who holds the peer's socket and sends it our handshake: what the
+/// dial then waits on.
+fn send_handshake(
+    shared: &Arc<QpShared>,
+    stream: UnixStream,
+    peer: Peer,
+    peer_secret: &Secret,
+) -> Result<(UnixStream, RingPair, PeerProcess), VerbsError> {
+    let process = PeerProcess::of_socket(&stream, &shared.context.policy)?;
+    if process.pid() != peer.pid {
+        return Err(VerbsError::Io(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the soft device socket of process {} is held by process {}: refusing to connect",
+                peer.pid,
+                process.pid()
+            ),
+        )));
+    }
+    let (flags, wake_fds) = shared.wake_fds();
+    let handshake = super::Handshake {
+        target_qp: peer.qp_num,
+        qp_num: shared.qp_num,
+        pid: shared.context.pid,
+        context: shared.context.id,
+        target_secret: *peer_secret,
+        wake_flags: flags,
+    };
+    let (ring, fd) = RingPair::create()?;
+    let mut fds = vec![fd.as_fd()];
+    fds.extend(wake_fds);
+    super::ring::send_with_fds(&stream, &handshake.encode(), &fds)?;
+    drop(fd);
+    Ok((stream, ring, process))
 }
 
 /// The acceptor's reply to a dialer's handshake: accepted (and its
