@@ -150,9 +150,19 @@ enum Out {
     Headers(Metadata),
     /// Messages, and their bytes of the connection's queue (see [`QUEUED_BYTES`]).
     Messages(Bytes, OwnedSemaphorePermit),
-    End(Frame),
+    /// The call's final frame, and the room in the connection's queue of
+    /// the answer it carries (a unary method's message).
+    End(Frame, Option<OwnedSemaphorePermit>),
     /// The gateway ends the call itself (the client broke a rule).
     Fail(Status),
+}
+
+/// A frame from rpc-core waiting for room in the connection's queue.
+enum Stashed {
+    /// A MESSAGE frame's payload, for its call.
+    Messages(u64, Bytes),
+    /// A final frame that carries an answer.
+    End(Frame),
 }
 
 /// Serves one HTTP/2 connection until the client or rpc-core ends it.
@@ -183,14 +193,23 @@ async fn serve_connection(
     // rpc-core, a call's progress).
     let h2_woke = WakeGate::new();
     let queued = Arc::new(Semaphore::new(QUEUED_BYTES));
-    // A message frame waiting for room in the queue.
-    let mut stashed: Option<(u64, Bytes, u32)> = None;
+    // A frame that carries messages, waiting for room in the queue.
+    let mut stashed: Option<(Stashed, u32)> = None;
     loop {
         tokio::select! {
-            room = queued.clone().acquire_many_owned(stashed.as_ref().map_or(0, |s| s.2)), if stashed.is_some() => {
-                let (call_id, payload, _) = stashed.take().expect("checked");
+            room = queued.clone().acquire_many_owned(stashed.as_ref().map_or(0, |s| s.1)), if stashed.is_some() => {
+                let (waiting, _) = stashed.take().expect("checked");
                 let Ok(room) = room else { break };
-                route(&calls, call_id, Out::Messages(payload, room));
+                match waiting {
+                    Stashed::Messages(call_id, payload) => {
+                        route(&calls, call_id, Out::Messages(payload, room));
+                    }
+                    Stashed::End(frame) => {
+                        if let Some(call) = calls.remove(&frame.call_id) {
+                            call.out.send(Out::End(frame, Some(room)));
+                        }
+                    }
+                }
             }
             accepted = std::future::poll_fn(|cx| h2_woke.poll(cx, |cx| h2.poll_accept(cx))) => match accepted {
                 Some(Ok((request, mut respond))) => {
@@ -270,12 +289,28 @@ async fn serve_connection(
                         let needed = payload.len().clamp(1, QUEUED_BYTES) as u32;
                         match queued.clone().try_acquire_many_owned(needed) {
                             Ok(room) => route(&calls, frame.call_id, Out::Messages(payload, room)),
-                            Err(_) => stashed = Some((frame.call_id, payload, needed)),
+                            Err(_) => stashed = Some((Stashed::Messages(frame.call_id, payload), needed)),
+                        }
+                    }
+                    // A unary method's answer rides in its final frame: it
+                    // takes room in the queue as messages do, so answers a
+                    // peer does not read (a zero HTTP/2 window) hold the
+                    // gateway to QUEUED_BYTES, and rpc-core's own queue
+                    // then holds the handlers back.
+                    FrameKind::Response if !frame.payload.is_empty() => {
+                        let needed = frame.payload.len().clamp(1, QUEUED_BYTES) as u32;
+                        match queued.clone().try_acquire_many_owned(needed) {
+                            Ok(room) => {
+                                if let Some(call) = calls.remove(&frame.call_id) {
+                                    call.out.send(Out::End(frame, Some(room)));
+                                }
+                            }
+                            Err(_) => stashed = Some((Stashed::End(frame), needed)),
                         }
                     }
                     FrameKind::Response => {
                         if let Some(call) = calls.remove(&frame.call_id) {
-                            call.out.send(Out::End(frame));
+                            call.out.send(Out::End(frame, None));
                         }
                     }
                     FrameKind::Window => {
@@ -653,8 +688,10 @@ async fn write_responses(
                 }
                 sent
             }
-            Some(Out::End(frame)) => {
+            Some(Out::End(frame, room)) => {
                 finish(&mut respond, &mut body, frame).await;
+                // HTTP/2 took the answer (or the stream failed).
+                drop(room);
                 return;
             }
             Some(Out::Fail(status)) => {

@@ -154,7 +154,14 @@ pub(crate) async fn serve_connection(
     let shutting_down = WakeGated::new(shutdown.cancelled());
     tokio::pin!(shutting_down);
 
+    // Counts this connection as paused while a full queue stops its reading.
+    let mut full_queue_pause: Option<super::stats::PausedGuard> = None;
     let ending = loop {
+        if blocked.is_none() && !outbound.has_room() {
+            full_queue_pause.get_or_insert_with(|| stats.paused());
+        } else {
+            full_queue_pause = None;
+        }
         tokio::select! {
             () = &mut shutting_down, if !draining => {
                 draining = true;
@@ -205,7 +212,12 @@ pub(crate) async fn serve_connection(
                 }
                 break Ending::Idle;
             }
-            next = stream.next(), if blocked.is_none() => {
+            // A full outbound queue (a peer that does not read its answers):
+            // read no more requests until it has room, so the answers held
+            // by calls waiting to queue stay as few as the calls already
+            // running (each new request would make one more).
+            () = outbound.not_full(), if blocked.is_none() && !outbound.has_room() => {}
+            next = stream.next(), if blocked.is_none() && outbound.has_room() => {
                 let over_limit = match next {
                     None => break Ending::PeerClosed,
                     Some(Err(TransportError::PeerGone(reason))) => {
