@@ -106,6 +106,11 @@ impl Slots {
         }
     }
 
+    /// Slots taken in all.
+    pub(crate) fn taken_in_all(&self) -> usize {
+        self.taken.lock().unwrap_or_else(|p| p.into_inner()).total
+    }
+
     /// Slots taken in all, and by `source`.
     #[cfg(test)]
     fn taken(&self, source: IpAddr) -> (usize, usize) {
@@ -115,6 +120,42 @@ impl Slots {
             taken.by_source.get(&source).copied().unwrap_or(0),
         )
     }
+}
+
+/// File descriptors one connection holds, by provider: the soft provider's
+/// QP holds its Unix socket, its rings' and CQ arms' memfds, its completion
+/// channel's and its peer's eventfds, and a pidfd; then the set-up socket (9
+/// measured, 10 counted). A device's QP holds its completion channel, beside
+/// the set-up socket.
+pub(crate) fn descriptors_per_connection(provider: &str) -> usize {
+    if provider == "soft" { 10 } else { 4 }
+}
+
+/// Descriptors kept for everything else the process opens.
+pub const DESCRIPTOR_RESERVE: usize = 64;
+
+/// Whether the process can open one more connection's descriptors:
+/// `live` connections and `pending` set-ups (this one included) at `per`
+/// descriptors each, plus [`DESCRIPTOR_RESERVE`], within the soft
+/// `RLIMIT_NOFILE` (`limit`, `None`: unlimited). `Err` says why not.
+pub(crate) fn descriptors_allow(
+    live: usize,
+    pending: usize,
+    per: usize,
+    limit: Option<u64>,
+) -> Result<(), String> {
+    let Some(limit) = limit else {
+        return Ok(());
+    };
+    let needed = (live + pending) * per + DESCRIPTOR_RESERVE;
+    if needed as u64 > limit {
+        return Err(format!(
+            "the server is out of file descriptors for another rdma:// connection ({live} open, \
+             {pending} being set up, about {per} descriptors each, RLIMIT_NOFILE {limit}); \
+             try again later"
+        ));
+    }
+    Ok(())
 }
 
 /// One taken slot; given back when dropped.
@@ -161,6 +202,15 @@ mod tests {
         drop(a1);
         assert_eq!(slots.taken(ip(1)), (3, 1));
         assert!(slots.try_take(ip(4)).is_some(), "a freed slot is anyone's");
+    }
+
+    #[test]
+    fn descriptors_count_live_and_pending_connections_and_a_reserve() {
+        assert!(descriptors_allow(5, 1, 10, None).is_ok(), "no limit");
+        assert!(descriptors_allow(93, 1, 10, Some(1024)).is_ok());
+        let refused = descriptors_allow(96, 1, 10, Some(1024)).unwrap_err();
+        assert!(refused.contains("out of file descriptors"), "{refused}");
+        assert!(refused.contains("RLIMIT_NOFILE 1024"), "{refused}");
     }
 
     #[tokio::test]

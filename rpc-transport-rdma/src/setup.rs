@@ -86,7 +86,16 @@ pub enum SetupError {
     /// The QP could not be connected.
     #[error("connecting the queue pair: {0}")]
     Verbs(#[from] VerbsError),
+    /// The server refused the set-up and said why (in place of its hello).
+    #[error("the server refused the set-up: {0}")]
+    Refused(String),
 }
+
+/// The set-up version a refusal carries in place of [`SETUP_VERSION`]: the
+/// rest of its body is the reason, UTF-8.
+const REFUSAL_VERSION: u16 = u16::MAX;
+/// Longest reason a refusal carries.
+const MAX_REFUSAL_REASON: usize = 1024;
 
 impl Hello {
     fn encode(&self) -> Vec<u8> {
@@ -128,6 +137,13 @@ impl Hello {
             return Err(bad("not an rdma-rpc peer (bad magic)"));
         }
         let version = u16::from_le_bytes(take(&mut rest, 2)?.try_into().expect("2"));
+        if version == REFUSAL_VERSION {
+            let end = rest.len().min(MAX_REFUSAL_REASON);
+            let reason = String::from_utf8_lossy(&rest[..end]);
+            return Err(SetupError::Refused(
+                reason.trim_end_matches('\0').to_owned(),
+            ));
+        }
         if version != SETUP_VERSION {
             return Err(SetupError::Protocol(format!(
                 "peer speaks set-up version {version}, this build speaks {SETUP_VERSION}: upgrade the older side"
@@ -206,10 +222,29 @@ pub fn fuzz_decode_hello(body: &[u8]) -> Result<Hello, SetupError> {
 /// can name the mix-up (a `tcp://` client reads an rdma:// peer; a TLS
 /// client reads no TLS). Best effort, within `limit`.
 pub async fn refuse_non_hello<S: AsyncWrite + Unpin>(stream: &mut S, limit: std::time::Duration) {
-    let mut refusal = Vec::with_capacity(4 + rpc_core::frame::HEADER_LEN);
-    refusal.extend_from_slice(&(rpc_core::frame::HEADER_LEN as u32).to_le_bytes());
-    refusal.extend_from_slice(MAGIC);
-    refusal.resize(4 + rpc_core::frame::HEADER_LEN, 0);
+    refuse(stream, "what arrived was no rdma:// hello", limit).await;
+}
+
+/// Refuses a dialer in place of the hello, with `reason`, which its set-up
+/// reports ([`SetupError::Refused`]). The body begins with the hello's magic
+/// and is at least as long as an rpc-core frame header (see
+/// [`refuse_non_hello`]). Best effort, within `limit`.
+pub async fn refuse<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    reason: &str,
+    limit: std::time::Duration,
+) {
+    let reason = &reason.as_bytes()[..reason.len().min(MAX_REFUSAL_REASON)];
+    let mut body = Vec::with_capacity(rpc_core::frame::HEADER_LEN + reason.len());
+    body.extend_from_slice(MAGIC);
+    body.extend_from_slice(&REFUSAL_VERSION.to_le_bytes());
+    body.extend_from_slice(reason);
+    if body.len() < rpc_core::frame::HEADER_LEN {
+        body.resize(rpc_core::frame::HEADER_LEN, 0);
+    }
+    let mut refusal = Vec::with_capacity(4 + body.len());
+    refusal.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    refusal.extend_from_slice(&body);
     let _ = tokio::time::timeout(limit, async {
         stream.write_all(&refusal).await?;
         stream.flush().await

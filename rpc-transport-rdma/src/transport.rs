@@ -42,8 +42,8 @@ use rpc_core::transport::tls::TlsTransport;
 /// (an accepted one: from the connection, hello included).
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 pub use crate::admission::{
-    HELLO_TIMEOUT, MAX_PENDING_HELLOS, MAX_PENDING_HELLOS_PER_SOURCE, MAX_PENDING_SETUPS,
-    MAX_PENDING_SETUPS_PER_SOURCE,
+    DESCRIPTOR_RESERVE, HELLO_TIMEOUT, MAX_PENDING_HELLOS, MAX_PENDING_HELLOS_PER_SOURCE,
+    MAX_PENDING_SETUPS, MAX_PENDING_SETUPS_PER_SOURCE,
 };
 
 /// The RDMA transport; register it with [`crate::register`].
@@ -352,6 +352,21 @@ async fn accept_loop(
                     )));
                 };
                 drop(hello_slot);
+                // Room for this connection's descriptors, or a refusal the
+                // client reads (before, it got as far as its QP and failed
+                // there: `WrFlushErr`).
+                let per = crate::admission::descriptors_per_connection(device.provider);
+                let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+                if let Err(reason) = crate::admission::descriptors_allow(
+                    crate::link::live_links(),
+                    setups.taken_in_all(),
+                    per,
+                    limit,
+                ) {
+                    let mut socket = socket;
+                    setup::refuse(&mut socket, &reason, Duration::from_millis(100)).await;
+                    return Err(TransportError::Io(std::io::Error::other(reason)));
+                }
                 establish(
                     socket,
                     Some(hello),

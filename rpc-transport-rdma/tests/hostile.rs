@@ -85,6 +85,31 @@ async fn hostile_child_client() {
     println!("LISTENING OK");
 }
 
+const FEW_FDS_ENV: &str = "RDMA_HOSTILE_FEW_FDS";
+
+/// Not a test by itself: the echo server of
+/// [`connections_beyond_the_descriptor_limit_are_refused_with_the_reason`],
+/// with a soft `RLIMIT_NOFILE` of 256.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper process for the hostile-peer tests"]
+async fn hostile_child_few_fds() {
+    if std::env::var(FEW_FDS_ENV).is_err() {
+        return;
+    }
+    let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
+    rustix::process::setrlimit(
+        rustix::process::Resource::Nofile,
+        rustix::process::Rlimit {
+            current: Some(256),
+            maximum: hard,
+        },
+    )
+    .unwrap();
+    let server = crate::suite::start(&RdmaBed).await;
+    println!("LISTENING {}", server.endpoint);
+    std::future::pending::<()>().await;
+}
+
 /// Not a test by itself: sends a soft handshake with a 0-byte memfd as
 /// whatever user runs it (the tests run it as `nobody`); prints the reply.
 #[test]
@@ -747,6 +772,47 @@ async fn hellos_that_make_the_server_dial_cost_it_a_bounded_number_of_threads() 
 }
 
 // ------------------------------------------------- limits over rdma://
+
+/// A server whose process may open 256 descriptors takes connections while
+/// each one's descriptors fit (about 10 each on the soft provider, 64 kept
+/// for the rest), then refuses new ones in their set-up with the reason;
+/// those it took keep working. Before, a client past the limit got as far
+/// as its QP and failed there (`connection lost: WrFlushErr`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_descriptor_limit_are_refused_with_the_reason() {
+    crate::require_device!();
+    ensure_registered();
+    let child = ChildServer::spawn("hostile_child_few_fds", FEW_FDS_ENV);
+    let mut open = Vec::new();
+    let refusal = loop {
+        assert!(open.len() < 100, "never refused");
+        let connected = Channel::builder(child.endpoint.parse().unwrap())
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await;
+        let called = match connected {
+            Ok(channel) => channel
+                .unary(probe("Echo", Bytes::from_static(b"x")))
+                .await
+                .map(|_| channel)
+                .map_err(|status| status.message().to_owned()),
+            Err(error) => Err(error.to_string()),
+        };
+        match called {
+            Ok(channel) => open.push(channel),
+            Err(reason) => break reason,
+        }
+    };
+    println!("{} connections served, then: {refusal}", open.len());
+    assert!(
+        refusal.contains("out of file descriptors"),
+        "refused for the wrong reason: {refusal}"
+    );
+    assert!(open.len() >= 10, "only {} connections", open.len());
+    for channel in &open {
+        assert_serves(channel).await;
+    }
+}
 
 /// A peer that completes the TCP set-up (hello and readiness) but never
 /// connects its queue pair sends no frame: the server's idle time-out

@@ -86,7 +86,34 @@ enum Poller {
 }
 
 /// What the sink, the stream and the housekeeper share.
+/// `rdma://` connections alive in this process (each holds its QP's file
+/// descriptors): what the listener's descriptor check counts.
+static LIVE_LINKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Connections alive in this process.
+pub(crate) fn live_links() -> usize {
+    LIVE_LINKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// One live connection, counted while it lives.
+struct Alive;
+
+impl Alive {
+    fn new() -> Alive {
+        LIVE_LINKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Alive
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        LIVE_LINKS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 pub(crate) struct Link {
+    /// Counted among [`live_links`] (declared first: dropped with the QP).
+    _alive: Alive,
     state: Mutex<LinkState>,
     channel: AsyncCompletionChannel,
     wakers: Arc<Wakers>,
@@ -159,6 +186,7 @@ pub(crate) fn start(
     let state = LinkState::new(queue, commitment, cm, device, protocol, config, budget);
     let wakers = Arc::new(Wakers::default());
     let link = Arc::new(Link {
+        _alive: Alive::new(),
         state: Mutex::new(state),
         channel,
         everyone: Waker::from(wakers.clone()),
