@@ -447,43 +447,36 @@ impl Listening {
                                 served.await
                             });
                         }
-                        (_, Err(ip)) => {
+                        (slot, share) => {
+                            // Per address first: it names who is refused.
+                            let (limit, reason) = match share {
+                                Err(ip) => (
+                                    config.max_connections_per_address,
+                                    format!(
+                                        "server connection limit of {} per address reached for {ip}; try again later",
+                                        config.max_connections_per_address
+                                    ),
+                                ),
+                                Ok(_) => (
+                                    config.max_connections,
+                                    format!(
+                                        "server connection limit of {} reached; try again later",
+                                        config.max_connections
+                                    ),
+                                ),
+                            };
+                            drop(slot);
                             stats.inner.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             if let Some(suppressed) = refusal_warnings.allow() {
                                 tracing::warn!(
                                     %endpoint,
                                     peer = %connection.peer,
-                                    limit = config.max_connections_per_address,
+                                    limit,
                                     suppressed,
-                                    "connection limit per address reached: refusing that address's new connections"
+                                    %reason,
+                                    "refusing a connection"
                                 );
                             }
-                            let reason = format!(
-                                "server connection limit of {} per address reached for {ip}; try again later",
-                                config.max_connections_per_address
-                            );
-                            connections.spawn(refuse(
-                                connection,
-                                reason,
-                                lingering_refusals.clone().try_acquire_owned().ok(),
-                                shutdown.child_token(),
-                            ));
-                        }
-                        (Err(_), Ok(_)) => {
-                            stats.inner.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            if let Some(suppressed) = refusal_warnings.allow() {
-                                tracing::warn!(
-                                    %endpoint,
-                                    peer = %connection.peer,
-                                    limit = config.max_connections,
-                                    suppressed,
-                                    "connection limit reached: refusing connections"
-                                );
-                            }
-                            let reason = format!(
-                                "server connection limit of {} reached; try again later",
-                                config.max_connections
-                            );
                             connections.spawn(refuse(
                                 connection,
                                 reason,

@@ -1510,6 +1510,19 @@ struct Child {
     _cm: Option<rdma_verbs::CmConnection>,
 }
 
+impl Child {
+    /// Stops the child process (SIGSTOP): its soft engine no longer runs,
+    /// so it reads nothing and answers nothing. Dropping it kills it.
+    fn stop(&self) {
+        let pid = self.process.id().to_string();
+        let status = Command::new("kill")
+            .args(["-STOP", &pid])
+            .status()
+            .expect("kill(1)");
+        assert!(status.success(), "kill -STOP {pid}");
+    }
+}
+
 impl Drop for Child {
     fn drop(&mut self) {
         let _ = self.process.kill();
@@ -1968,15 +1981,7 @@ fn posting_to_a_peer_that_never_drains_never_waits() {
         },
     );
     let child = spawn_child(&side);
-    let pid = child.process.id().to_string();
-    let signal = |which: &str| {
-        let status = Command::new("kill")
-            .args([which, &pid])
-            .status()
-            .expect("kill(1)");
-        assert!(status.success(), "kill {which} {pid}");
-    };
-    signal("-STOP");
+    child.stop();
     let mut local = Buffer::new(&pd, 512, LW);
     local.fill(9);
     let started = Instant::now();
@@ -2165,17 +2170,7 @@ fn soft_fails_a_qp_whose_peer_answers_nothing() {
     let pd = device.context.alloc_pd().unwrap();
     let side = Side::new(&device, &pd, SideOptions::default());
     let child = spawn_child(&side);
-    let pid = child.process.id().to_string();
-    let signal = |which: &str| {
-        assert!(
-            Command::new("kill")
-                .args([which, &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
-    };
-    signal("-STOP");
+    child.stop();
     let src = Buffer::new(&pd, 64, LW);
     let started = Instant::now();
     for i in 0..4 {

@@ -10,22 +10,12 @@ use bytes::{BufMut, BytesMut};
 use rpc_core::prost::Message;
 use rpc_grpc_interop::rdma;
 
-fn resident_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|pages| pages.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
 /// Many server streams that the client never reads: the server holds a
 /// bounded amount, not each stream's window of answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_reads_its_streams_is_held_back() {
     let server = common::rdma_server().await;
-    let before = resident_bytes();
+    let before = common::resident_bytes();
     let mut client = common::raw_http2_client(&server.addr).await;
     let ask = rdma::Ask {
         count: 1_000_000,
@@ -48,7 +38,7 @@ async fn a_client_that_never_reads_its_streams_is_held_back() {
         unread.push(response);
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let grown = resident_bytes().saturating_sub(before);
+    let grown = common::resident_bytes().saturating_sub(before);
     println!("resident memory grew by {} MiB", grown >> 20);
     // Each stream's rdma-rpc window alone is 4 MiB (800 MiB for 200).
     assert!(

@@ -14,16 +14,6 @@ use rpc_grpc_interop::rdma;
 /// Hostile connections.
 const CONNECTIONS: usize = 4;
 
-fn resident_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|pages| pages.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
 /// Four connections, each with 300 unary calls for 1 MiB answers, none of
 /// which the client lets the server send: per connection the gateway holds
 /// at most its 8 MiB queue of answers and 16 frames handed over by rpc-core,
@@ -35,7 +25,7 @@ fn resident_bytes() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_a_client_never_lets_through_are_held_within_a_bound() {
     let server = common::rdma_server().await;
-    let before = resident_bytes();
+    let before = common::resident_bytes();
     let ask = rdma::Ask {
         answer_size: 1 << 20,
         ..rdma::Ask::default()
@@ -66,7 +56,7 @@ async fn answers_a_client_never_lets_through_are_held_within_a_bound() {
         }
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let grown = resident_bytes().saturating_sub(before);
+    let grown = common::resident_bytes().saturating_sub(before);
     println!(
         "resident memory grew by {} MiB for {CONNECTIONS} × 300 unread 1 MiB answers",
         grown >> 20

@@ -332,3 +332,16 @@ pub async fn still_answers(server: &TestServer) {
     .expect("answered");
     assert_eq!(&answer.into_inner().body[..], b"fine");
 }
+
+/// This process's resident memory, in bytes (for the tests that measure
+/// what a hostile peer makes the server hold; each alone in its binary).
+#[allow(dead_code)]
+pub fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|pages| pages.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
