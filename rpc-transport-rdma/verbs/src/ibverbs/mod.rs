@@ -510,15 +510,11 @@ unsafe impl ProtectionDomain for IbvPd {
         len: usize,
         access: AccessFlags,
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
+        // Bits this crate does not name never reach the device (nor the
+        // region's reported rights).
+        let access = access & AccessFlags::all();
         // SAFETY: the caller upholds `register`'s contract for the memory.
-        let mr = unsafe {
-            sys::ibv_reg_mr(
-                self.raw.pd,
-                addr.cast(),
-                len,
-                (access & AccessFlags::all()).bits() as i32,
-            )
-        };
+        let mr = unsafe { sys::ibv_reg_mr(self.raw.pd, addr.cast(), len, access.bits() as i32) };
         if mr.is_null() {
             return Err(os_error("ibv_reg_mr"));
         }
@@ -556,6 +552,10 @@ unsafe impl ProtectionDomain for IbvPd {
         if self.windows.is_none() {
             return Err(VerbsError::Unsupported("type-2 memory windows"));
         }
+        // Only the rights this crate names: a value built with
+        // `from_bits_retain` reaches neither the device nor the window's
+        // reported rights.
+        let access = access & AccessFlags::all();
         let mr = super::own::<IbvMr>(region.as_any(), "region of another provider")?;
         let raw_qp = super::own::<IbvQp>(qp.as_any(), "queue pair of another provider")?;
         if !Arc::ptr_eq(&mr._pd, &self.raw) || !Arc::ptr_eq(&raw_qp._pd, &self.raw) {
@@ -605,9 +605,7 @@ unsafe impl ProtectionDomain for IbvPd {
                 mr: raw_mr,
                 addr,
                 length: len as u64,
-                // Only the rights this crate names: a value built with
-                // `from_bits_retain` must not reach the device.
-                mw_access_flags: (access & AccessFlags::all()).bits(),
+                mw_access_flags: access.bits(),
             },
         };
         let mut bad = ptr::null_mut();

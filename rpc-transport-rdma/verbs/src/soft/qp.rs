@@ -718,7 +718,7 @@ impl QpShared {
             inner.writer.as_ref(),
             inner.ring.as_ref(),
         ) {
-            // SAFETY: as in `write_out`: we hold `&mut QpInner`, so we are
+            // SAFETY: as in `flush_some`: we hold `&mut QpInner`, so we are
             // the ring's only producer now.
             let _ = unsafe { ring.send_some(&unwritten, writer, true, || false) };
         }

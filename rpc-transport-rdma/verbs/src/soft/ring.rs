@@ -70,7 +70,7 @@ const PAGE: usize = 4096;
 // it unmaps on drop (from whichever thread); it gives no access to the
 // memory by itself. `RingPair` accesses it: the control words only
 // atomically, each half's data only from its one producer or one consumer
-// at a time (the contracts of its unsafe `send`, `send_some`, `receive`).
+// at a time (the contracts of its unsafe `send_some` and `receive`).
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
@@ -364,7 +364,7 @@ impl RingPair {
         // the only consumer meanwhile (this function's contract). The
         // producer writes only past the tail, which moves past these bytes
         // after the copy (Release, below). A hostile peer process changing
-        // the bytes meanwhile (the known deviation noted in `append`)
+        // the bytes meanwhile (the known deviation noted in `send_some`)
         // changes only what is copied, which is decoded and validated like
         // any other input.
         unsafe {
