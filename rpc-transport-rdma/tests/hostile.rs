@@ -39,12 +39,14 @@ use crate::suite::{ChildServer, probe, start_with};
 const SERVER_ENV: &str = "RDMA_HOSTILE_SERVER";
 const CLIENT_ENV: &str = "RDMA_HOSTILE_CLIENT";
 const NOBODY_ENV: &str = "RDMA_HOSTILE_NOBODY";
-const NOBODY_FLOOD_ENV: &str = "RDMA_HOSTILE_NOBODY_FLOOD";
-/// Threads of the flood (each connecting as fast as it can): one CPU of a
-/// 2-core machine; more is a CPU flood no server survives, whatever it does.
-const FLOOD_THREADS: usize = 1;
-/// Pause between two of the flood's connections.
-const FLOOD_PAUSE: Duration = Duration::from_micros(50);
+const NOBODY_BURST_ENV: &str = "RDMA_HOSTILE_NOBODY_BURST";
+/// Connections of another user's burst: more than the soft acceptor keeps
+/// waiting for their handshake (64), fewer than the shortest listen queue
+/// the acceptor has had (128, std's default).
+const BURST: usize = 100;
+/// Connections the soft acceptor keeps waiting for their handshake at once
+/// (`MAX_PENDING_HANDSHAKES` in `verbs/src/soft/mod.rs`).
+const PENDING_HANDSHAKES: usize = 64;
 
 /// Not a test by itself: the echo server the attacks aim at, in a child process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -142,36 +144,37 @@ fn hostile_child_nobody() {
     println!("LISTENING {reply}");
 }
 
-/// Not a test by itself: floods the soft socket named in the environment
-/// with connections that say nothing (each thread keeping its newest 500
-/// open), as
-/// whatever user runs it (the tests run it as `nobody`), until killed.
+/// Not a test by itself: opens [`BURST`] connections to the soft socket
+/// named in the environment (non-blocking: those the listen queue has no
+/// room for fail), says nothing on them, prints how many it opened and
+/// holds them until killed. The tests run it as `nobody`.
 #[test]
 #[ignore = "helper process for the hostile-peer tests"]
-fn hostile_child_nobody_flood() {
-    let Ok(args) = std::env::var(NOBODY_FLOOD_ENV) else {
+fn hostile_child_nobody_burst() {
+    let Ok(args) = std::env::var(NOBODY_BURST_ENV) else {
         return;
     };
     let target: ServerQp = args.parse().unwrap();
-    println!("LISTENING flooding");
-    let flooders: Vec<_> = (0..FLOOD_THREADS)
-        .map(|_| {
-            std::thread::spawn(move || {
-                let mut held = std::collections::VecDeque::new();
-                loop {
-                    if let Ok(stream) = UnixStream::connect_addr(&target.socket_name()) {
-                        held.push_back(stream);
-                        if held.len() > 500 {
-                            held.pop_front();
-                        }
-                    }
-                    std::thread::sleep(FLOOD_PAUSE);
-                }
-            })
+    let name = target.socket_name();
+    let held: Vec<OwnedFd> = (0..BURST)
+        .filter_map(|_| {
+            use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+            let fd = rustix::net::socket_with(
+                AddressFamily::UNIX,
+                SocketType::STREAM,
+                SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+                None,
+            )
+            .ok()?;
+            let name = name.as_abstract_name()?;
+            let addr = SocketAddrUnix::new_abstract_name(name).ok()?;
+            rustix::net::connect(&fd, &addr).ok()?;
+            Some(fd)
         })
         .collect();
-    for flooder in flooders {
-        let _ = flooder.join();
+    println!("LISTENING {}", held.len());
+    loop {
+        std::thread::sleep(Duration::from_secs(60));
     }
 }
 
@@ -547,17 +550,16 @@ fn runs_as_nobody() -> Result<(), &'static str> {
     Ok(())
 }
 
-/// A user the server does not allow floods its soft socket with silent
-/// connections (one thread, one every 50 µs) while new clients dial it:
-/// every client connects and is served (the flood is refused as it is
-/// accepted, never takes a handshake's place, and a dialer that finds the
-/// listen queue full tries again on its dial thread). This rate does not
-/// make the code before these defences fail either; a flood that takes a
-/// whole CPU of this 2-core machine starves the server's calls past their
-/// deadlines before and after (a CPU flood, beyond what the socket can
-/// refuse).
+/// A user the server does not allow opens a burst of silent connections
+/// right behind an allowed dialer's handshake (the server is stopped while
+/// both queue up, so the acceptor takes them in one go): the dialer's
+/// handshake is still read and answered. Before, the acceptor kept the
+/// burst among the handshakes it waits for, its newest 64, and dropped the
+/// dialer's unread (new clients failed with `WrFlushErr` or `Broken pipe`);
+/// now another user is refused as it is accepted and takes no place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_flood_from_another_user_on_the_soft_socket_keeps_no_client_out() {
+async fn a_burst_from_another_user_on_the_soft_socket_pushes_no_dialer_out() {
+    use std::io::{BufRead, BufReader};
     use std::os::unix::process::CommandExt;
     crate::require_device!();
     if let Err(why) = runs_as_nobody() {
@@ -566,39 +568,76 @@ async fn a_flood_from_another_user_on_the_soft_socket_keeps_no_client_out() {
     }
     let mut target = Target::start().await;
     let (_tcp, server) = begin_setup(&target.addr(), HIGH_PID, 1, 1).await;
-    /// Kills the flood however the test ends.
-    struct Flood(std::process::Child);
-    impl Drop for Flood {
+    /// Kills the burst's holder and resumes the server however the test ends.
+    struct Burst {
+        holder: std::process::Child,
+        server: u32,
+    }
+    impl Drop for Burst {
         fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
+            signal(self.server, "-CONT");
+            let _ = self.holder.kill();
+            let _ = self.holder.wait();
         }
     }
-    let mut flood = std::process::Command::new(std::env::current_exe().unwrap())
+    fn signal(pid: u32, which: &str) {
+        let status = std::process::Command::new("kill")
+            .args([which, &pid.to_string()])
+            .status()
+            .expect("kill(1)");
+        assert!(status.success(), "kill {which} {pid}");
+    }
+    // The server stops: what dials it now waits in its listen queue.
+    signal(target.child.id(), "-STOP");
+    let dialer = UnixStream::connect_addr(&server.socket_name()).unwrap();
+    // A handshake from our own pid, with the server QP's secret, which the
+    // server answers (a 0-byte ring memfd: refused with byte 0, after it is
+    // read). Dropped unread, the dialer would see EOF.
+    let ring = memfd(0, false);
+    send_with_fds(
+        &dialer,
+        &server.handshake(std::process::id(), server.secret),
+        &[ring.as_fd()],
+    );
+    let mut holder = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "hostile_child_nobody_flood",
+            "hostile_child_nobody_burst",
             "--ignored",
             "--nocapture",
         ])
-        .env(NOBODY_FLOOD_ENV, server.to_string())
+        .env(NOBODY_BURST_ENV, server.to_string())
         .uid(65534)
         .gid(65534)
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .spawn()
-        .map(Flood)
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    for _ in 0..8 {
-        let client =
-            ChildServer::spawn_with("hostile_child_client", CLIENT_ENV, &target.child.endpoint);
-        assert_eq!(client.endpoint, "OK", "a new client's 50 calls succeed");
-    }
+    let stdout = holder.stdout.take().unwrap();
+    let burst = Burst {
+        holder,
+        server: target.child.id(),
+    };
+    let opened: usize = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|line| {
+            line.split_once("LISTENING ")
+                .map(|(_, n)| n.trim().parse().unwrap())
+        })
+        .expect("the burst says how many connections it opened");
     assert!(
-        flood.0.try_wait().unwrap().is_none(),
-        "the flood ran throughout"
+        opened > PENDING_HANDSHAKES,
+        "the burst queued {opened} connections behind the dialer, more than the acceptor keeps"
     );
-    drop(flood);
+    signal(target.child.id(), "-CONT");
+    let reply = tokio::task::spawn_blocking(move || read_reply(&dialer))
+        .await
+        .unwrap();
+    assert_eq!(
+        reply, "byte 0",
+        "the dialer's handshake was read and answered, not dropped for the burst"
+    );
+    drop(burst);
     target.assert_still_serving().await;
 }
 
