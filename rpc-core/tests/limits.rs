@@ -494,7 +494,7 @@ async fn connections_beyond_the_limit_are_refused_with_a_clear_error() {
     // A channel's call fails with that reason.
     let third = Channel::connect(server.endpoint.clone()).await.unwrap();
     let status = third.unary(probe("Echo", "three")).await.unwrap_err();
-    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(
         status.message().contains("connection limit of 2"),
         "{status:?}"

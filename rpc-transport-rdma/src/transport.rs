@@ -760,7 +760,11 @@ async fn establish(
         },
     )
     .await
-    .map_err(other)?;
+    .map_err(|error| match error {
+        // The only refusal a peer that sent a hello gets: no room for it.
+        SetupError::Refused(reason) => TransportError::ResourceExhausted(reason),
+        error => other(error),
+    })?;
     let peer_geometry = peer_geometry.expect("checked before connecting");
     let protocol = Protocol::new(local, peer_geometry, config.limits);
     Ok(crate::link::start(

@@ -825,27 +825,24 @@ async fn connections_beyond_the_descriptor_limit_are_refused_with_the_reason() {
     let mut open = Vec::new();
     let refusal = loop {
         assert!(open.len() < 100, "never refused");
-        let connected = Channel::builder(child.endpoint.parse().unwrap())
+        // Lazily: the first call connects, and a refusal is its status.
+        let channel = Channel::builder(child.endpoint.parse().unwrap())
             .timeout(Duration::from_secs(5))
-            .connect()
-            .await;
-        let called = match connected {
-            Ok(channel) => channel
-                .unary(probe("Echo", Bytes::from_static(b"x")))
-                .await
-                .map(|_| channel)
-                .map_err(|status| status.message().to_owned()),
-            Err(error) => Err(error.to_string()),
-        };
-        match called {
-            Ok(channel) => open.push(channel),
-            Err(reason) => break reason,
+            .connect_lazy();
+        match channel.unary(probe("Echo", Bytes::from_static(b"x"))).await {
+            Ok(_) => open.push(channel),
+            Err(status) => break status,
         }
     };
-    println!("{} connections served, then: {refusal}", open.len());
+    println!("{} connections served, then: {refusal:?}", open.len());
+    assert_eq!(
+        refusal.code(),
+        rpc_core::Code::ResourceExhausted,
+        "refused with the wrong code: {refusal:?}"
+    );
     assert!(
-        refusal.contains("out of file descriptors"),
-        "refused for the wrong reason: {refusal}"
+        refusal.message().contains("out of file descriptors"),
+        "refused for the wrong reason: {refusal:?}"
     );
     assert!(open.len() >= 10, "only {} connections", open.len());
     for channel in &open {
@@ -897,7 +894,11 @@ async fn rdma_connections_beyond_the_limit_are_refused_cleanly() {
         .unary(probe("Echo", Bytes::from_static(b"three")))
         .await
         .unwrap_err();
-    assert_eq!(status.code(), rpc_core::Code::Unavailable, "{status:?}");
+    assert_eq!(
+        status.code(),
+        rpc_core::Code::ResourceExhausted,
+        "{status:?}"
+    );
     assert!(
         status.message().contains("connection limit of 2"),
         "{status:?}"

@@ -30,6 +30,7 @@ use crate::stream::{
     InboundMessages, Outbound, OutboundMessages, RawCodec, SendMessages, Streaming, TakeOnce,
     into_streaming_request, take_inbound,
 };
+use crate::transport::TransportError;
 use crate::transport::{self, Endpoint, TransportConfig};
 
 /// How long to wait between failed connection attempts.
@@ -207,7 +208,8 @@ struct Reconnect {
     /// The waits between failed attempts (reset by a success).
     backoff: ExponentialBackoff,
     maker: ExponentialBackoffMaker,
-    last_error: Option<String>,
+    /// Why the last attempt failed, and the code its calls got.
+    last_error: Option<(Code, String)>,
 }
 
 struct ChannelInner {
@@ -298,11 +300,17 @@ impl ChannelInner {
         if let Some(retry_at) = reconnect.retry_at {
             let now = Instant::now();
             if now < retry_at {
-                return Err(Status::unavailable(format!(
-                    "cannot connect to {endpoint}: {}; next attempt in {:?}",
-                    reconnect.last_error.as_deref().unwrap_or("unknown error"),
-                    retry_at - now
-                )));
+                let (code, why) = reconnect
+                    .last_error
+                    .clone()
+                    .unwrap_or((Code::Unavailable, "unknown error".into()));
+                return Err(Status::new(
+                    code,
+                    format!(
+                        "cannot connect to {endpoint}: {why}; next attempt in {:?}",
+                        retry_at - now
+                    ),
+                ));
             }
         }
         match self.open_connection().await {
@@ -317,12 +325,18 @@ impl ChannelInner {
             Err(error) => {
                 let wait = reconnect.backoff.next_backoff();
                 reconnect.retry_at = Some(wait.deadline());
-                reconnect.last_error = Some(error.to_string());
                 tracing::debug!(%endpoint, %error, "connect failed");
-                Err(
-                    Status::unavailable(format!("cannot connect to {endpoint}: {error}"))
-                        .with_source(error),
-                )
+                // A peer that said it has no room is out of resources, not
+                // unreachable (retrying it at once only adds to its load).
+                let code = match &error {
+                    Error::Transport(TransportError::ResourceExhausted(_)) => {
+                        Code::ResourceExhausted
+                    }
+                    _ => Code::Unavailable,
+                };
+                reconnect.last_error = Some((code, error.to_string()));
+                let message = format!("cannot connect to {endpoint}: {error}");
+                Err(Status::new(code, message).with_source(error))
             }
         }
     }

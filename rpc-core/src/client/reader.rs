@@ -372,7 +372,13 @@ fn handle_item(
         FrameKind::GoAway if frame.status != Code::Ok => {
             let reason = String::from_utf8_lossy(&frame.payload.into_contiguous()).into_owned();
             tracing::warn!(peer = %shared.peer, %reason, "server closed the connection");
-            return Err(format!("server closed the connection: {reason}"));
+            let reason = format!("server closed the connection: {reason}");
+            // A refusal for want of room (a connection limit): the calls on
+            // it fail `ResourceExhausted`, as a refused set-up does.
+            if frame.status == Code::ResourceExhausted {
+                shared.close(Status::resource_exhausted(reason.clone()));
+            }
+            return Err(reason);
         }
         FrameKind::GoAway => {
             tracing::debug!(peer = %shared.peer, last_call_id = frame.call_id, "server sent GOAWAY; new calls use a new connection");

@@ -194,6 +194,11 @@ pub enum TransportError {
     /// failure of ours. Calls still in flight on it fail `Unavailable`.
     #[error("{0}")]
     PeerGone(String),
+    /// The peer refused the connection for want of room (connections, file
+    /// descriptors, memory) and said why: a connect that gets it fails
+    /// `ResourceExhausted`, not `Unavailable`.
+    #[error("the peer has no room for this connection: {0}")]
+    ResourceExhausted(String),
     /// A transport-specific error (e.g. from the RDMA provider).
     #[error("{0}")]
     Other(BoxError),
