@@ -15,7 +15,7 @@ use h2::SendStream;
 use h2::client::{ResponseFuture, SendRequest};
 use http::{HeaderValue, Request, StatusCode};
 use rpc_core::Payload;
-use rpc_core::frame::{EncodedFrame, Frame, FrameFlags, FrameKind};
+use rpc_core::frame::{Frame, FrameFlags, FrameKind};
 use rpc_core::metadata::Metadata;
 use rpc_core::stream::SendWindow;
 use rpc_core::transport::{Connection, Endpoint, TransportError};
@@ -84,7 +84,7 @@ async fn drive(
     send_request: SendRequest<Bytes>,
     connection: h2::client::Connection<TcpStream, Bytes>,
     to_core: ToCore,
-    mut from_core: mpsc::Receiver<EncodedFrame>,
+    mut from_core: link::FromCore,
     authority: String,
     settings: H2Settings,
 ) {

@@ -2,11 +2,14 @@
 //! reads frames from and writes frames to, and the gateway's handles on it.
 
 use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use futures_util::SinkExt;
+use futures_util::Sink;
+use futures_util::task::AtomicWaker;
 use rpc_core::Payload;
 use rpc_core::frame::{EncodedFrame, Frame, FrameError, FrameFlags, FrameKind};
 use rpc_core::stream::{BATCH_BYTES, SendWindow};
@@ -18,11 +21,15 @@ use tokio_util::sync::{CancellationToken, PollSender};
 const TO_CORE_QUEUE: usize = 64;
 /// Frames queued from rpc-core before rpc-core waits. Few: rpc-core counts a
 /// frame as written once it is here, so what waits here is held beside the
-/// gateway's own bounded queue (at 64, a peer that let no answer through
-/// held 64 answers here: 64 MiB for 1 MiB answers). At 4, a stream's
-/// messages/s and 1 MiB echoes lost 10-35% (the gateway and rpc-core's
-/// writer took turns); 16 measured as 64 did.
+/// gateway's own bounded queue. At 4, a stream's messages/s and 1 MiB echoes
+/// lost 10-35% (the gateway and rpc-core's writer took turns); 16 measured
+/// as 64 did.
 const FROM_CORE_QUEUE: usize = 16;
+/// Bytes of frames queued from rpc-core before rpc-core waits (it may pass
+/// it by one frame): with [`FROM_CORE_QUEUE`] alone, 16 answers of the
+/// largest frame a peer that reads nothing (a zero HTTP/2 window) makes a
+/// connection hold.
+const FROM_CORE_BYTES: usize = 4 << 20;
 
 /// Where the gateway hands frames to rpc-core. Cloned into every call's
 /// tasks; a frame reserves its bytes in the server's receive budget (when
@@ -93,14 +100,14 @@ impl ToCore {
 pub(crate) fn new_connection(
     peer: String,
     budget: Option<ConnectionBudget>,
-) -> (
-    Connection,
-    ToCore,
-    mpsc::Receiver<EncodedFrame>,
-    CancellationToken,
-) {
+) -> (Connection, ToCore, FromCore, CancellationToken) {
     let (to_core, mut core_reads) = mpsc::channel(TO_CORE_QUEUE);
-    let (core_writes, from_core) = mpsc::channel(FROM_CORE_QUEUE);
+    let (core_writes, frames_from_core) = mpsc::channel(FROM_CORE_QUEUE);
+    let queued = Arc::new(QueuedBytes::default());
+    let from_core = FromCore {
+        frames: frames_from_core,
+        queued: queued.clone(),
+    };
     let ended = CancellationToken::new();
     let mut ended_wait = Box::pin(ended.clone().cancelled_owned());
     let stream = futures_util::stream::poll_fn(move |cx| match core_reads.poll_recv(cx) {
@@ -109,7 +116,10 @@ pub(crate) fn new_connection(
         // Call tasks may still hold senders: the connection's end ends the stream.
         Poll::Pending => ended_wait.as_mut().poll(cx).map(|()| None),
     });
-    let sink = PollSender::new(core_writes).sink_map_err(|_| TransportError::Closed);
+    let sink = ToGateway {
+        frames: PollSender::new(core_writes),
+        queued,
+    };
     let connection = Connection {
         sink: Box::pin(sink),
         stream: Box::pin(stream),
@@ -120,6 +130,73 @@ pub(crate) fn new_connection(
         budget: budget.map(|budget| Arc::new(tokio::sync::Mutex::new(budget))),
     };
     (connection, to_core, from_core, ended)
+}
+
+/// Bytes of rpc-core's frames that the gateway has not taken yet, and
+/// rpc-core's writer waiting for them to drop below [`FROM_CORE_BYTES`].
+#[derive(Default)]
+struct QueuedBytes {
+    bytes: AtomicUsize,
+    room: AtomicWaker,
+}
+
+/// The sink rpc-core writes a translated connection's frames to: bounded
+/// in frames ([`FROM_CORE_QUEUE`]) and in bytes ([`FROM_CORE_BYTES`]).
+struct ToGateway {
+    frames: PollSender<EncodedFrame>,
+    queued: Arc<QueuedBytes>,
+}
+
+impl Sink<EncodedFrame> for ToGateway {
+    type Error = TransportError;
+
+    fn poll_ready(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        let full = || self.queued.bytes.load(Ordering::Acquire) >= FROM_CORE_BYTES;
+        if full() {
+            self.queued.room.register(cx.waker());
+            // The gateway may have taken a frame before we registered.
+            if full() {
+                return Poll::Pending;
+            }
+        }
+        self.frames
+            .poll_reserve(cx)
+            .map_err(|_| TransportError::Closed)
+    }
+
+    fn start_send(mut self: Pin<&mut Self>, frame: EncodedFrame) -> Result<(), Self::Error> {
+        self.queued.bytes.fetch_add(frame.len(), Ordering::AcqRel);
+        self.frames
+            .send_item(frame)
+            .map_err(|_| TransportError::Closed)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.frames.close();
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Where the gateway takes rpc-core's frames from; taking one makes room
+/// for rpc-core's writer.
+pub(crate) struct FromCore {
+    frames: mpsc::Receiver<EncodedFrame>,
+    queued: Arc<QueuedBytes>,
+}
+
+impl FromCore {
+    /// The next frame rpc-core wrote; `None` once rpc-core closed the
+    /// connection. Cancel-safe (as `mpsc::Receiver::recv`).
+    pub(crate) async fn recv(&mut self) -> Option<EncodedFrame> {
+        let frame = self.frames.recv().await?;
+        self.queued.bytes.fetch_sub(frame.len(), Ordering::AcqRel);
+        self.queued.room.wake();
+        Some(frame)
+    }
 }
 
 /// A frame rpc-core sent, decoded. rpc-core's own frames are valid; an
@@ -354,6 +431,55 @@ mod tests {
         assert_eq!(messages, [Bytes::from_static(b"one"), Bytes::new()]);
         // An empty batch takes even a message larger than a batch.
         assert!(batch.has_room_for(&vec![0u8; 2 * BATCH_BYTES]));
+    }
+
+    /// A peer that reads nothing holds at most [`FROM_CORE_BYTES`] (plus
+    /// one frame) of rpc-core's answers here, however large they are, and
+    /// at most [`FROM_CORE_QUEUE`] frames however small.
+    #[tokio::test]
+    async fn what_rpc_core_hands_the_gateway_is_bounded_in_bytes_and_in_frames() {
+        let (mut connection, _to_core, mut from_core, _ended) = new_connection("test".into(), None);
+        let answer = |len: usize| EncodedFrame {
+            head: Bytes::from(vec![0u8; 16]),
+            payload: Payload::from(Bytes::from(vec![7u8; len])),
+        };
+        let ready = |connection: &mut Connection| {
+            let mut cx = Context::from_waker(Waker::noop());
+            connection.sink.as_mut().poll_ready(&mut cx).is_ready()
+        };
+        // 1 MiB answers: rpc-core waits once the bytes reach the bound.
+        let mut sent = 0;
+        while ready(&mut connection) {
+            connection
+                .sink
+                .as_mut()
+                .start_send(answer(1 << 20))
+                .unwrap();
+            sent += 1;
+            assert!(sent <= FROM_CORE_QUEUE, "never held back");
+        }
+        assert_eq!(sent, FROM_CORE_BYTES.div_ceil((1 << 20) + 16));
+        // Taking one makes room for one more.
+        assert!(from_core.recv().await.is_some());
+        assert!(ready(&mut connection));
+        connection
+            .sink
+            .as_mut()
+            .start_send(answer(1 << 20))
+            .unwrap();
+        assert!(!ready(&mut connection));
+        for _ in 0..sent {
+            assert!(from_core.recv().await.is_some());
+        }
+        assert_eq!(from_core.queued.bytes.load(Ordering::Acquire), 0);
+        // Small answers: the frame bound holds them.
+        let mut small = 0;
+        while ready(&mut connection) {
+            connection.sink.as_mut().start_send(answer(10)).unwrap();
+            small += 1;
+            assert!(small <= FROM_CORE_QUEUE, "never held back");
+        }
+        assert_eq!(small, FROM_CORE_QUEUE);
     }
 
     #[tokio::test]

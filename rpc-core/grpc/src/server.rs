@@ -29,7 +29,7 @@ use futures_util::stream::FuturesUnordered;
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
-use rpc_core::frame::{EncodedFrame, Frame, FrameFlags, FrameKind, HEADER_LEN};
+use rpc_core::frame::{Frame, FrameFlags, FrameKind, HEADER_LEN};
 use rpc_core::metadata::Metadata;
 use rpc_core::stream::SendWindow;
 use rpc_core::transport::{Connection, Endpoint, Listener, TransportError};
@@ -170,7 +170,7 @@ async fn serve_connection(
     socket: TcpStream,
     settings: H2Settings,
     to_core: ToCore,
-    mut from_core: mpsc::Receiver<EncodedFrame>,
+    mut from_core: link::FromCore,
 ) {
     let handshake = settings.server().handshake::<_, Bytes>(socket);
     let mut h2 = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
