@@ -77,6 +77,9 @@ impl Slots {
 
     /// A slot for `source` now, or `None` when a bound is reached.
     pub(crate) fn try_take(self: &Arc<Slots>, source: IpAddr) -> Option<Slot> {
+        // An IPv4 peer on a dual-stack listener arrives as `::ffff:a.b.c.d`:
+        // it shares its IPv4 address's slots.
+        let source = source.to_canonical();
         let mut taken = self.taken.lock().unwrap_or_else(|p| p.into_inner());
         let mine = taken.by_source.get(&source).copied().unwrap_or(0);
         if taken.total >= self.total_limit || mine >= self.per_source_limit {
@@ -211,6 +214,15 @@ mod tests {
         let refused = descriptors_allow(96, 1, 10, Some(1024)).unwrap_err();
         assert!(refused.contains("out of file descriptors"), "{refused}");
         assert!(refused.contains("RLIMIT_NOFILE 1024"), "{refused}");
+    }
+
+    #[test]
+    fn an_ipv4_mapped_source_shares_its_ipv4_addresses_slots() {
+        let slots = Slots::new(4, 1);
+        let _held = slots.try_take(ip(1)).unwrap();
+        let mapped = IpAddr::from(std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped());
+        assert!(slots.try_take(mapped).is_none(), "the same source");
+        assert_eq!(slots.taken(ip(1)), (1, 1));
     }
 
     #[tokio::test]
