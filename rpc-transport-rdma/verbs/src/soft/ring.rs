@@ -56,6 +56,9 @@ const _: () = assert!(RING_BYTES.is_power_of_two(), "index arithmetic masks");
 /// The shared mapping: two halves, dialer → acceptor first.
 struct Mapping {
     base: *mut u8,
+    /// The half this process produces into, claimed for as long as the
+    /// mapping lives (none for heap memory).
+    _claim: Option<HalfClaim>,
     /// Heap memory instead of a shared mapping: both ends of a test's ring
     /// pair in one process, where Miri can run them (no mmap).
     #[cfg(test)]
@@ -94,6 +97,43 @@ impl Drop for Mapping {
     }
 }
 
+/// Ring halves this process produces into, by the memfd's device and inode
+/// and the half: each has one producer in the process. A hostile peer that
+/// passed one memfd in two handshakes would otherwise have two of our QPs
+/// produce into one half under different locks.
+static PRODUCED_HALVES: std::sync::Mutex<std::collections::BTreeSet<(u64, u64, usize)>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// This process's claim on producing into one half of a ring memfd.
+struct HalfClaim((u64, u64, usize));
+
+impl HalfClaim {
+    /// Claims half `tx` of the memfd `fd`, or says it is taken.
+    fn take(fd: BorrowedFd<'_>, tx: usize) -> io::Result<HalfClaim> {
+        let stat = rustix::fs::fstat(fd)?;
+        let key = (stat.st_dev as u64, stat.st_ino as u64, tx);
+        let mut halves = PRODUCED_HALVES
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if !halves.insert(key) {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "this ring memory is already mapped by another soft QP of this process (a memfd passed twice)",
+            ));
+        }
+        Ok(HalfClaim(key))
+    }
+}
+
+impl Drop for HalfClaim {
+    fn drop(&mut self) {
+        PRODUCED_HALVES
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .remove(&self.0);
+    }
+}
+
 /// One QP's view of the two rings.
 pub(crate) struct RingPair {
     mapping: Arc<Mapping>,
@@ -124,7 +164,7 @@ impl std::fmt::Debug for RingPair {
 /// `fd` must be a memfd of at least [`MAPPED`] bytes that can never shrink
 /// (sealed with `F_SEAL_SHRINK`): the rings access all of it, and an access
 /// past the end of the file would be SIGBUS.
-unsafe fn map(fd: BorrowedFd<'_>) -> io::Result<Mapping> {
+unsafe fn map(fd: BorrowedFd<'_>, claim: HalfClaim) -> io::Result<Mapping> {
     // SAFETY: a null hint without MAP_FIXED: the kernel picks unused
     // addresses, so the call replaces or aliases no memory of ours.
     let base = unsafe {
@@ -139,6 +179,7 @@ unsafe fn map(fd: BorrowedFd<'_>) -> io::Result<Mapping> {
     }?;
     Ok(Mapping {
         base: base.cast(),
+        _claim: Some(claim),
         #[cfg(test)]
         heap: false,
     })
@@ -149,9 +190,10 @@ impl RingPair {
     /// shrink under either side's mapping; returns the rings and the fd to pass.
     pub(crate) fn create() -> io::Result<(RingPair, OwnedFd)> {
         let fd = super::peer::sealed_memfd(c"rdma-rpc-soft-ring", MAPPED)?;
+        let claim = HalfClaim::take(fd.as_fd(), 0)?;
         // SAFETY: `sealed_memfd` just made `fd` a memfd of MAPPED bytes,
         // sealed against shrinking.
-        let mapping = unsafe { map(fd.as_fd()) }?;
+        let mapping = unsafe { map(fd.as_fd(), claim) }?;
         Ok((RingPair::new(Arc::new(mapping), 0), fd))
     }
 
@@ -160,9 +202,10 @@ impl RingPair {
     /// our next access into SIGBUS.
     pub(crate) fn open(fd: &OwnedFd) -> io::Result<RingPair> {
         super::peer::check_sealed_memfd(fd, MAPPED, "descriptor ring")?;
+        let claim = HalfClaim::take(fd.as_fd(), 1)?;
         // SAFETY: `check_sealed_memfd` just checked that `fd` is a memfd of
         // exactly MAPPED bytes, sealed against shrinking.
-        let mapping = unsafe { map(fd.as_fd()) }?;
+        let mapping = unsafe { map(fd.as_fd(), claim) }?;
         Ok(RingPair::new(Arc::new(mapping), 1))
     }
 
@@ -174,7 +217,11 @@ impl RingPair {
         // SAFETY: MAPPED is not zero.
         let base = unsafe { std::alloc::alloc_zeroed(layout) };
         assert!(!base.is_null(), "out of memory");
-        let mapping = Arc::new(Mapping { base, heap: true });
+        let mapping = Arc::new(Mapping {
+            base,
+            _claim: None,
+            heap: true,
+        });
         (RingPair::new(mapping.clone(), 0), RingPair::new(mapping, 1))
     }
 
@@ -651,6 +698,20 @@ mod tests {
         send(&producer, &big[..RING_BYTES / 2], &socket, false, || false).unwrap();
         let error = send(&producer, &big, &socket, false, || false).unwrap_err();
         assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+    }
+
+    /// One memfd passed in two handshakes is refused the second time: two
+    /// of our QPs never produce into one half. The first mapping's end
+    /// frees the half again.
+    #[test]
+    fn a_ring_memfd_passed_twice_is_refused_while_the_first_lives() {
+        let (dialer, fd) = RingPair::create().unwrap();
+        let acceptor = RingPair::open(&fd).expect("the acceptor's half is free");
+        let twice = RingPair::open(&fd).expect_err("that half is taken");
+        assert_eq!(twice.kind(), io::ErrorKind::AlreadyExists, "{twice}");
+        drop(acceptor);
+        let again = RingPair::open(&fd).expect("freed with the first acceptor");
+        drop((dialer, again));
     }
 
     #[test]
