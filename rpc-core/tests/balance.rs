@@ -47,3 +47,35 @@ async fn a_dead_endpoint_is_probed_not_sent_calls_after_its_ejection() {
         }
     }
 }
+
+/// An endpoint at its connection limit refuses with `ResourceExhausted`:
+/// that ejects it as `Unavailable` does, and the calls go to the endpoint
+/// with room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_that_refuses_for_want_of_room_is_ejected() {
+    use crate::suite::start_with;
+    let roomy = start(&TcpBed).await;
+    let full = start_with(&TcpBed, |server| server.max_connections(1)).await;
+    // Another client holds the full server's one place.
+    let holder = rpc_core::Channel::connect(full.endpoint.clone())
+        .await
+        .unwrap();
+    holder.unary(probe("Echo", "mine")).await.unwrap();
+    let balanced = BalancedChannel::from_endpoints([roomy.endpoint.clone(), full.endpoint.clone()]);
+    let mut refused = None;
+    for i in 0..200 {
+        if let Err(status) = balanced.unary(probe("Echo", format!("{i}"))).await {
+            refused = Some(status);
+            break;
+        }
+    }
+    let refused = refused.expect("the full endpoint was never picked in 200 calls");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    for i in 0..100 {
+        balanced
+            .unary(probe("Echo", format!("after {i}")))
+            .await
+            .unwrap_or_else(|status| panic!("call {i} after the ejection: {status:?}"));
+    }
+    drop(holder);
+}

@@ -4,7 +4,8 @@
 //! scheme, mixed), behind tower's power-of-two-choices balancer on pending
 //! calls: each call goes to the less loaded of two endpoints picked at
 //! random. An endpoint whose call fails `Unavailable` (its connection failed
-//! or its server is gone) is ejected — not picked — for a backoff that
+//! or its server is gone), or `ResourceExhausted` because it refused the
+//! connection for want of room, is ejected — not picked — for a backoff that
 //! doubles with each consecutive failure (100 ms up to 10 s, ±50% jitter);
 //! then it is probed (its channel connects) before it takes calls again: a
 //! probe that fails ejects it for the next backoff, so no call is sent to an
@@ -37,7 +38,7 @@ use super::Channel;
 use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{BoxError, Code, Status};
-use crate::transport::Endpoint;
+use crate::transport::{Endpoint, TransportError};
 
 /// First ejection of a failing endpoint.
 pub const EJECT_BASE: Duration = Duration::from_millis(100);
@@ -371,7 +372,7 @@ impl Service<Request<Payload>> for Ejecting {
             let outcome = call.await;
             let mut health = health.lock().unwrap_or_else(|poison| poison.into_inner());
             match &outcome {
-                Err(status) if status.code() == Code::Unavailable => {
+                Err(status) if status.code() == Code::Unavailable || refused_for_room(status) => {
                     let ejected = health.failed();
                     tracing::debug!(%endpoint, failures = health.failures, ?ejected, %status, "endpoint ejected");
                 }
@@ -383,6 +384,25 @@ impl Service<Request<Payload>> for Ejecting {
             outcome
         })
     }
+}
+
+/// Whether a call failed because its endpoint refused a connection for want
+/// of room (`ResourceExhausted` from the connection, not from a handler): as
+/// much a reason to eject the endpoint as `Unavailable`.
+fn refused_for_room(status: &Status) -> bool {
+    use std::error::Error as _;
+    let Some(source) = status.source() else {
+        return false;
+    };
+    matches!(
+        source.downcast_ref::<TransportError>(),
+        Some(TransportError::ResourceExhausted(_))
+    ) || matches!(
+        source.downcast_ref::<crate::Error>(),
+        Some(crate::Error::Transport(TransportError::ResourceExhausted(
+            _
+        )))
+    )
 }
 
 #[cfg(test)]

@@ -372,13 +372,17 @@ fn handle_item(
         FrameKind::GoAway if frame.status != Code::Ok => {
             let reason = String::from_utf8_lossy(&frame.payload.into_contiguous()).into_owned();
             tracing::warn!(peer = %shared.peer, %reason, "server closed the connection");
-            let reason = format!("server closed the connection: {reason}");
+            let closed = format!("server closed the connection: {reason}");
             // A refusal for want of room (a connection limit): the calls on
-            // it fail `ResourceExhausted`, as a refused set-up does.
+            // it fail `ResourceExhausted`, as a refused set-up does (and a
+            // balancer reads the source to eject the endpoint).
             if frame.status == Code::ResourceExhausted {
-                shared.close(Status::resource_exhausted(reason.clone()));
+                shared.close(
+                    Status::resource_exhausted(closed.clone())
+                        .with_source(TransportError::ResourceExhausted(reason)),
+                );
             }
-            return Err(reason);
+            return Err(closed);
         }
         FrameKind::GoAway => {
             tracing::debug!(peer = %shared.peer, last_call_id = frame.call_id, "server sent GOAWAY; new calls use a new connection");
