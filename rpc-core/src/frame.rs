@@ -226,6 +226,17 @@ pub(crate) enum Excess {
 }
 
 impl Excess {
+    /// Why a transport skipped a frame ([`TransportError::Refused`]): its
+    /// head's metadata over the limit, else its length over `max`.
+    ///
+    /// [`TransportError::Refused`]: crate::transport::TransportError::Refused
+    pub(crate) fn of_refused(head: &[u8], len: usize, max: usize) -> Excess {
+        match Frame::peek_metadata_excess(head) {
+            Some(excess) => Excess::Metadata(excess),
+            None => Excess::Frame { len, max },
+        }
+    }
+
     /// What was refused, in words: "`what` of N bytes exceeds `whose` limit
     /// of M bytes" or "`what` metadata of ... exceeds the limit of ...".
     pub(crate) fn describe(&self, what: &str, whose: &str) -> String {
@@ -545,6 +556,21 @@ impl Frame {
         let kind = FrameKind::from_u8(head[1])?;
         let call_id = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
         Some((kind, call_id))
+    }
+
+    /// The metadata limit a frame's header already breaks
+    /// ([`crate::metadata::MAX_METADATA_LEN`]), from its first
+    /// [`HEADER_LEN`] bytes: a transport skips such a frame instead of
+    /// holding it whole, since it can only be refused. `None` when it keeps
+    /// the limit, or `head` is shorter than a header or starts no frame.
+    pub fn peek_metadata_excess(head: &[u8]) -> Option<MetadataOverLimit> {
+        // Only what starts as a frame (version, kind) is read as one.
+        Frame::peek_header(head)?;
+        let len = u32::from_le_bytes(head.get(28..32)?.try_into().ok()?) as usize;
+        (len > crate::metadata::MAX_METADATA_LEN).then_some(MetadataOverLimit::Bytes {
+            len,
+            max: crate::metadata::MAX_METADATA_LEN,
+        })
     }
 
     /// Decodes one whole message. The payload is a slice of `message` (no copy).

@@ -766,7 +766,10 @@ async fn establish(
         error => other(error),
     })?;
     let peer_geometry = peer_geometry.expect("checked before connecting");
-    let protocol = Protocol::new(local, peer_geometry, config.limits);
+    // A frame announcing metadata over rpc-core's limit can only be
+    // refused: it is, before a byte of it is pulled.
+    let protocol = Protocol::new(local, peer_geometry, config.limits)
+        .refusing_heads(|head| rpc_core::frame::Frame::peek_metadata_excess(head).is_some());
     Ok(crate::link::start(
         endpoint,
         cm,

@@ -264,7 +264,8 @@ fn handle_item(
     let decoded = match item {
         None => return Err("connection closed by peer".to_owned()),
         Some(Err(TransportError::Refused { head, len, max })) => {
-            Err((head, Excess::Frame { len, max }))
+            let excess = Excess::of_refused(&head, len, max);
+            Err((head, excess))
         }
         Some(Err(error)) => return Err(format!("connection lost: {error}")),
         Some(Ok(bytes)) => match Frame::decode(bytes.clone(), max_frame_len) {

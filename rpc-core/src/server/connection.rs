@@ -226,7 +226,8 @@ pub(crate) async fn serve_connection(
                     }
                     // Skipped by the transport.
                     Some(Err(TransportError::Refused { head, len, max })) => {
-                        Err((head, Excess::Frame { len, max }))
+                        let excess = Excess::of_refused(&head, len, max);
+                        Err((head, excess))
                     }
                     Some(Err(rpc_error @ TransportError::Frame(_))) => {
                         break Ending::ProtocolError(format!("bad frame: {rpc_error}"));

@@ -25,7 +25,7 @@ use super::{
     Connection, ConnectionBudget, Endpoint, Listener, ReceiveBudget, Reservation, Transport,
     TransportConfig, TransportError,
 };
-use crate::frame::{EncodedFrame, FrameError, HEADER_LEN};
+use crate::frame::{EncodedFrame, Frame, FrameError, HEADER_LEN};
 use crate::payload::Payload;
 
 /// Size of the length prefix in front of every frame.
@@ -204,6 +204,28 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 }
                 ReadState::Reserve { len } => {
                     let len = *len;
+                    if len > READ_AHEAD {
+                        // A large frame's header first: one whose metadata
+                        // is over the limit can only be refused, so it is
+                        // skipped instead of held whole.
+                        if self.staging.len() < HEADER_LEN {
+                            if self.eof {
+                                return Poll::Ready(Some(Err(closed_inside_a_frame(
+                                    self.staging.len(),
+                                ))));
+                            }
+                            ready!(self.poll_fill(cx))?;
+                            continue;
+                        }
+                        if Frame::peek_metadata_excess(&self.staging[..HEADER_LEN]).is_some() {
+                            self.state = ReadState::Skip {
+                                head: BytesMut::new(),
+                                len,
+                                left: len,
+                            };
+                            continue;
+                        }
+                    }
                     let reservation = match &mut self.budget {
                         Some(budget) => Some(ready!(budget.poll_reserve(cx, len))?),
                         None => None,
@@ -675,6 +697,60 @@ mod tests {
         }
         assert_eq!(budget.in_use(), 0, "nothing reserved for a skipped frame");
         assert_eq!(&reader.next().await.unwrap().unwrap()[..], b"abc");
+        drop(writer.await.unwrap());
+    }
+
+    /// A large frame whose header announces metadata over the limit is
+    /// skipped as it arrives (it can only be refused): nothing is reserved
+    /// or held for it, though it is within the frame limit, and the next
+    /// frame reads as usual. (Held whole, it would wait here for a budget
+    /// that cannot take it.)
+    #[tokio::test]
+    async fn a_frame_announcing_metadata_over_the_limit_is_skipped_not_held() {
+        use futures_util::StreamExt;
+        use tokio::io::AsyncWriteExt;
+
+        let budget = ReceiveBudget::new(1 << 20);
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        let mut reader = FrameReader::new(server, 64 << 20, Some(budget.connection()));
+        let metadata_len = 4 << 20;
+        let mut frame = crate::frame::Frame::request(
+            9,
+            "/a.B/C",
+            None,
+            crate::metadata::Metadata::new(),
+            Bytes::new(),
+        )
+        .encode()
+        .to_vec();
+        frame[28..32].copy_from_slice(&(metadata_len as u32).to_le_bytes());
+        frame.resize(frame.len() + metadata_len, 1);
+        let frame_len = frame.len();
+        let writer = tokio::spawn(async move {
+            client
+                .write_all(&(frame_len as u32).to_le_bytes())
+                .await
+                .unwrap();
+            client.write_all(&frame).await.unwrap();
+            client.write_all(&3u32.to_le_bytes()).await.unwrap();
+            client.write_all(b"xyz").await.unwrap();
+            client
+        });
+        let first = tokio::time::timeout(std::time::Duration::from_secs(10), reader.next())
+            .await
+            .expect("not waiting for room to hold it");
+        match first.unwrap() {
+            Err(TransportError::Refused { head, len, .. }) => {
+                assert_eq!(len, frame_len);
+                assert!(matches!(
+                    crate::frame::Frame::peek_metadata_excess(&head),
+                    Some(crate::metadata::MetadataOverLimit::Bytes { len, .. }) if len == metadata_len
+                ));
+            }
+            other => panic!("expected a skipped frame, got {other:?}"),
+        }
+        assert_eq!(budget.in_use(), 0, "nothing reserved for it");
+        assert_eq!(&reader.next().await.unwrap().unwrap()[..], b"xyz");
         drop(writer.await.unwrap());
     }
 }

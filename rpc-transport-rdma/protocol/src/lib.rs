@@ -476,6 +476,9 @@ pub struct Protocol {
     local: Geometry,
     peer: Geometry,
     limits: Limits,
+    /// Refuses an announced frame from its head alone (see
+    /// [`Protocol::refusing_heads`]).
+    refuse_head: fn(&[u8]) -> bool,
     // Credits.
     send_credits: u32,
     /// Receives consumed (and re-posted) since our last grant that held
@@ -525,6 +528,7 @@ impl Protocol {
             local,
             peer,
             limits,
+            refuse_head: |_| false,
             send_credits: peer.initial_credits,
             owed_for_data: 0,
             granted_total: u64::from(local.initial_credits),
@@ -551,6 +555,15 @@ impl Protocol {
             close_received: false,
             events: VecDeque::new(),
         }
+    }
+
+    /// Refuses, as it refuses a frame over the size limit (DONE at once,
+    /// [`Inbound::Refused`], nothing pulled or allocated), every announced
+    /// frame whose head `refuse` says can only be refused: the layer above
+    /// knows its frames' headers (say, metadata over its limit).
+    pub fn refusing_heads(mut self, refuse: fn(&[u8]) -> bool) -> Protocol {
+        self.refuse_head = refuse;
+        self
     }
 
     /// How a frame of `len` bytes travels.
@@ -694,7 +707,9 @@ impl Protocol {
                     });
                 }
                 self.unanswered += 1;
-                if announce.frame_len() > self.local.max_frame_len {
+                if announce.frame_len() > self.local.max_frame_len
+                    || (self.refuse_head)(&announce.head)
+                {
                     // Checked before anything is allocated: the frame is
                     // refused whole, the peer gets its DONE at once.
                     self.control.push_back(Body::Done {

@@ -517,6 +517,34 @@ fn forged_and_broken_messages_are_errors() {
     assert_refused(&mut p, g.max_frame_len + 1, g.max_frame_len);
 }
 
+/// A frame whose head the layer above refuses is refused as one over the
+/// size limit is (nothing pulled, DONE at once); one it accepts is pulled.
+#[test]
+fn an_announced_frame_whose_head_is_refused_is_never_pulled() {
+    let g = geometry(4, 1024);
+    let announce = |head: &'static [u8]| {
+        Body::Announce(Announce {
+            token: 1,
+            addr: 0x1000,
+            len: 5000,
+            rkey: 1,
+            head: Bytes::from_static(head),
+            tail: Bytes::new(),
+        })
+    };
+    let mut p =
+        Protocol::new(g, g, Limits::default()).refusing_heads(|head| head.starts_with(b"bad"));
+    received(&mut p, 0, announce(b"bad head")).unwrap();
+    assert_refused(&mut p, 5008, g.max_frame_len);
+    let mut p =
+        Protocol::new(g, g, Limits::default()).refusing_heads(|head| head.starts_with(b"bad"));
+    received(&mut p, 0, announce(b"good head")).unwrap();
+    assert!(
+        !matches!(p.poll_inbound(), Some(Inbound::Refused { .. })),
+        "an accepted head is pulled"
+    );
+}
+
 /// `p` refused the frame it was just announced: nothing allocated, the
 /// refusal handed up, a DONE for it sent.
 fn assert_refused(p: &mut Protocol, len: u64, max: u64) {
