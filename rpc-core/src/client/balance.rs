@@ -397,11 +397,6 @@ fn refused_for_room(status: &Status) -> bool {
     matches!(
         source.downcast_ref::<TransportError>(),
         Some(TransportError::ResourceExhausted(_))
-    ) || matches!(
-        source.downcast_ref::<crate::Error>(),
-        Some(crate::Error::Transport(TransportError::ResourceExhausted(
-            _
-        )))
     )
 }
 

@@ -326,17 +326,19 @@ impl ChannelInner {
                 let wait = reconnect.backoff.next_backoff();
                 reconnect.retry_at = Some(wait.deadline());
                 tracing::debug!(%endpoint, %error, "connect failed");
+                let why = error.to_string();
+                let message = format!("cannot connect to {endpoint}: {why}");
                 // A peer that said it has no room is out of resources, not
-                // unreachable (retrying it at once only adds to its load).
-                let code = match &error {
-                    Error::Transport(TransportError::ResourceExhausted(_)) => {
-                        Code::ResourceExhausted
+                // unreachable (retrying it at once only adds to its load);
+                // its refusal is the source, as on a GOAWAY refusal.
+                let status = match error {
+                    Error::Transport(refusal @ TransportError::ResourceExhausted(_)) => {
+                        Status::resource_exhausted(message).with_source(refusal)
                     }
-                    _ => Code::Unavailable,
+                    error => Status::unavailable(message).with_source(error),
                 };
-                reconnect.last_error = Some((code, error.to_string()));
-                let message = format!("cannot connect to {endpoint}: {error}");
-                Err(Status::new(code, message).with_source(error))
+                reconnect.last_error = Some((status.code(), why));
+                Err(status)
             }
         }
     }
