@@ -73,7 +73,8 @@ const PAGE: usize = 4096;
 // it unmaps on drop (from whichever thread); it gives no access to the
 // memory by itself. `RingPair` accesses it: the control words only
 // atomically, each half's data only from its one producer or one consumer
-// at a time (the contracts of its unsafe `send_some` and `receive`).
+// at a time (the contracts of its unsafe `send_some` and `receive`; across
+// `RingPair`s, the `HalfClaim` each mapping holds).
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
@@ -98,7 +99,8 @@ impl Drop for Mapping {
 }
 
 /// Ring halves this process produces into, by the memfd's device and inode
-/// and the half: each has one producer in the process. A hostile peer that
+/// and the half: each has one producer in the process (in this copy of the
+/// crate: two versions of it linked into one process keep a set each). A hostile peer that
 /// passed one memfd in two handshakes would otherwise have two of our QPs
 /// produce into one half under different locks.
 static PRODUCED_HALVES: std::sync::Mutex<std::collections::BTreeSet<(u64, u64, usize)>> =
@@ -158,13 +160,16 @@ impl std::fmt::Debug for RingPair {
     }
 }
 
-/// Maps both rings, shared, readable and writable.
+/// Maps both rings, shared, readable and writable, as the side that
+/// produces into half `tx` (0: the dialer), once this process holds that
+/// half's claim.
 ///
 /// # Safety
 /// `fd` must be a memfd of at least [`MAPPED`] bytes that can never shrink
 /// (sealed with `F_SEAL_SHRINK`): the rings access all of it, and an access
 /// past the end of the file would be SIGBUS.
-unsafe fn map(fd: BorrowedFd<'_>, claim: HalfClaim) -> io::Result<Mapping> {
+unsafe fn map_half(fd: BorrowedFd<'_>, tx: usize) -> io::Result<RingPair> {
+    let claim = HalfClaim::take(fd, tx)?;
     // SAFETY: a null hint without MAP_FIXED: the kernel picks unused
     // addresses, so the call replaces or aliases no memory of ours.
     let base = unsafe {
@@ -177,12 +182,13 @@ unsafe fn map(fd: BorrowedFd<'_>, claim: HalfClaim) -> io::Result<Mapping> {
             0,
         )
     }?;
-    Ok(Mapping {
+    let mapping = Mapping {
         base: base.cast(),
         _claim: Some(claim),
         #[cfg(test)]
         heap: false,
-    })
+    };
+    Ok(RingPair::new(Arc::new(mapping), tx))
 }
 
 impl RingPair {
@@ -190,11 +196,10 @@ impl RingPair {
     /// shrink under either side's mapping; returns the rings and the fd to pass.
     pub(crate) fn create() -> io::Result<(RingPair, OwnedFd)> {
         let fd = super::peer::sealed_memfd(c"rdma-rpc-soft-ring", MAPPED)?;
-        let claim = HalfClaim::take(fd.as_fd(), 0)?;
         // SAFETY: `sealed_memfd` just made `fd` a memfd of MAPPED bytes,
         // sealed against shrinking.
-        let mapping = unsafe { map(fd.as_fd(), claim) }?;
-        Ok((RingPair::new(Arc::new(mapping), 0), fd))
+        let ring = unsafe { map_half(fd.as_fd(), 0) }?;
+        Ok((ring, fd))
     }
 
     /// Maps the shared memory the dialer passed (accepting side), after
@@ -202,11 +207,9 @@ impl RingPair {
     /// our next access into SIGBUS.
     pub(crate) fn open(fd: &OwnedFd) -> io::Result<RingPair> {
         super::peer::check_sealed_memfd(fd, MAPPED, "descriptor ring")?;
-        let claim = HalfClaim::take(fd.as_fd(), 1)?;
         // SAFETY: `check_sealed_memfd` just checked that `fd` is a memfd of
         // exactly MAPPED bytes, sealed against shrinking.
-        let mapping = unsafe { map(fd.as_fd(), claim) }?;
-        Ok(RingPair::new(Arc::new(mapping), 1))
+        unsafe { map_half(fd.as_fd(), 1) }
     }
 
     /// Both ends of a ring pair over zeroed heap memory in this process
