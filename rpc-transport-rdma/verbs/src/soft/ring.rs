@@ -90,7 +90,7 @@ impl Drop for Mapping {
             unsafe { std::alloc::dealloc(self.base, layout) };
             return;
         }
-        // SAFETY: `base` is the start of the MAPPED-byte mapping `map` made
+        // SAFETY: `base` is the start of the MAPPED-byte mapping `map_half` made
         // (the only other builder, `heap_pair`, was handled above); it is
         // unmapped only here, once,
         // and the rings' pointers into it do not outlive the Mapping.
@@ -252,7 +252,7 @@ impl RingPair {
         // SAFETY: `control` returns an address inside the MAPPED-byte shared
         // mapping that `self.mapping` keeps mapped while `self` (so the
         // returned reference) lives, over a memfd that cannot shrink (the
-        // contract of `map`, which both constructors uphold). It is 8-byte
+        // contract of `map_half`, which both constructors uphold). It is 8-byte
         // aligned: the mapping is page-aligned, HALF and 64 are multiples of
         // 8. This process accesses the control words only atomically; a peer
         // process writing them changes their values, not their validity.
