@@ -564,8 +564,16 @@ impl Frame {
     /// holding it whole, since it can only be refused. `None` when it keeps
     /// the limit, or `head` is shorter than a header or starts no frame.
     pub fn peek_metadata_excess(head: &[u8]) -> Option<MetadataOverLimit> {
-        // Only what starts as a frame (version, kind) is read as one.
-        Frame::peek_header(head)?;
+        // Only what starts as a frame (version, kind) of a kind that carries
+        // metadata: metadata on any other is a protocol error, which the
+        // decoder reports as before.
+        let (kind, _) = Frame::peek_header(head)?;
+        if !matches!(
+            kind,
+            FrameKind::Request | FrameKind::Response | FrameKind::Headers
+        ) {
+            return None;
+        }
         let len = u32::from_le_bytes(head.get(28..32)?.try_into().ok()?) as usize;
         (len > crate::metadata::MAX_METADATA_LEN).then_some(MetadataOverLimit::Bytes {
             len,
