@@ -726,6 +726,32 @@ mod tests {
         )
     }
 
+    /// Only kinds that carry metadata are refused from their header; on a
+    /// message the length is a protocol error for the decoder to report.
+    #[test]
+    fn a_header_announcing_too_much_metadata_is_seen_on_kinds_that_carry_it() {
+        let head = |kind: FrameKind| {
+            let mut frame = Frame::control(kind, FrameFlags::EMPTY, 3).encode().to_vec();
+            frame[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+            frame
+        };
+        for kind in [FrameKind::Request, FrameKind::Response, FrameKind::Headers] {
+            assert!(
+                Frame::peek_metadata_excess(&head(kind)).is_some(),
+                "{kind:?}"
+            );
+        }
+        for kind in [FrameKind::Message, FrameKind::Window] {
+            assert!(
+                Frame::peek_metadata_excess(&head(kind)).is_none(),
+                "{kind:?}"
+            );
+        }
+        let within = Frame::control(FrameKind::Request, FrameFlags::EMPTY, 3).encode();
+        assert!(Frame::peek_metadata_excess(&within).is_none());
+        assert!(Frame::peek_metadata_excess(&head(FrameKind::Request)[..20]).is_none());
+    }
+
     #[test]
     fn parts_are_the_frame_and_a_large_payload_is_not_copied() {
         let small = sample();
