@@ -288,10 +288,21 @@ pub struct Limits {
     pub max_exposed: u32,
     /// Frames queued for sending before the application waits.
     pub max_queued: usize,
+    /// Bytes of eager frames queued for sending before the application
+    /// waits (a frame always fits an empty queue): what a peer that grants
+    /// no credits makes this side hold, whatever the frames' number.
+    pub max_queued_bytes: usize,
     /// Received frames waiting for the application (eager frames behind a
     /// frame still being pulled, announced frames not yet pulled) before
     /// credit grants are held back, so the peer stops sending.
     pub max_pending: u32,
+    /// Bytes of received frames waiting for the application before credit
+    /// grants are held back (as for [`Limits::max_pending`]).
+    pub max_pending_bytes: usize,
+    /// Bytes of our announced frames awaiting DONE before we stop taking
+    /// large frames (one frame is always let through): what a peer that
+    /// never pulls makes this side hold until the revocation time-out.
+    pub max_exposed_bytes: u64,
     /// An announced frame not DONE by then is revoked.
     pub rendezvous_timeout: Duration,
 }
@@ -305,7 +316,10 @@ impl Default for Limits {
             max_active_pulls: 4,
             max_exposed: 16,
             max_queued: 256,
+            max_queued_bytes: 64 << 10,
             max_pending: 256,
+            max_pending_bytes: 64 << 10,
+            max_exposed_bytes: 4 << 20,
             rendezvous_timeout: Duration::from_secs(30),
         }
     }
@@ -503,8 +517,13 @@ pub struct Protocol {
     close_sent: bool,
     /// A RETURN is queued (its count is fixed when it goes out).
     return_queued: bool,
+    /// Bytes of the DATA frames in `queue`.
+    queued_bytes: usize,
     next_token: u64,
-    exposed: HashMap<u64, Instant>,
+    /// Our announced frames awaiting DONE: revocation time and length.
+    exposed: HashMap<u64, (Instant, u64)>,
+    /// Bytes of the frames in `exposed`.
+    exposed_bytes: u64,
     // Incoming.
     pulls: HashMap<u64, Pull>,
     /// The peer's announcements whose DONE we have not transmitted.
@@ -513,6 +532,8 @@ pub struct Protocol {
     active_pulls: u32,
     reads_outstanding: u32,
     pending: VecDeque<Pending>,
+    /// Bytes of the frames in `pending`.
+    pending_bytes: usize,
     close_received: bool,
     events: VecDeque<Event>,
 }
@@ -544,14 +565,17 @@ impl Protocol {
             close_queued: false,
             close_sent: false,
             return_queued: false,
+            queued_bytes: 0,
             next_token: 1,
             exposed: HashMap::new(),
+            exposed_bytes: 0,
             pulls: HashMap::new(),
             unanswered: 0,
             pull_order: VecDeque::new(),
             active_pulls: 0,
             reads_outstanding: 0,
             pending: VecDeque::new(),
+            pending_bytes: 0,
             close_received: false,
             events: VecDeque::new(),
         }
@@ -593,13 +617,28 @@ impl Protocol {
     pub fn can_send(&self, route: Route) -> bool {
         !self.close_queued
             && self.queue.len() < self.limits.max_queued
-            && (route == Route::Eager || (self.exposed.len() as u32) < self.limits.max_exposed)
+            && (self.queued_bytes == 0 || self.queued_bytes < self.limits.max_queued_bytes)
+            && (route == Route::Eager
+                || self.exposed.is_empty()
+                || ((self.exposed.len() as u32) < self.limits.max_exposed
+                    && self.exposed_bytes < self.limits.max_exposed_bytes))
     }
 
     /// Queues an eager frame.
     pub fn send_eager(&mut self, frame: Bytes) {
         debug_assert_eq!(self.route(frame.len()), Route::Eager);
+        self.queued_bytes += frame.len();
         self.queue.push_back(Body::Data(frame));
+    }
+
+    /// Bytes of eager frames queued, not yet in a message.
+    pub fn queued_bytes(&self) -> usize {
+        self.queued_bytes
+    }
+
+    /// Bytes of our announced frames awaiting DONE.
+    pub fn exposed_bytes(&self) -> u64 {
+        self.exposed_bytes
     }
 
     /// Queues the announcement of a frame that is `head`, then `len` bytes
@@ -624,8 +663,10 @@ impl Protocol {
         );
         let token = self.next_token;
         self.next_token += 1;
+        let frame_len = len + (head.len() + tail.len()) as u64;
         self.exposed
-            .insert(token, now + self.limits.rendezvous_timeout);
+            .insert(token, (now + self.limits.rendezvous_timeout, frame_len));
+        self.exposed_bytes += frame_len;
         self.queue.push_back(Body::Announce(Announce {
             token,
             addr,
@@ -677,12 +718,14 @@ impl Protocol {
                 if self.close_received {
                     return Err(ProtocolError::AfterClose);
                 }
+                self.pending_bytes += frame.len();
                 self.pending.push_back(Pending::Frame(frame));
             }
             Body::Batch(frames) => {
                 if self.close_received {
                     return Err(ProtocolError::AfterClose);
                 }
+                self.pending_bytes += frames.iter().map(Bytes::len).sum::<usize>();
                 self.pending.extend(frames.into_iter().map(Pending::Frame));
             }
             Body::Announce(announce) => {
@@ -736,7 +779,8 @@ impl Protocol {
                 }
             }
             Body::Done { token } => {
-                if self.exposed.remove(&token).is_some() {
+                if let Some((_, frame_len)) = self.exposed.remove(&token) {
+                    self.exposed_bytes -= frame_len;
                     self.events.push_back(Event::Release {
                         token,
                         expired: false,
@@ -871,11 +915,13 @@ impl Protocol {
         let expired: Vec<u64> = self
             .exposed
             .iter()
-            .filter(|(_, deadline)| **deadline <= now)
+            .filter(|(_, (deadline, _))| *deadline <= now)
             .map(|(token, _)| *token)
             .collect();
         for token in expired {
-            self.exposed.remove(&token);
+            if let Some((_, frame_len)) = self.exposed.remove(&token) {
+                self.exposed_bytes -= frame_len;
+            }
             self.events.push_back(Event::Release {
                 token,
                 expired: true,
@@ -885,7 +931,7 @@ impl Protocol {
 
     /// When [`Protocol::handle_timeout`] wants to run next.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.exposed.values().min().copied()
+        self.exposed.values().map(|(deadline, _)| *deadline).min()
     }
 
     /// The next message to send, if credits and a send slot allow.
@@ -901,7 +947,10 @@ impl Protocol {
             None
         };
         let mut body = match body {
-            Some(Body::Data(frame)) => self.batch_behind(frame),
+            Some(Body::Data(frame)) => {
+                self.queued_bytes -= frame.len();
+                self.batch_behind(frame)
+            }
             Some(body) => body,
             None if self.needs_credit_message() => Body::Credit,
             None => return None,
@@ -954,6 +1003,7 @@ impl Protocol {
             let Some(Body::Data(next)) = self.queue.pop_front() else {
                 unreachable!("the front was DATA");
             };
+            self.queued_bytes -= next.len();
             frames.extend(first.take());
             frames.push(next);
         }
@@ -964,12 +1014,15 @@ impl Protocol {
     }
 
     /// Whether credit grants are held back: the driver asked (the application
-    /// is not reading), or `max_pending` frames wait for the application
+    /// is not reading), or `max_pending` frames (or `max_pending_bytes`)
+    /// wait for the application
     /// (frames behind a pull, pulls not done). Either way what is pending
     /// drains without the peer's help, so holding cannot deadlock; once held,
     /// the peer can add at most the credits it still has (our receive slots).
     fn holding(&self) -> bool {
-        self.hold_credits || self.pending.len() >= self.limits.max_pending.max(1) as usize
+        self.hold_credits
+            || self.pending.len() >= self.limits.max_pending.max(1) as usize
+            || self.pending_bytes >= self.limits.max_pending_bytes.max(1)
     }
 
     fn needs_credit_message(&self) -> bool {
@@ -1050,7 +1103,10 @@ impl Protocol {
     pub fn poll_inbound(&mut self) -> Option<Inbound> {
         match self.pending.front()? {
             Pending::Frame(_) => match self.pending.pop_front() {
-                Some(Pending::Frame(frame)) => Some(Inbound::Frame(frame)),
+                Some(Pending::Frame(frame)) => {
+                    self.pending_bytes -= frame.len();
+                    Some(Inbound::Frame(frame))
+                }
                 _ => unreachable!("front was a frame"),
             },
             Pending::Pull(token) => {

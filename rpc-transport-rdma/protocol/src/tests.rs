@@ -1184,3 +1184,116 @@ fn a_batch_holds_at_most_max_batch_frames() {
     let inbound = std::iter::from_fn(|| receiver.poll_inbound()).count();
     assert_eq!(inbound, MAX_BATCH_FRAMES);
 }
+
+/// A peer that grants no credits leaves our eager frames queued: the queue
+/// is bounded in bytes (issue 30, attack 6), not only in frames, and a frame
+/// larger than the bound still fits an empty queue.
+#[test]
+fn eager_frames_waiting_for_credits_are_bounded_in_bytes() {
+    let g = geometry(8, 8 << 10);
+    let limits = Limits {
+        max_queued_bytes: 16 << 10,
+        ..Limits::default()
+    };
+    let mut p = Protocol::new(g, g, limits);
+    let frame = Bytes::from(vec![7u8; 3000]);
+    let mut queued = 0;
+    while p.can_send(Route::Eager) {
+        p.send_eager(frame.clone());
+        queued += 1;
+        assert!(queued < 1000, "the queue never filled");
+    }
+    // 16 KiB of 3000-byte frames: six fit below the bound, the sixth crosses it.
+    assert_eq!(queued, 6);
+    assert_eq!(p.queued_bytes(), 6 * 3000);
+    // Transmitting (the peer's initial credits) frees queue bytes again.
+    while let Some(_message) = p.poll_transmit() {
+        p.handle_send_complete();
+    }
+    assert!(p.queued_bytes() < 6 * 3000);
+    assert!(p.can_send(Route::Eager));
+
+    let tiny = Limits {
+        max_queued_bytes: 1,
+        ..Limits::default()
+    };
+    let mut p = Protocol::new(g, g, tiny);
+    assert!(p.can_send(Route::Eager), "an empty queue takes any frame");
+    p.send_eager(frame.clone());
+    assert!(!p.can_send(Route::Eager));
+}
+
+/// Frames the application has not taken hold back credits once they add up
+/// to `max_pending_bytes`, whatever their number: the peer can then add at
+/// most the credits it still has.
+#[test]
+fn received_frames_waiting_for_the_application_are_bounded_in_bytes() {
+    let g = geometry(8, 8 << 10);
+    let limits = Limits {
+        max_pending: 100_000,
+        max_pending_bytes: 32 << 10,
+        ..Limits::default()
+    };
+    let mut p = Protocol::new(g, g, limits);
+    let mut peer = Hostile {
+        credits: 8,
+        owed: 0,
+    };
+    let frame = Bytes::from(vec![1u8; 4000]);
+    let mut stalled = false;
+    for _ in 0..10_000 {
+        let mut sent = 0;
+        while let Some(result) = peer.send(&mut p, u32::MAX, Body::Data(frame.clone())) {
+            result.unwrap();
+            sent += 1;
+        }
+        let transmitted = peer.take(&mut p);
+        assert!(
+            p.pending() * 4000 <= (32 << 10) + 8 * 4000,
+            "{} frames of 4000 bytes wait for the application",
+            p.pending()
+        );
+        if sent == 0 && transmitted == 0 {
+            stalled = true;
+            break;
+        }
+    }
+    assert!(stalled, "the peer was stopped");
+    while p.poll_inbound().is_some() {}
+    assert!(
+        peer.take(&mut p) > 0,
+        "taking the frames grants credits again"
+    );
+}
+
+/// Announced frames that a peer never pulls are bounded in bytes as well as
+/// in number; one frame always goes, however large.
+#[test]
+fn announced_frames_awaiting_done_are_bounded_in_bytes() {
+    let g = geometry(8, 8 << 10);
+    let limits = Limits {
+        max_exposed_bytes: 3 << 20,
+        ..Limits::default()
+    };
+    let now = Instant::now();
+    let mut p = Protocol::new(g, g, limits);
+    let mut announced = 0;
+    while p.can_send(Route::Rendezvous) {
+        p.send_rendezvous(Bytes::new(), Bytes::new(), 0x1000, 1 << 20, 1, now);
+        announced += 1;
+        assert!(announced < 100, "never bounded");
+    }
+    assert_eq!(announced, 3);
+    assert_eq!(p.exposed_bytes(), 3 << 20);
+    // Revoked at the time-out: room again.
+    p.handle_timeout(now + Limits::default().rendezvous_timeout);
+    assert_eq!(p.exposed_bytes(), 0);
+    assert!(p.can_send(Route::Rendezvous));
+    // One frame larger than the bound still goes, alone.
+    p.send_rendezvous(Bytes::new(), Bytes::new(), 0x1000, 64 << 20, 1, now);
+    assert!(!p.can_send(Route::Rendezvous));
+    assert!(
+        p.can_send(Route::Eager),
+        "eager frames do not wait for DONEs"
+    );
+}
