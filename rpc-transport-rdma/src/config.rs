@@ -7,6 +7,7 @@ use crate::protocol::{
     HEADER_LEN, Limits, MAX_EAGER_THRESHOLD, MAX_EXPOSED, MAX_RECV_SLOTS, MIN_RECV_SLOTS,
 };
 use crate::verbs::ConnectOptions;
+use crate::verbs::shared::PoolCaps;
 
 /// How a connection's driver waits for completions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +29,11 @@ pub enum PollMode {
     /// latency; keeps a core busy for as long as the connection lives.
     BusyPoll,
 }
+
+/// Default of [`RdmaConfig::window_growth_bytes`]: 32 MiB.
+pub const DEFAULT_WINDOW_GROWTH_BYTES: usize = 32 << 20;
+/// Default of [`RdmaConfig::send_pool_bytes`]: 32 MiB.
+pub const DEFAULT_SEND_POOL_BYTES: usize = 32 << 20;
 
 /// Default spin of [`PollMode::Adaptive`].
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
@@ -85,6 +91,15 @@ pub struct RdmaConfig {
     /// by the device's deepest SRQ. The first connection of a slot length
     /// sets it for all.
     pub max_shared_slots: usize,
+    /// Bytes of the device's shared receive slots that credit windows may
+    /// grow by beyond their `initial_credits`, all connections together:
+    /// what busy peers share, and all that peers who stop reading can hold
+    /// beyond their initial windows.
+    pub window_growth_bytes: usize,
+    /// Bytes of the device's shared send slots, all connections together
+    /// (a connection with no SEND in flight always gets one more): what
+    /// peers that never acknowledge our SENDs can hold.
+    pub send_pool_bytes: usize,
     /// Frames up to this many bytes are sent eagerly (copied into a slot);
     /// larger ones by rendezvous (pulled with RDMA READ). Slots are this plus
     /// the message header.
@@ -113,6 +128,8 @@ impl Default for RdmaConfig {
             recv_slots: 128,
             initial_credits: 4,
             max_shared_slots: 1 << 16,
+            window_growth_bytes: DEFAULT_WINDOW_GROWTH_BYTES,
+            send_pool_bytes: DEFAULT_SEND_POOL_BYTES,
             eager_threshold: 8 << 10,
             limits: Limits::default(),
             inbound_backlog: 1024,
@@ -160,6 +177,16 @@ impl RdmaConfig {
     /// Bytes per receive (and send) slot.
     pub fn slot_len(&self) -> usize {
         HEADER_LEN + self.eager_threshold as usize
+    }
+
+    /// The shared pools' caps in slots of [`RdmaConfig::slot_len`].
+    pub fn pool_caps(&self) -> PoolCaps {
+        let slots = |bytes: usize| bytes / self.slot_len();
+        PoolCaps {
+            receive: self.max_shared_slots,
+            growth: slots(self.window_growth_bytes),
+            send: slots(self.send_pool_bytes),
+        }
     }
 
     /// Checks the settings against each other.

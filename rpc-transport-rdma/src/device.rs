@@ -5,7 +5,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::config::RdmaConfig;
 use crate::pool::{LargePool, LargePoolConfig};
-pub use crate::verbs::shared::SharedPools;
+pub use crate::verbs::shared::{PoolCaps, SharedPools};
 use crate::verbs::{self, Context, ProtectionDomain, VerbsError};
 
 /// One opened device: its context, one protection domain, and the rendezvous pool.
@@ -26,12 +26,12 @@ pub struct Device {
 
 impl Device {
     /// The shared pools for slots of `slot_len` bytes, created by the first
-    /// connection that asks (its `max_slots` is the cap for all of them,
-    /// bounded by the device's deepest SRQ).
+    /// connection that asks (its `caps` are the caps for all of them, the
+    /// receive cap bounded by the device's deepest SRQ).
     pub fn shared_pools(
         &self,
         slot_len: usize,
-        max_slots: usize,
+        caps: PoolCaps,
     ) -> Result<Arc<SharedPools>, VerbsError> {
         let mut shared = self
             .shared
@@ -40,14 +40,17 @@ impl Device {
         if let Some(pools) = shared.get(&slot_len) {
             return Ok(pools.clone());
         }
-        let caps = self.context.caps();
-        if !caps.srq {
+        let device_caps = self.context.caps();
+        if !device_caps.srq {
             return Err(VerbsError::Unsupported(
                 "shared receive queues (rdma:// needs a device with SRQ support)",
             ));
         }
-        let max_slots = max_slots.min(caps.max_srq_wr as usize);
-        let pools = Arc::new(SharedPools::new(&self.pd, slot_len, max_slots)?);
+        let caps = PoolCaps {
+            receive: caps.receive.min(device_caps.max_srq_wr as usize),
+            ..caps
+        };
+        let pools = Arc::new(SharedPools::with_caps(&self.pd, slot_len, caps)?);
         shared.insert(slot_len, pools.clone());
         Ok(pools)
     }

@@ -674,7 +674,7 @@ fn prepare(
     // Each completes into the CQ too.
     let sq_depth = limits.send_slots + limits.max_outstanding_reads + MAX_BINDS_IN_FLIGHT;
     let cq_depth = config.recv_slots + sq_depth + 8;
-    let pools = device.shared_pools(config.slot_len(), config.max_shared_slots)?;
+    let pools = device.shared_pools(config.slot_len(), config.pool_caps())?;
     let commitment = Commitment::new(pools.clone(), config.initial_credits as usize)?;
     let queue = PooledQp::new(
         &device.context,

@@ -66,7 +66,7 @@ fn shared_pools() -> std::sync::Arc<rpc_transport_rdma::device::SharedPools> {
     let config = crate::common::strict_config();
     let device = rpc_transport_rdma::device::open(&config).unwrap();
     device
-        .shared_pools(config.slot_len(), config.max_shared_slots)
+        .shared_pools(config.slot_len(), config.pool_caps())
         .unwrap()
 }
 

@@ -23,10 +23,13 @@ use crate::verbs::{AsyncCompletionChannel, CmConnection, WcOpcode, WcStatus, Wor
 use super::expose::{Exposed, IN, OUT, forge_batch, rendezvous_gauge};
 
 /// Slots of the shared receive pool committed to one connection: its peer's
-/// credit window. Released when dropped (after the QP, see [`LinkState`]).
+/// credit window, the initial slots plus what it grew by (within the pool's
+/// growth cap, shared by all connections). Released when dropped (after the
+/// QP, see [`LinkState`]).
 pub(crate) struct Commitment {
     pub(crate) pools: Arc<SharedPools>,
-    pub(crate) slots: usize,
+    initial: usize,
+    grown: usize,
 }
 
 impl Commitment {
@@ -35,14 +38,36 @@ impl Commitment {
         pools: Arc<SharedPools>,
         initial: usize,
     ) -> Result<Commitment, crate::verbs::shared::CommitError> {
-        let slots = pools.receive.commit(initial, initial)?;
-        Ok(Commitment { pools, slots })
+        let initial = pools.receive.commit(initial, initial)?;
+        Ok(Commitment {
+            pools,
+            initial,
+            grown: 0,
+        })
+    }
+
+    /// Grows the window by up to `want` slots; returns how many.
+    fn grow(&mut self, want: usize) -> Result<usize, crate::verbs::VerbsError> {
+        let grown = self.pools.receive.grow(want)?;
+        self.grown += grown;
+        Ok(grown)
+    }
+
+    /// The peer gave back `slots` (what the window grew by first).
+    fn give_back(&mut self, slots: usize) {
+        let from_grown = slots.min(self.grown);
+        self.grown -= from_grown;
+        self.pools.receive.release_grown(from_grown);
+        let from_initial = (slots - from_grown).min(self.initial);
+        self.initial -= from_initial;
+        self.pools.receive.release(from_initial);
     }
 }
 
 impl Drop for Commitment {
     fn drop(&mut self) {
-        self.pools.receive.release(self.slots);
+        self.pools.receive.release_grown(self.grown);
+        self.pools.receive.release(self.initial);
     }
 }
 
@@ -86,7 +111,6 @@ pub(crate) struct LinkState {
     /// Shared receive slots committed to the peer (released after the QP
     /// is gone), and the pools.
     commitment: Commitment,
-    pools: Arc<SharedPools>,
     /// A send slot taken and not used yet (given back before sleeping).
     spare_send: Option<SendSlot>,
     /// The shared send pool had no slot: wait for a completion of our own.
@@ -159,7 +183,6 @@ impl LinkState {
     ) -> LinkState {
         let solicited_events = device.context.caps().solicited_events;
         LinkState {
-            pools: commitment.pools.clone(),
             commitment,
             spare_send: None,
             send_pool_starved: false,
@@ -342,19 +365,17 @@ impl LinkState {
     fn adjust_window(&mut self) {
         let returned = self.protocol.take_returned() as usize;
         if returned > 0 {
-            self.commitment.slots -= returned;
-            self.pools.receive.release(returned);
+            self.commitment.give_back(returned);
         }
         let wanted = self.protocol.credits_wanted();
         if wanted > 0 {
-            let committed = match self.pools.receive.commit(0, wanted as usize) {
+            let committed = match self.commitment.grow(wanted as usize) {
                 Ok(committed) => committed,
                 Err(error) => {
                     tracing::debug!(%error, "the credit window stays as it is");
                     0
                 }
             };
-            self.commitment.slots += committed;
             self.protocol.grow_window(committed as u32);
             // Credits beyond the initial ones go back after a quiet while.
             self.keeper_due |= committed > 0;

@@ -42,6 +42,31 @@ pub struct SharedPools {
     pub send: SharedSendPool,
 }
 
+/// The caps of a device's [`SharedPools`], in slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolCaps {
+    /// Receive slots registered at most (initial windows and growth together).
+    pub receive: usize,
+    /// Receive slots committed beyond connections' initial windows, all
+    /// connections together: what busy (or hostile) peers may hold for
+    /// windows larger than the initial one.
+    pub growth: usize,
+    /// Send slots registered at most (a connection with no SEND in flight
+    /// still gets one past it).
+    pub send: usize,
+}
+
+impl PoolCaps {
+    /// `slots` for every cap.
+    pub fn uniform(slots: usize) -> PoolCaps {
+        PoolCaps {
+            receive: slots,
+            growth: slots,
+            send: slots,
+        }
+    }
+}
+
 impl SharedPools {
     /// Both pools, for slots of `slot_len` bytes, up to about `max_slots` each.
     pub fn new(
@@ -49,9 +74,20 @@ impl SharedPools {
         slot_len: usize,
         max_slots: usize,
     ) -> Result<SharedPools, VerbsError> {
+        Self::with_caps(pd, slot_len, PoolCaps::uniform(max_slots))
+    }
+
+    /// Both pools, for slots of `slot_len` bytes, within `caps`.
+    pub fn with_caps(
+        pd: &Arc<dyn ProtectionDomain>,
+        slot_len: usize,
+        caps: PoolCaps,
+    ) -> Result<SharedPools, VerbsError> {
+        let mut receive = SharedReceivePool::new(pd, slot_len, caps.receive)?;
+        receive.max_grown = caps.growth;
         Ok(SharedPools {
-            receive: SharedReceivePool::new(pd, slot_len, max_slots)?,
-            send: SharedSendPool::new(pd, slot_len, max_slots),
+            receive,
+            send: SharedSendPool::new(pd, slot_len, caps.send),
         })
     }
 }
@@ -149,6 +185,8 @@ struct ReceiveState {
     /// Slots posted to the SRQ (the device's until their completion).
     posted: Vec<bool>,
     committed: usize,
+    /// The part of `committed` that windows grew by ([`SharedReceivePool::grow`]).
+    grown: usize,
 }
 
 /// An SRQ and the receive slots posted to it (see the module docs).
@@ -156,6 +194,8 @@ pub struct SharedReceivePool {
     srq: Arc<dyn SharedReceiveQueue>,
     pd: Arc<dyn ProtectionDomain>,
     max_slots: usize,
+    /// Cap of [`SharedReceivePool::grow`]'s commitments, all together.
+    max_grown: usize,
     state: Mutex<ReceiveState>,
 }
 
@@ -186,6 +226,7 @@ impl SharedReceivePool {
             srq: pd.create_srq(max_wr, 1)?,
             pd: pd.clone(),
             max_slots,
+            max_grown: max_slots,
             state: Mutex::new(ReceiveState {
                 chunks: Chunks {
                     slot_len,
@@ -193,6 +234,7 @@ impl SharedReceivePool {
                 },
                 posted: Vec::new(),
                 committed: 0,
+                grown: 0,
             }),
         })
     }
@@ -227,14 +269,53 @@ impl SharedReceivePool {
     /// registering and posting chunks as needed up to the cap; returns how
     /// many. Fails only when `at_least` cannot be had.
     pub fn commit(&self, at_least: usize, want: usize) -> Result<usize, CommitError> {
+        self.commit_locked(&mut lock(&self.state), at_least, want)
+    }
+
+    /// Commits up to `want` more slots to a connection whose window grows
+    /// (none when the pool is full), within the pool's growth cap, which
+    /// all connections share; returns how many. Give them back with
+    /// [`SharedReceivePool::release_grown`].
+    pub fn grow(&self, want: usize) -> Result<usize, VerbsError> {
         let mut state = lock(&self.state);
+        let want = want.min(self.max_grown.saturating_sub(state.grown));
+        if want == 0 {
+            return Ok(0);
+        }
+        let committed = match self.commit_locked(&mut state, 0, want) {
+            Ok(committed) => committed,
+            Err(CommitError::Full(_)) => 0,
+            Err(CommitError::Verbs(error)) => return Err(error),
+        };
+        state.grown += committed;
+        Ok(committed)
+    }
+
+    /// Slots committed by [`SharedReceivePool::grow`], all connections together.
+    pub fn grown(&self) -> usize {
+        lock(&self.state).grown
+    }
+
+    /// A connection gives back `slots` its window grew by.
+    pub fn release_grown(&self, slots: usize) {
+        let mut state = lock(&self.state);
+        state.grown = state.grown.saturating_sub(slots);
+        state.committed = state.committed.saturating_sub(slots);
+    }
+
+    fn commit_locked(
+        &self,
+        state: &mut ReceiveState,
+        at_least: usize,
+        want: usize,
+    ) -> Result<usize, CommitError> {
         let want = want.max(at_least);
         while state.chunks.slots() - state.committed < want
             && state.chunks.slots() + CHUNK_SLOTS <= self.max_slots
         {
             let slots = state.chunks.grow(&self.pd)?;
             state.posted.resize(slots.end, false);
-            Self::post(&self.srq, &mut state, slots)?;
+            Self::post(&self.srq, state, slots)?;
         }
         let free = state.chunks.slots() - state.committed;
         if free < at_least {
@@ -507,6 +588,58 @@ impl Drop for SharedReceivePool {
             for chunk in state.chunks.chunks.drain(..) {
                 chunk.leak();
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Context;
+    use crate::mock::MockContext;
+
+    /// Issue 30, attack 6: windows grow only within the growth cap that all
+    /// connections share, and the send pool stops registering at its cap;
+    /// initial windows still come from the receive cap.
+    #[test]
+    fn window_growth_and_send_slots_stay_within_their_caps() {
+        let context = MockContext::open();
+        let pd = context.alloc_pd().unwrap();
+        let caps = PoolCaps {
+            receive: 8 * CHUNK_SLOTS,
+            growth: CHUNK_SLOTS,
+            send: CHUNK_SLOTS,
+        };
+        let pools = SharedPools::with_caps(&pd, 64, caps).unwrap();
+        for _ in 0..100 {
+            assert_eq!(pools.receive.commit(4, 4).unwrap(), 4);
+        }
+        assert_eq!(pools.receive.grow(200).unwrap(), 200);
+        assert_eq!(
+            pools.receive.grow(200).unwrap(),
+            CHUNK_SLOTS - 200,
+            "capped"
+        );
+        assert_eq!(pools.receive.grow(1).unwrap(), 0);
+        assert_eq!(pools.receive.committed(), 400 + CHUNK_SLOTS);
+        // Initial windows are not growth: still granted.
+        assert_eq!(pools.receive.commit(4, 4).unwrap(), 4);
+        pools.receive.release_grown(100);
+        assert_eq!(pools.receive.grown(), CHUNK_SLOTS - 100);
+        assert_eq!(pools.receive.grow(200).unwrap(), 100);
+
+        let mut taken = Vec::new();
+        while let Some(slot) = pools.send.take(false).unwrap() {
+            taken.push(slot);
+            assert!(taken.len() <= CHUNK_SLOTS, "past the cap");
+        }
+        assert_eq!(taken.len(), CHUNK_SLOTS);
+        assert_eq!(pools.send.capacity(), CHUNK_SLOTS);
+        // A connection with nothing in flight still gets a slot.
+        let extra = pools.send.take(true).unwrap().expect("one past the cap");
+        pools.send.put_back(extra);
+        for slot in taken {
+            pools.send.put_back(slot);
         }
     }
 }
