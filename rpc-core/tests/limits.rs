@@ -4,6 +4,7 @@
 //! | attack | defence |
 //! |---|---|
 //! | requests flooded on one connection, responses never read | bounded outbound queue: the connection stops reading |
+//! | the same on many connections | server-wide outbound budget, an equal share each |
 //! | many connections announcing large frames | server-wide receive budget |
 //! | silent connections, slowloris | idle time-out |
 //! | more connections than wanted | connection limit with a clean refusal |
@@ -160,6 +161,67 @@ async fn a_flood_that_never_reads_responses_is_held_back_by_the_outbound_queue()
     })
     .await;
     assert_echoes(&normal, "still served").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_read_share_the_outbound_budget() {
+    // Issue 30, attack 6: each of many peers that never read its answers
+    // used to hold a whole outbound queue; together they hold the budget.
+    const QUEUE: usize = 1 << 20;
+    const BUDGET: usize = 512 << 10;
+    const FLOODERS: usize = 4;
+    let server = start_with(&TcpBed, |s| {
+        s.outbound_queue_bytes(QUEUE)
+            .outbound_budget(BUDGET)
+            .max_concurrent_calls_per_connection(16)
+    })
+    .await;
+    let stats = server.stats.clone();
+    let mut flooders = Vec::new();
+    for _ in 0..FLOODERS {
+        let addr = server.endpoint.authority().to_owned();
+        flooders.push(tokio::spawn(async move {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            let payload = Bytes::from(vec![7u8; 4096]);
+            for call_id in 1..=65_536u64 {
+                let request = raw_request(call_id, "Echo", payload.clone());
+                if stream.write_all(&request).await.is_err() {
+                    break;
+                }
+            }
+            stream
+        }));
+    }
+    until("every flooding connection pauses", || {
+        stats.paused_connections() == FLOODERS
+    })
+    .await;
+    // Held a while: the pauses last, and what is queued stays within the budget.
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            stats.outbound_queued_bytes() <= BUDGET,
+            "{} bytes queued by {FLOODERS} connections, budget {BUDGET}",
+            stats.outbound_queued_bytes()
+        );
+    }
+    assert_eq!(stats.outbound_share(QUEUE), BUDGET / FLOODERS);
+    assert!(stats.outbound_queue_peak() <= BUDGET / FLOODERS);
+    let normal = Channel::connect(server.endpoint.clone()).await.unwrap();
+    assert_echoes(&normal, "served beside the flooders").await;
+    for flooder in flooders {
+        flooder.abort();
+        let _ = flooder.await;
+    }
+    until("the flooders' queues are released", || {
+        stats.outbound_queued_bytes() == 0 && stats.connections() == 1
+    })
+    .await;
+    assert_eq!(
+        stats.outbound_share(QUEUE),
+        BUDGET,
+        "one connection: the whole budget"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

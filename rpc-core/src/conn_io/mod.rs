@@ -22,13 +22,45 @@ pub(crate) const WRITE_BATCH: usize = 64;
 /// [`crate::server::Server::outbound_queue_bytes`].
 pub const DEFAULT_OUTBOUND_QUEUE_BYTES: usize = 1 << 20;
 
-/// Gauges a server keeps over all its connections' queues.
+/// Default of [`crate::server::Server::outbound_budget`]: 32 MiB.
+pub const DEFAULT_OUTBOUND_BUDGET: usize = 32 << 20;
+
+/// The least a connection may queue however many share the outbound budget.
+pub const OUTBOUND_SHARE_FLOOR: usize = 64 << 10;
+
+/// Gauges a server keeps over all its connections' queues, and the budget
+/// they share.
 #[derive(Debug, Default)]
 pub(crate) struct QueueGauges {
     /// Bytes queued now, all connections together.
     pub(crate) queued: AtomicUsize,
     /// The most bytes one connection ever had queued.
     pub(crate) peak: AtomicUsize,
+    /// Bytes all connections' queues may hold together (0: no shared
+    /// budget, each queue has its own capacity).
+    budget: usize,
+    /// Queues sharing the budget now.
+    sharing: AtomicUsize,
+}
+
+impl QueueGauges {
+    /// Gauges for queues that share `budget` bytes.
+    pub(crate) fn with_budget(budget: usize) -> QueueGauges {
+        QueueGauges {
+            budget,
+            ..QueueGauges::default()
+        }
+    }
+
+    /// What one queue of `capacity` bytes may hold now: an equal share of
+    /// the budget, at least [`OUTBOUND_SHARE_FLOOR`], at most `capacity`.
+    pub(crate) fn share(&self, capacity: usize) -> usize {
+        if self.budget == 0 {
+            return capacity;
+        }
+        let queues = self.sharing.load(Ordering::Relaxed).max(1);
+        (self.budget / queues).clamp(OUTBOUND_SHARE_FLOOR.min(capacity), capacity)
+    }
 }
 
 /// A frame in the queue, with the queue space it holds until it is written.
@@ -64,6 +96,8 @@ pub(crate) struct QueueClosed;
 pub(crate) struct Room {
     used: AtomicUsize,
     capacity: usize,
+    /// The server-wide budget this queue has a share of, if any.
+    shared_budget: Option<Arc<QueueGauges>>,
     closed: AtomicBool,
     /// Senders waiting for room (so a release knows whether to wake; and
     /// while any waits, new calls are not ready: first come, first served).
@@ -74,15 +108,25 @@ pub(crate) struct Room {
 }
 
 impl Room {
+    /// What the queue may hold now: its capacity, or its share of the
+    /// server's outbound budget when that is less.
+    fn limit(&self) -> usize {
+        match &self.shared_budget {
+            Some(gauges) => gauges.share(self.capacity),
+            None => self.capacity,
+        }
+    }
+
     /// Takes `charge` bytes if they fit (a frame larger than the whole queue
     /// fits an empty queue); false when full or closed.
     fn try_take(&self, charge: usize) -> Result<bool, QueueClosed> {
         if self.closed.load(Ordering::Acquire) {
             return Err(QueueClosed);
         }
+        let limit = self.limit();
         let mut used = self.used.load(Ordering::SeqCst);
         loop {
-            if used != 0 && used + charge > self.capacity {
+            if used != 0 && used + charge > limit {
                 return Ok(false);
             }
             match self.used.compare_exchange_weak(
@@ -148,7 +192,7 @@ impl Room {
     pub(crate) fn has_room(&self) -> bool {
         self.closed.load(Ordering::Acquire)
             || (self.waiting.load(Ordering::SeqCst) == 0
-                && self.used.load(Ordering::SeqCst) < self.capacity)
+                && self.used.load(Ordering::SeqCst) < self.limit())
     }
 }
 
@@ -207,6 +251,9 @@ pub(crate) struct QueueShared {
 
 impl Drop for QueueShared {
     fn drop(&mut self) {
+        if let Some(gauges) = &self.room.shared_budget {
+            gauges.sharing.fetch_sub(1, Ordering::Relaxed);
+        }
         // The last sender is gone: the writer closes the sink. The sender
         // goes first (fields drop only after this), so that the writer the
         // kick wakes finds the queue disconnected, not merely empty.
@@ -218,7 +265,8 @@ impl Drop for QueueShared {
 
 impl OutboundQueue {
     /// A queue of `capacity` bytes into `sink`, and the writer task to spawn
-    /// (it closes the sink once every sender is gone). With `flush_inline`
+    /// (it closes the sink once every sender is gone). With `gauges` that
+    /// carry a budget, the queue holds at most its share of that budget. With `flush_inline`
     /// a sender writes and flushes its frame itself when no other task is
     /// writing, and the writer task only takes over what would wait.
     pub(crate) fn new(
@@ -228,6 +276,10 @@ impl OutboundQueue {
         flush_inline: bool,
     ) -> (OutboundQueue, WriterTask) {
         let capacity = capacity.max(HEADER_LEN);
+        let shared_budget = gauges.clone().filter(|gauges| gauges.budget > 0);
+        if let Some(gauges) = &shared_budget {
+            gauges.sharing.fetch_add(1, Ordering::Relaxed);
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         let writer = WriterShared::new(sink, rx, flush_inline);
         let queue = OutboundQueue {
@@ -236,6 +288,7 @@ impl OutboundQueue {
                 room: Room {
                     used: AtomicUsize::new(0),
                     capacity,
+                    shared_budget,
                     closed: AtomicBool::new(false),
                     waiting: AtomicUsize::new(0),
                     watchers: AtomicUsize::new(0),

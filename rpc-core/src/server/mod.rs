@@ -40,6 +40,7 @@
 //! | size of one frame | [`Server::max_frame_len`] | 64 MiB |
 //! | bytes of received frames held, all connections together | [`Server::receive_budget`] | 256 MiB, at least 4 × `max_frame_len` |
 //! | bytes of frames queued for sending, per connection | [`Server::outbound_queue_bytes`] | 1 MiB |
+//! | bytes of frames queued for sending, all connections together (each an equal share, at least 64 KiB) | [`Server::outbound_budget`] | 32 MiB |
 //! | calls in flight, per connection | [`Server::max_concurrent_calls_per_connection`] | 4096 |
 //! | connections | [`Server::max_connections`] | 10,000 |
 //! | connections from one address | [`Server::max_connections_per_address`] | 1,024 |
@@ -81,7 +82,9 @@ use crate::transport::{
     self, Connection, Endpoint, Listener, ReceiveBudget, TransportConfig, TransportError,
 };
 
-pub use crate::conn_io::DEFAULT_OUTBOUND_QUEUE_BYTES;
+pub use crate::conn_io::{
+    DEFAULT_OUTBOUND_BUDGET, DEFAULT_OUTBOUND_QUEUE_BYTES, OUTBOUND_SHARE_FLOOR,
+};
 pub use routes::{NamedService, RoutableService, Routes};
 pub use stats::ServerStats;
 
@@ -127,6 +130,7 @@ pub(crate) struct ServerConfig {
     /// `None`: the default, which depends on `max_frame_len`.
     pub(crate) receive_budget: Option<usize>,
     pub(crate) outbound_queue_bytes: usize,
+    pub(crate) outbound_budget: usize,
     pub(crate) access_log: bool,
 }
 
@@ -158,6 +162,7 @@ impl Server {
                 idle_timeout: DEFAULT_IDLE_TIMEOUT,
                 receive_budget: None,
                 outbound_queue_bytes: DEFAULT_OUTBOUND_QUEUE_BYTES,
+                outbound_budget: DEFAULT_OUTBOUND_BUDGET,
                 access_log: false,
             },
         }
@@ -284,6 +289,22 @@ impl<L> Server<L> {
         self
     }
 
+    /// Bytes all connections' outbound queues may hold together (default
+    /// [`DEFAULT_OUTBOUND_BUDGET`], 32 MiB).
+    ///
+    /// Each connection may queue an equal share of it (the budget divided by
+    /// the connections open), at least [`OUTBOUND_SHARE_FLOOR`] (64 KiB) and
+    /// at most [`outbound_queue_bytes`](Self::outbound_queue_bytes). A
+    /// connection over its share stops reading, as one whose queue is full:
+    /// many peers that stop reading their answers hold at most
+    /// `max(budget, connections × 64 KiB)` of queued answers together, not
+    /// `connections × outbound_queue_bytes`, and a well-behaved connection
+    /// never waits for another's room. `0` turns the sharing off.
+    pub fn outbound_budget(mut self, bytes: usize) -> Self {
+        self.config.outbound_budget = bytes;
+        self
+    }
+
     /// Adds the first service.
     pub fn add_service<S: RoutableService>(self, service: S) -> Router<L> {
         let mut routes = Routes::default();
@@ -340,8 +361,8 @@ where
         Ok(Listening {
             listener,
             service: BoxCloneSyncService::new(service),
+            stats: ServerStats::new(budget, self.server.config.outbound_budget),
             config: self.server.config,
-            stats: ServerStats::new(budget),
         })
     }
 

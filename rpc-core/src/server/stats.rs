@@ -71,9 +71,12 @@ impl Drop for PausedGuard {
 }
 
 impl ServerStats {
-    pub(crate) fn new(budget: ReceiveBudget) -> ServerStats {
+    pub(crate) fn new(budget: ReceiveBudget, outbound_budget: usize) -> ServerStats {
         ServerStats {
-            inner: Arc::default(),
+            inner: Arc::new(StatsInner {
+                queues: Arc::new(QueueGauges::with_budget(outbound_budget)),
+                ..StatsInner::default()
+            }),
             budget,
         }
     }
@@ -124,6 +127,14 @@ impl ServerStats {
     /// Bytes of frames queued for sending now, all connections together.
     pub fn outbound_queued_bytes(&self) -> usize {
         self.inner.queues.queued.load(Ordering::Relaxed)
+    }
+
+    /// Bytes one connection may queue for sending now: its equal share of
+    /// [`super::Server::outbound_budget`] among the connections open, within
+    /// [`super::Server::outbound_queue_bytes`] and at least
+    /// [`crate::server::OUTBOUND_SHARE_FLOOR`].
+    pub fn outbound_share(&self, queue_bytes: usize) -> usize {
+        self.inner.queues.share(queue_bytes)
     }
 
     /// The most bytes one connection ever had queued for sending; never more
