@@ -595,7 +595,6 @@ impl Drop for SharedReceivePool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Context;
     use crate::mock::MockContext;
 
     /// Issue 30, attack 6: windows grow only within the growth cap that all
