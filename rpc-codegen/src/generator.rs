@@ -158,6 +158,16 @@ pub fn client_module(service: &Service) -> TokenStream {
                     Self { inner: RpcClient::new(inner) }
                 }
 
+                /// Wraps `inner` with `interceptor`, which sees every request's
+                /// metadata before it is sent and may change it or refuse the
+                /// call (see `rpc_core::interceptor`).
+                pub fn with_interceptor<F: Interceptor>(
+                    inner: T,
+                    interceptor: F,
+                ) -> #client<InterceptedService<T, F>> {
+                    #client::new(InterceptedService::new(inner, interceptor))
+                }
+
                 /// The wrapped service.
                 pub fn into_inner(self) -> T {
                     self.inner.into_inner()
@@ -306,6 +316,16 @@ pub fn server_module(service: &Service) -> TokenStream {
                 /// Serves an implementation that is already shared.
                 pub fn from_arc(inner: Arc<S>) -> Self {
                     Self { inner }
+                }
+
+                /// Serves `inner`, running `interceptor` on every request's
+                /// metadata first; a refusal ends the call before the handler
+                /// runs (see `rpc_core::interceptor`).
+                pub fn with_interceptor<F: Interceptor>(
+                    inner: S,
+                    interceptor: F,
+                ) -> InterceptedService<Self, F> {
+                    InterceptedService::new(Self::new(inner), interceptor)
                 }
             }
 

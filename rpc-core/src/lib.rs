@@ -63,6 +63,7 @@ pub mod codec;
 mod conn_io;
 mod error;
 pub mod frame;
+pub mod interceptor;
 pub mod metadata;
 pub mod metrics;
 mod payload;
@@ -76,6 +77,7 @@ pub mod wake_gate;
 
 pub use client::{Channel, RpcClient};
 pub use error::Error;
+pub use interceptor::{InterceptedService, Interceptor, InterceptorLayer};
 pub use metadata::Metadata;
 pub use payload::Payload;
 pub use request::{IntoRequest, PeerInfo, Request, Response};
@@ -105,6 +107,7 @@ pub mod codegen {
 
     pub use crate::client::{Channel, RpcClient};
     pub use crate::codec::ProstCodec;
+    pub use crate::interceptor::{InterceptedService, Interceptor};
     pub use crate::server::NamedService;
     pub use crate::server::streaming::{
         client_streaming as client_streaming_handler, server_streaming as server_streaming_handler,
