@@ -24,8 +24,9 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use crate::GrpcOptions;
 use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, ToCore};
-use crate::wire::{self, Deframer};
+use crate::wire::{self, Deframer, Encoding};
 use crate::{H2Settings, data};
 
 /// Opens an HTTP/2 connection to the gRPC server at `endpoint`.
@@ -121,7 +122,7 @@ async fn drive(
                             to_core.clone(),
                             window.clone(),
                             authority.clone(),
-                            settings.max_message,
+                            settings.clone(),
                         );
                         let finished_tx = finished_tx.clone();
                         tasks.spawn(async move {
@@ -177,14 +178,17 @@ async fn run_call(
     to_core: ToCore,
     window: Arc<StreamWindow>,
     authority: String,
-    max_message: usize,
+    settings: H2Settings,
 ) {
     let call_id = opening.call_id;
+    // This call's encoding: its own pick, else the channel's.
+    let encoding =
+        wire::requested_encoding(&opening.metadata).unwrap_or(settings.options.send_compressed);
     let streaming = opening.is_streaming();
     let ended_at_opening = streaming && opening.flags.contains(FrameFlags::END_STREAM);
     // A whole stream (its messages in the opening frame) ends after them.
     let whole = ended_at_opening && !opening.payload.is_empty();
-    let request = match build_request(&opening, &authority) {
+    let request = match build_request(&opening, &authority, encoding, &settings.options) {
         Ok(request) => request,
         Err(status) => {
             let _ = to_core.send(status_frame(call_id, &status)).await;
@@ -213,8 +217,8 @@ async fn run_call(
     } else {
         None
     };
-    let write = write_requests(&mut body, &mut out, first, &to_core, call_id);
-    let read = read_response(response, call_id, streaming, &to_core, &window, max_message);
+    let write = write_requests(&mut body, &mut out, first, &to_core, call_id, encoding);
+    let read = read_response(response, call_id, streaming, &to_core, &window, &settings);
     tokio::select! {
         biased;
         () = write => {}
@@ -233,13 +237,14 @@ async fn write_requests(
     first: Option<Vec<Bytes>>,
     to_core: &ToCore,
     call_id: u64,
+    encoding: Option<Encoding>,
 ) {
     let mut writing = true;
     let mut ungranted = 0u64;
     // A unary request's message, or a whole stream's: all there is.
     if let Some(messages) = first {
         writing = false;
-        let sent = data::write_messages(body, &messages)
+        let sent = data::write_messages(body, &messages, encoding)
             .await
             .and_then(|()| body.send_data(Bytes::new(), true));
         if let Err(error) = sent {
@@ -255,7 +260,7 @@ async fn write_requests(
             ClientOut::Messages(payload, last) if writing => {
                 let messages = link::split_messages(payload);
                 let cost: u64 = messages.iter().map(|m| SendWindow::cost(m.len())).sum();
-                let mut sent = data::write_messages(body, &messages).await;
+                let mut sent = data::write_messages(body, &messages, encoding).await;
                 if last {
                     sent = sent.and_then(|()| body.send_data(Bytes::new(), true));
                     writing = false;
@@ -292,7 +297,12 @@ async fn write_requests(
     body.send_reset(h2::Reason::CANCEL);
 }
 
-fn build_request(opening: &Frame, authority: &str) -> Result<Request<()>, Status> {
+fn build_request(
+    opening: &Frame,
+    authority: &str,
+    encoding: Option<Encoding>,
+    options: &GrpcOptions,
+) -> Result<Request<()>, Status> {
     let uri = http::Uri::builder()
         .scheme("http")
         .authority(authority)
@@ -310,6 +320,15 @@ fn build_request(opening: &Frame, authority: &str) -> Result<Request<()>, Status
         HeaderValue::from_static(wire::CONTENT_TYPE),
     );
     headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+    if let Some(encoding) = encoding {
+        headers.insert("grpc-encoding", HeaderValue::from_static(encoding.name()));
+    }
+    if !options.accept_compressed.is_empty() {
+        headers.insert(
+            "grpc-accept-encoding",
+            wire::accept_encoding_value(&options.accept_compressed),
+        );
+    }
     if let Some(deadline) = opening.deadline {
         if let Ok(value) = HeaderValue::from_str(&wire::encode_timeout(deadline)) {
             headers.insert("grpc-timeout", value);
@@ -332,7 +351,7 @@ async fn read_response(
     streaming: bool,
     to_core: &ToCore,
     window: &StreamWindow,
-    max_message: usize,
+    settings: &H2Settings,
 ) -> Frame {
     let fail = |status: Status| status_frame(call_id, &status);
     let response = match response.await {
@@ -353,6 +372,15 @@ async fn read_response(
         // Trailers-only: the status and nothing else.
         return end_frame(call_id, streaming, status, Metadata::new(), None);
     }
+    let encoding = match wire::message_encoding(&parts.headers, &settings.options.accept_compressed)
+    {
+        Ok(encoding) => encoding,
+        Err(name) => {
+            return fail(Status::internal(format!(
+                "the server compressed its response with {name:?}, which this channel does not accept (rpc_grpc::GrpcOptions::accept_compressed)"
+            )));
+        }
+    };
     let headers = wire::metadata_from_headers(&parts.headers);
     if streaming
         && to_core
@@ -362,7 +390,7 @@ async fn read_response(
     {
         return fail(Status::cancelled("the channel went away"));
     }
-    let mut deframer = Deframer::new(max_message);
+    let mut deframer = Deframer::with_encoding(settings.max_message, encoding);
     let mut unary_message = None;
     let mut batch = MessageBatch::default();
     let gone = || Status::cancelled("the channel went away");
@@ -375,7 +403,7 @@ async fn read_response(
         let _ = body.flow_control().release_capacity(chunk.len());
         deframer.push(chunk);
         loop {
-            let message = match deframer.next_message() {
+            let message = match deframer.next_decompressed() {
                 Ok(Some(message)) => message,
                 Ok(None) => break,
                 Err(wire::DeframeError::TooLarge { len, max }) => {

@@ -5,25 +5,29 @@
 use bytes::{Bytes, BytesMut};
 use h2::SendStream;
 
-use crate::wire::{self, MESSAGE_PREFIX};
+use crate::wire::{self, Encoding, MESSAGE_PREFIX};
 
 /// A message at least this long goes after its own prefix rather than
 /// copied behind it.
 const COPY_BELOW: usize = 16 << 10;
 
-/// Writes `messages`, each with its gRPC prefix, waiting for window.
+/// Writes `messages`, each with its gRPC prefix (compressed with
+/// `encoding` if given), waiting for window.
 pub(crate) async fn write_messages(
     stream: &mut SendStream<Bytes>,
     messages: &[Bytes],
+    encoding: Option<Encoding>,
 ) -> Result<(), h2::Error> {
     let mut batch = BytesMut::new();
     for message in messages {
+        let compressed = encoding.map(|encoding| wire::compress(encoding, message));
+        let message = compressed.as_ref().unwrap_or(message);
         if message.len() < COPY_BELOW {
-            wire::frame_message(message, &mut batch);
+            wire::frame_message_flagged(message, encoding.is_some(), &mut batch);
             continue;
         }
         let mut prefix = BytesMut::with_capacity(MESSAGE_PREFIX);
-        wire::frame_message(&[], &mut prefix);
+        wire::frame_message_flagged(&[], encoding.is_some(), &mut prefix);
         prefix[1..MESSAGE_PREFIX].copy_from_slice(&(message.len() as u32).to_be_bytes());
         batch.extend_from_slice(&prefix);
         write(stream, batch.split().freeze()).await?;

@@ -42,9 +42,21 @@
 //! unary method's call as one message each way. A hand-written service
 //! sees it as a streaming call ([`rpc_core::stream::ServerStream::take`]).
 //!
-//! Not supported: TLS on `grpc://` (use a TLS-terminating proxy), message
-//! compression (calls that ask for it get `UNIMPLEMENTED`, and the server
-//! advertises `grpc-accept-encoding: identity`).
+//! **Compression** (gzip) is off by default, as in tonic: a call compressed
+//! with an encoding this side does not accept gets `UNIMPLEMENTED`, and
+//! `grpc-accept-encoding` says `identity`. [`register_with`] turns it on:
+//! [`GrpcOptions::accept_compressed`] takes compressed messages from peers
+//! (requests on a server, responses on a client) and advertises it;
+//! [`GrpcOptions::send_compressed`] compresses what this side sends (a
+//! server only when the client's `grpc-accept-encoding` lists it). One call
+//! picks its own with the metadata [`ENCODING_REQUEST`] (`gzip` or
+//! `identity`): on a client's request, or on a server's response headers.
+//! A compressed message is decompressed only after the receiver reserved
+//! the length its gzip trailer declares (from the server's receive budget),
+//! and only up to that length and the message limit: a small message that
+//! would inflate past either fails its call instead.
+//!
+//! Not supported: TLS on `grpc://` (use a TLS-terminating proxy).
 #![forbid(unsafe_code)]
 
 mod client;
@@ -65,18 +77,65 @@ use rpc_core::transport::{
     Connection, Endpoint, Listener, Transport, TransportConfig, TransportError,
 };
 
+pub use wire::{ENCODING_REQUEST, Encoding};
+
 /// The scheme `grpc://` endpoints name.
 pub const SCHEME: &str = "grpc";
 
-/// Registers the `grpc` scheme with rpc-core's transports. Call it once at
-/// start-up, before a server binds or a channel connects to `grpc://`.
+/// Registers the `grpc` scheme with rpc-core's transports, with the default
+/// [`GrpcOptions`]. Call it once at start-up, before a server binds or a
+/// channel connects to `grpc://`.
 pub fn register() {
-    rpc_core::transport::register(SCHEME, Arc::new(GrpcTransport));
+    register_with(GrpcOptions::default());
+}
+
+/// Registers the `grpc` scheme with `options` for every `grpc://` server and
+/// channel of the process (registering again replaces them for what binds
+/// or connects later).
+pub fn register_with(options: GrpcOptions) {
+    rpc_core::transport::register(SCHEME, Arc::new(GrpcTransport::with_options(options)));
+}
+
+/// Settings of `grpc://` servers and channels.
+#[derive(Debug, Clone, Default)]
+pub struct GrpcOptions {
+    /// Encodings taken from peers (requests on a server, responses on a
+    /// channel) and listed in `grpc-accept-encoding`; empty (the default):
+    /// identity only.
+    pub accept_compressed: Vec<Encoding>,
+    /// The encoding of what this side sends: a channel's requests, a
+    /// server's responses when the client accepts it. `None` (the
+    /// default): uncompressed. A call may pick its own with
+    /// [`ENCODING_REQUEST`].
+    pub send_compressed: Option<Encoding>,
+}
+
+impl GrpcOptions {
+    /// gzip both ways: accepted, and used for what this side sends.
+    pub fn gzip() -> GrpcOptions {
+        GrpcOptions {
+            accept_compressed: vec![Encoding::Gzip],
+            send_compressed: Some(Encoding::Gzip),
+        }
+    }
 }
 
 /// gRPC over HTTP/2 as an rdma-rpc transport (see the crate docs).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct GrpcTransport;
+#[derive(Debug, Clone, Default)]
+pub struct GrpcTransport {
+    options: Arc<GrpcOptions>,
+}
+
+impl GrpcTransport {
+    /// The transport with `options`, to register under a scheme of one's
+    /// own (`rpc_core::transport::register("grpc-gzip", ..)`) where some
+    /// endpoints need other options than the `grpc` scheme's.
+    pub fn with_options(options: GrpcOptions) -> GrpcTransport {
+        GrpcTransport {
+            options: Arc::new(options),
+        }
+    }
+}
 
 impl Transport for GrpcTransport {
     fn connect(
@@ -85,7 +144,7 @@ impl Transport for GrpcTransport {
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Connection, TransportError>> {
         let endpoint = endpoint.clone();
-        let settings = H2Settings::for_frame_limit(config.max_frame_len);
+        let settings = H2Settings::for_frame_limit(config.max_frame_len, &self.options);
         async move { client::connect(&endpoint, settings).await }.boxed()
     }
 
@@ -97,8 +156,9 @@ impl Transport for GrpcTransport {
         let endpoint = endpoint.clone();
         let max_frame_len = config.max_frame_len;
         let budget = config.receive_budget.clone();
+        let options = self.options.clone();
         async move {
-            let listener = server::bind(&endpoint, max_frame_len, budget).await?;
+            let listener = server::bind(&endpoint, max_frame_len, budget, options).await?;
             Ok(Box::new(listener) as Box<dyn Listener>)
         }
         .boxed()
@@ -106,10 +166,12 @@ impl Transport for GrpcTransport {
 }
 
 /// HTTP/2 settings of both sides.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct H2Settings {
     /// Largest gRPC message taken from the peer.
     pub(crate) max_message: usize,
+    /// Compression.
+    pub(crate) options: Arc<GrpcOptions>,
 }
 
 /// Each stream's HTTP/2 receive window.
@@ -126,9 +188,10 @@ const SEND_BUFFER: usize = 64 << 10;
 pub(crate) const MAX_FRAME_SIZE: u32 = 64 << 10;
 
 impl H2Settings {
-    fn for_frame_limit(max_frame_len: usize) -> H2Settings {
+    fn for_frame_limit(max_frame_len: usize, options: &Arc<GrpcOptions>) -> H2Settings {
         H2Settings {
             max_message: server::max_message_for(max_frame_len),
+            options: options.clone(),
         }
     }
 

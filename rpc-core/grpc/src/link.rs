@@ -77,6 +77,21 @@ impl ToCore {
 }
 
 impl ToCore {
+    /// Hands `frame` to rpc-core with `reservation` (from
+    /// [`ToCore::reserve`], covering the frame's encoded length) instead of
+    /// reserving its bytes again; waits only while rpc-core's queue is full.
+    pub(crate) async fn send_reserved(
+        &self,
+        frame: Frame,
+        reservation: Option<Reservation>,
+    ) -> Result<(), CoreGone> {
+        let mut bytes = frame.encode();
+        if let Some(reservation) = reservation {
+            bytes = reservation.attach(bytes);
+        }
+        self.frames.send(Ok(bytes)).await.map_err(|_| CoreGone)
+    }
+
     /// Reserves `len` bytes of the server's receive budget (none on a
     /// client) for a message the gateway is assembling: what a peer makes
     /// the gateway hold stays within the budget, as on every transport.
@@ -227,6 +242,11 @@ impl MessageBatch {
 
     pub(crate) fn is_empty(&self) -> bool {
         self.payload.is_empty()
+    }
+
+    /// The encoded length of a MESSAGE frame holding one message of `len` bytes.
+    pub(crate) fn frame_len_for(len: usize) -> usize {
+        rpc_core::frame::HEADER_LEN + 4 + len
     }
 
     /// The batch's payload (messages in a message frame's encoding), leaving it empty.

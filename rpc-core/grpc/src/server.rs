@@ -39,7 +39,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, ToCore};
-use crate::wire::{self, Deframer};
+use crate::wire::{self, Deframed, Deframer, Encoding};
 use crate::{H2Settings, data};
 
 /// Accepted connections waiting for the server to take them.
@@ -94,13 +94,14 @@ pub(crate) async fn bind(
     endpoint: &Endpoint,
     max_frame_len: usize,
     budget: Option<rpc_core::transport::ReceiveBudget>,
+    options: Arc<crate::GrpcOptions>,
 ) -> Result<GrpcListener, TransportError> {
     let listener =
         tokio::net::TcpListener::bind((endpoint.host(), endpoint.port().unwrap_or(0))).await?;
     let local_addr = listener.local_addr()?;
     let local = Endpoint::new(endpoint.scheme(), &local_addr.to_string())?;
     let (queue, accepted) = mpsc::channel(ACCEPT_QUEUE);
-    let settings = H2Settings::for_frame_limit(max_frame_len);
+    let settings = H2Settings::for_frame_limit(max_frame_len, &options);
     let accept_task = tokio::spawn(async move {
         loop {
             let accepted = listener.accept().await;
@@ -111,6 +112,7 @@ pub(crate) async fn bind(
                         format!("grpc://{peer}"),
                         budget.as_ref().map(|budget| budget.connection()),
                     );
+                    let settings = settings.clone();
                     tokio::spawn(async move {
                         serve_connection(socket, settings, to_core, from_core).await;
                         ended.cancel();
@@ -184,6 +186,7 @@ async fn serve_connection(
             return;
         }
     };
+    let accept = wire::accept_encoding_value(&settings.options.accept_compressed);
     let mut calls: HashMap<u64, Call> = HashMap::new();
     let mut running = CallFutures::new();
     let mut next_call_id = 1u64;
@@ -215,14 +218,27 @@ async fn serve_connection(
                 Some(Ok((request, mut respond))) => {
                     let call_id = next_call_id;
                     next_call_id += 1;
-                    let Some(mut opening) = open_call(call_id, &request, &mut respond) else {
+                    let Some((mut opening, request_encoding)) = open_call(call_id, &request, &mut respond, &settings.options, &accept) else {
                         continue;
+                    };
+                    let coding = CallCoding {
+                        accept: accept.clone(),
+                        send: settings.options.send_compressed,
+                        client_accepts: request.headers().get("grpc-accept-encoding").cloned(),
+                        response: None,
                     };
                     let mut body = request.into_body();
                     let (out, out_rx) = link::call_queue();
                     // The call's future sends its opening itself: this loop
                     // never waits on rpc-core, which may wait on the calls.
-                    let call: Pin<Box<dyn Future<Output = ()> + Send>> = match read_whole(&mut body, settings.max_message) {
+                    // A compressed body is read by `read_requests`, which
+                    // reserves what each message declares before inflating it.
+                    let whole = if request_encoding.is_some() {
+                        Whole::NotYet(None)
+                    } else {
+                        read_whole(&mut body, settings.max_message)
+                    };
+                    let call: Pin<Box<dyn Future<Output = ()> + Send>> = match whole {
                         Whole::Stream { messages, taken } => {
                             // One frame for the whole call, and nothing to read.
                             opening.flags = opening.flags | FrameFlags::END_STREAM;
@@ -234,23 +250,23 @@ async fn serve_connection(
                                     // Accounted for in the frame: the window may go back.
                                     let _ = body.flow_control().release_capacity(taken);
                                     drop(body);
-                                    write_responses(respond, out_rx, to_core, call_id).await;
+                                    write_responses(respond, out_rx, to_core, call_id, coding).await;
                                 }
                             })
                         }
                         Whole::Broken(status) => {
-                            refuse(&mut respond, &status);
+                            refuse(&mut respond, &status, &accept);
                             continue;
                         }
                         Whole::Reset => continue,
                         Whole::NotYet(first) => {
                             let window = Arc::new(StreamWindow::default());
-                            let reading = read_requests(body, first, to_core.clone(), window.clone(), out.clone(), call_id, settings.max_message);
+                            let reading = read_requests(body, first, to_core.clone(), window.clone(), out.clone(), call_id, Deframer::with_encoding(settings.max_message, request_encoding));
                             calls.insert(call_id, Call { window: Some(window), out });
                             let to_core = to_core.clone();
                             Box::pin(async move {
                                 if to_core.send(opening).await.is_ok() {
-                                    serve_call(reading, respond, out_rx, to_core, call_id).await;
+                                    serve_call(reading, respond, out_rx, to_core, call_id, coding).await;
                                 }
                             })
                         }
@@ -427,8 +443,9 @@ async fn serve_call(
     out: CallReceiver<Out>,
     to_core: ToCore,
     call_id: u64,
+    coding: CallCoding,
 ) {
-    let writing = write_responses(respond, out, to_core, call_id);
+    let writing = write_responses(respond, out, to_core, call_id, coding);
     let (mut reading, mut writing) = (std::pin::pin!(reading), std::pin::pin!(writing));
     tokio::select! {
         () = &mut writing => {}
@@ -443,8 +460,8 @@ fn route(calls: &HashMap<u64, Call>, call_id: u64, out: Out) {
 }
 
 /// Answers a request with `status` alone (a trailers-only response).
-fn refuse(respond: &mut SendResponse<Bytes>, status: &Status) {
-    let response = trailers_only(status.code(), status.message(), status.metadata());
+fn refuse(respond: &mut SendResponse<Bytes>, status: &Status, accept: &HeaderValue) {
+    let response = trailers_only(status.code(), status.message(), status.metadata(), accept);
     let _ = respond.send_response(response, true);
 }
 
@@ -461,7 +478,9 @@ fn open_call(
     call_id: u64,
     request: &Request<RecvStream>,
     respond: &mut SendResponse<Bytes>,
-) -> Option<Frame> {
+    options: &crate::GrpcOptions,
+    accept: &HeaderValue,
+) -> Option<(Frame, Option<Encoding>)> {
     if request.method() != http::Method::POST {
         refuse_http(respond, StatusCode::METHOD_NOT_ALLOWED);
         return None;
@@ -471,17 +490,20 @@ fn open_call(
         refuse_http(respond, StatusCode::UNSUPPORTED_MEDIA_TYPE);
         return None;
     }
-    if let Some(encoding) = headers.get("grpc-encoding") {
-        if encoding != "identity" {
+    let encoding = match wire::message_encoding(headers, &options.accept_compressed) {
+        Ok(encoding) => encoding,
+        Err(name) => {
             refuse(
                 respond,
                 &Status::unimplemented(format!(
-                    "grpc-encoding {encoding:?} is not supported: send uncompressed messages (identity)"
+                    "grpc-encoding {name:?} is not accepted here (grpc-accept-encoding: {})",
+                    accept.to_str().unwrap_or("identity")
                 )),
+                accept,
             );
             return None;
         }
-    }
+    };
     let path = request.uri().path();
     if !is_method_path(path) {
         refuse(
@@ -489,6 +511,7 @@ fn open_call(
             &Status::unimplemented(format!(
                 "{path:?} is not a method path (/package.Service/Method)"
             )),
+            accept,
         );
         return None;
     }
@@ -502,6 +525,7 @@ fn open_call(
                     &Status::invalid_argument(format!(
                         "grpc-timeout {value:?} is not 1 to 8 digits and a unit (H M S m u n)"
                     )),
+                    accept,
                 );
                 return None;
             }
@@ -510,7 +534,7 @@ fn open_call(
     let metadata = wire::metadata_from_headers(headers);
     let mut opening = Frame::stream_request(call_id, path, deadline, metadata);
     opening.flags = FrameFlags::STREAMING | FrameFlags::KIND_UNKNOWN;
-    Some(opening)
+    Some((opening, encoding))
 }
 
 /// `/service/method`, both non-empty, within rpc-core's path limit.
@@ -535,9 +559,9 @@ async fn read_requests(
     window: Arc<StreamWindow>,
     fail: CallSender<Out>,
     call_id: u64,
-    max_message: usize,
+    mut deframer: Deframer,
 ) {
-    let mut deframer = Deframer::new(max_message);
+    let max_message = deframer.max();
     let mut batch = MessageBatch::default();
     // Held while a message that came in pieces is assembled: its announced
     // bytes, from the server's receive budget. HTTP/2's window is given
@@ -555,8 +579,37 @@ async fn read_requests(
                 let chunk_len = chunk.len();
                 deframer.push(chunk);
                 loop {
-                    let message = match deframer.next_message() {
-                        Ok(Some(message)) => message,
+                    let message = match deframer.next() {
+                        Ok(Some(Deframed::Plain(message))) => message,
+                        Ok(Some(Deframed::Compressed(encoding, compressed))) => {
+                            assembling = None;
+                            // What came before goes first, in order.
+                            if !batch.is_empty()
+                                && to_core
+                                    .send(batch.take_frame(call_id, false))
+                                    .await
+                                    .is_err()
+                            {
+                                return;
+                            }
+                            let sent = send_decompressed(
+                                &to_core,
+                                &window,
+                                call_id,
+                                encoding,
+                                &compressed,
+                                max_message,
+                            )
+                            .await;
+                            match sent {
+                                Ok(true) => continue,
+                                Ok(false) => return,
+                                Err(status) => {
+                                    fail.send(Out::Fail(status));
+                                    return;
+                                }
+                            }
+                        }
                         Ok(None) => break,
                         Err(error) => {
                             fail.send(Out::Fail(deframe_status(error)));
@@ -632,12 +685,50 @@ async fn read_requests(
     }
 }
 
+/// Inflates one compressed request message and hands it to rpc-core as a
+/// frame of its own, under the call's window. The length its trailer
+/// declares (within `max_message`) is reserved from the receive budget
+/// first, and the frame carries that reservation: a small message that
+/// would inflate to a large one makes the gateway hold no more than the
+/// budget allows, and one that inflates past what it declared fails.
+/// `Ok(false)`: rpc-core is gone.
+async fn send_decompressed(
+    to_core: &ToCore,
+    window: &StreamWindow,
+    call_id: u64,
+    encoding: Encoding,
+    compressed: &[u8],
+    max_message: usize,
+) -> Result<bool, Status> {
+    let declared = wire::declared_len(encoding, compressed).map_err(deframe_status)?;
+    if declared > max_message {
+        return Err(deframe_status(wire::DeframeError::TooLarge {
+            len: declared,
+            max: max_message,
+        }));
+    }
+    let mut batch = MessageBatch::default();
+    let frame_len = MessageBatch::frame_len_for(declared);
+    let Ok(reservation) = to_core.reserve(frame_len).await else {
+        return Ok(false);
+    };
+    let message = wire::decompress(encoding, compressed, declared).map_err(deframe_status)?;
+    window.acquire(message.len()).await;
+    batch.push(&message);
+    drop(message);
+    Ok(to_core
+        .send_reserved(batch.take_frame(call_id, false), reservation)
+        .await
+        .is_ok())
+}
+
 fn deframe_status(error: wire::DeframeError) -> Status {
     match error {
         wire::DeframeError::TooLarge { .. } => {
             Status::resource_exhausted(format!("request {error} (the server's max_frame_len)"))
         }
         wire::DeframeError::Compressed => Status::unimplemented(error.to_string()),
+        wire::DeframeError::Decompress(_) => Status::internal(error.to_string()),
         _ => Status::internal(error.to_string()),
     }
 }
@@ -649,6 +740,7 @@ async fn write_responses(
     mut out: CallReceiver<Out>,
     to_core: ToCore,
     call_id: u64,
+    mut coding: CallCoding,
 ) {
     let cancel = || Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
     let mut body: Option<SendStream<Bytes>> = None;
@@ -668,12 +760,20 @@ async fn write_responses(
                 send_reset(&mut respond, &mut body, h2::Reason::INTERNAL_ERROR);
                 return;
             }
-            Some(Out::Headers(metadata)) => start_body(&mut respond, &mut body, &metadata),
+            Some(Out::Headers(metadata)) => {
+                start_body(&mut respond, &mut body, &metadata, &mut coding)
+            }
             Some(Out::Messages(payload, room)) => {
                 let messages = link::split_messages(payload);
                 let cost: u64 = messages.iter().map(|m| SendWindow::cost(m.len())).sum();
-                let sent =
-                    send_messages(&mut respond, &mut body, &Metadata::new(), &messages).await;
+                let sent = send_messages(
+                    &mut respond,
+                    &mut body,
+                    &Metadata::new(),
+                    &messages,
+                    &mut coding,
+                )
+                .await;
                 // HTTP/2 took them (or the stream failed): their room is free.
                 drop(room);
                 ungranted += cost;
@@ -689,14 +789,14 @@ async fn write_responses(
                 sent
             }
             Some(Out::End(frame, room)) => {
-                finish(&mut respond, &mut body, frame).await;
+                finish(&mut respond, &mut body, frame, &mut coding).await;
                 // HTTP/2 took the answer (or the stream failed).
                 drop(room);
                 return;
             }
             Some(Out::Fail(status)) => {
                 let _ = to_core.send(cancel()).await;
-                finish_with(&mut respond, &mut body, &status);
+                finish_with(&mut respond, &mut body, &status, &coding.accept);
                 return;
             }
         };
@@ -736,14 +836,50 @@ fn start_body(
     respond: &mut SendResponse<Bytes>,
     body: &mut Option<SendStream<Bytes>>,
     metadata: &Metadata,
+    coding: &mut CallCoding,
 ) -> Result<(), h2::Error> {
     if body.is_none() {
         let mut response = Response::new(());
-        grpc_headers(response.headers_mut());
+        grpc_headers(response.headers_mut(), &coding.accept);
+        coding.response = coding.choose(metadata);
+        if let Some(encoding) = coding.response {
+            response
+                .headers_mut()
+                .insert("grpc-encoding", HeaderValue::from_static(encoding.name()));
+        }
         wire::metadata_into_headers(metadata, response.headers_mut());
         *body = Some(respond.send_response(response, false)?);
     }
     Ok(())
+}
+
+/// How one call's messages are encoded: what this server accepts, what it
+/// would send, what the client accepts, and (once the response headers
+/// went) what the response uses.
+struct CallCoding {
+    /// This server's `grpc-accept-encoding`.
+    accept: HeaderValue,
+    /// The server's encoding for responses ([`crate::GrpcOptions::send_compressed`]).
+    send: Option<Encoding>,
+    /// The client's `grpc-accept-encoding`, parsed only if needed.
+    client_accepts: Option<HeaderValue>,
+    /// The response's encoding, chosen with its headers.
+    response: Option<Encoding>,
+}
+
+impl CallCoding {
+    /// The response's encoding: the call's own pick
+    /// ([`wire::ENCODING_REQUEST`] in the response metadata), else the
+    /// server's; either only if the client accepts it.
+    fn choose(&self, metadata: &Metadata) -> Option<Encoding> {
+        let wanted = wire::requested_encoding(metadata).unwrap_or(self.send)?;
+        let client = self.client_accepts.as_ref()?;
+        let mut headers = HeaderMap::new();
+        headers.insert("grpc-accept-encoding", client.clone());
+        wire::accepted_encodings(&headers)
+            .contains(&wanted)
+            .then_some(wanted)
+    }
 }
 
 /// Sends the response headers (with `metadata`) unless they went already,
@@ -753,20 +889,21 @@ async fn send_messages(
     body: &mut Option<SendStream<Bytes>>,
     metadata: &Metadata,
     messages: &[Bytes],
+    coding: &mut CallCoding,
 ) -> Result<(), h2::Error> {
-    start_body(respond, body, metadata)?;
+    start_body(respond, body, metadata, coding)?;
     match body.as_mut() {
-        Some(stream) => data::write_messages(stream, messages).await,
+        Some(stream) => data::write_messages(stream, messages, coding.response).await,
         None => Ok(()),
     }
 }
 
-fn grpc_headers(headers: &mut HeaderMap) {
+fn grpc_headers(headers: &mut HeaderMap, accept: &HeaderValue) {
     headers.insert(
         http::header::CONTENT_TYPE,
         HeaderValue::from_static(wire::CONTENT_TYPE),
     );
-    headers.insert("grpc-accept-encoding", HeaderValue::from_static("identity"));
+    headers.insert("grpc-accept-encoding", accept.clone());
 }
 
 /// Ends the response with rpc-core's final frame for the call. An OK end
@@ -776,24 +913,27 @@ async fn finish(
     respond: &mut SendResponse<Bytes>,
     body: &mut Option<SendStream<Bytes>>,
     frame: Frame,
+    coding: &mut CallCoding,
 ) {
     if frame.status != Code::Ok {
         let message = String::from_utf8_lossy(&frame.payload.into_contiguous()).into_owned();
         let status = Status::with_metadata(frame.status, message, frame.metadata);
-        return finish_with(respond, body, &status);
+        return finish_with(respond, body, &status, &coding.accept);
     }
     if body.is_none() {
         let message = frame.payload.into_contiguous();
-        if let Err(error) = send_messages(respond, body, &frame.metadata, &[message]).await {
+        if let Err(error) = send_messages(respond, body, &frame.metadata, &[message], coding).await
+        {
             tracing::debug!(%error, "grpc: could not send the answer");
             return;
         }
-        return finish_with(respond, body, &Status::new(Code::Ok, ""));
+        return finish_with(respond, body, &Status::new(Code::Ok, ""), &coding.accept);
     }
     finish_with(
         respond,
         body,
         &Status::with_metadata(Code::Ok, "", frame.metadata),
+        &coding.accept,
     );
 }
 
@@ -801,6 +941,7 @@ fn finish_with(
     respond: &mut SendResponse<Bytes>,
     body: &mut Option<SendStream<Bytes>>,
     status: &Status,
+    accept: &HeaderValue,
 ) {
     let result = match body {
         Some(stream) => stream.send_trailers(wire::trailers(
@@ -810,7 +951,7 @@ fn finish_with(
         )),
         None => respond
             .send_response(
-                trailers_only(status.code(), status.message(), status.metadata()),
+                trailers_only(status.code(), status.message(), status.metadata(), accept),
                 true,
             )
             .map(drop),
@@ -821,9 +962,14 @@ fn finish_with(
 }
 
 /// A response that is only headers, with the status in them.
-fn trailers_only(code: Code, message: &str, metadata: &Metadata) -> Response<()> {
+fn trailers_only(
+    code: Code,
+    message: &str,
+    metadata: &Metadata,
+    accept: &HeaderValue,
+) -> Response<()> {
     let mut response = Response::new(());
-    grpc_headers(response.headers_mut());
+    grpc_headers(response.headers_mut(), accept);
     response
         .headers_mut()
         .extend(wire::trailers(code, message, metadata));

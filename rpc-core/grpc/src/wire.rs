@@ -38,7 +38,151 @@ fn is_reserved(name: &str) -> bool {
             | "grpc-status"
             | "grpc-message"
             | "grpc-status-details-bin"
+            | ENCODING_REQUEST
     )
+}
+
+/// Metadata that picks one call's message encoding, as in gRPC's core:
+/// `gzip` or `identity`, on a client's request or a server's response
+/// headers. Never sent as a header.
+pub const ENCODING_REQUEST: &str = "grpc-internal-encoding-request";
+
+/// A message encoding of `grpc-encoding` other than `identity`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Encoding {
+    /// gzip (RFC 1952).
+    Gzip,
+}
+
+impl Encoding {
+    /// Its name in `grpc-encoding` and `grpc-accept-encoding`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Encoding::Gzip => "gzip",
+        }
+    }
+
+    /// The encoding `name` names; `None` for `identity` and unknown names.
+    pub fn from_name(name: &str) -> Option<Encoding> {
+        match name.trim() {
+            "gzip" => Some(Encoding::Gzip),
+            _ => None,
+        }
+    }
+}
+
+/// What `grpc-encoding` says of a request or response: identity, an
+/// encoding this side accepts, or one it does not (named).
+pub(crate) fn message_encoding(
+    headers: &HeaderMap,
+    accepted: &[Encoding],
+) -> Result<Option<Encoding>, String> {
+    let Some(value) = headers.get("grpc-encoding") else {
+        return Ok(None);
+    };
+    let name = value.to_str().unwrap_or("(not text)").trim();
+    if name == "identity" {
+        return Ok(None);
+    }
+    match Encoding::from_name(name) {
+        Some(encoding) if accepted.contains(&encoding) => Ok(Some(encoding)),
+        _ => Err(name.to_owned()),
+    }
+}
+
+/// The encodings a peer's `grpc-accept-encoding` lists.
+pub(crate) fn accepted_encodings(headers: &HeaderMap) -> Vec<Encoding> {
+    headers
+        .get_all("grpc-accept-encoding")
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|list| list.split(','))
+        .filter_map(Encoding::from_name)
+        .collect()
+}
+
+/// `grpc-accept-encoding`'s value for `accepted`: them, then identity.
+pub(crate) fn accept_encoding_value(accepted: &[Encoding]) -> HeaderValue {
+    let mut names: Vec<&str> = accepted.iter().map(|encoding| encoding.name()).collect();
+    names.push("identity");
+    HeaderValue::from_str(&names.join(",")).unwrap_or(HeaderValue::from_static("identity"))
+}
+
+/// The encoding one call's metadata asks for with [`ENCODING_REQUEST`]:
+/// `Some(None)` for identity, `None` when it does not say.
+pub(crate) fn requested_encoding(metadata: &Metadata) -> Option<Option<Encoding>> {
+    let name = metadata.get(ENCODING_REQUEST)?;
+    if name.trim() == "identity" {
+        return Some(None);
+    }
+    Encoding::from_name(name).map(Some)
+}
+
+/// `message` compressed with `encoding`.
+pub(crate) fn compress(encoding: Encoding, message: &[u8]) -> Bytes {
+    match encoding {
+        Encoding::Gzip => {
+            let mut encoder = flate2::write::GzEncoder::new(
+                Vec::with_capacity(message.len() / 2 + 64),
+                flate2::Compression::fast(),
+            );
+            // Writing into a Vec cannot fail.
+            let _ = std::io::Write::write_all(&mut encoder, message);
+            Bytes::from(encoder.finish().unwrap_or_default())
+        }
+    }
+}
+
+/// The length a compressed message says it has once decompressed (gzip's
+/// ISIZE, the length modulo 2^32 of the last member): what the receiver
+/// reserves before it decompresses. The peer's word: [`decompress`] holds
+/// it to it.
+pub(crate) fn declared_len(encoding: Encoding, compressed: &[u8]) -> Result<usize, DeframeError> {
+    match encoding {
+        Encoding::Gzip => {
+            let tail = compressed
+                .len()
+                .checked_sub(4)
+                .filter(|_| compressed.len() >= 18)
+                .ok_or_else(|| DeframeError::Decompress("shorter than a gzip member".into()))?;
+            let size = u32::from_le_bytes(compressed[tail..].try_into().expect("4 bytes"));
+            Ok(size as usize)
+        }
+    }
+}
+
+/// Decompresses a message that must come to exactly `expected` bytes (its
+/// [`declared_len`], within the receiver's limit): a message that would
+/// grow past it fails as soon as it does, so a compressed message never
+/// makes the receiver hold more than it reserved.
+pub(crate) fn decompress(
+    encoding: Encoding,
+    compressed: &[u8],
+    expected: usize,
+) -> Result<Bytes, DeframeError> {
+    use std::io::Read;
+    match encoding {
+        Encoding::Gzip => {
+            let mut out = Vec::with_capacity(expected);
+            let decoder = flate2::read::MultiGzDecoder::new(compressed);
+            decoder
+                .take(expected as u64 + 1)
+                .read_to_end(&mut out)
+                .map_err(|error| DeframeError::Decompress(error.to_string()))?;
+            if out.len() > expected {
+                return Err(DeframeError::Decompress(format!(
+                    "it decompresses past the {expected} bytes its gzip trailer declares"
+                )));
+            }
+            if out.len() < expected {
+                return Err(DeframeError::Decompress(format!(
+                    "it decompresses to {} bytes, not the {expected} its gzip trailer declares",
+                    out.len()
+                )));
+            }
+            Ok(Bytes::from(out))
+        }
+    }
 }
 
 /// True for a `content-type` that names gRPC (`application/grpc`,
@@ -255,11 +399,27 @@ pub(crate) fn status_from_reset(reason: h2::Reason) -> Status {
 }
 
 /// A message with its gRPC prefix (not compressed).
+#[cfg_attr(not(any(test, feature = "tonic")), allow(dead_code))]
 pub(crate) fn frame_message(message: &[u8], dst: &mut BytesMut) {
+    frame_message_flagged(message, false, dst);
+}
+
+/// A message with its gRPC prefix, its compressed flag set when `compressed`.
+pub(crate) fn frame_message_flagged(message: &[u8], compressed: bool, dst: &mut BytesMut) {
     dst.reserve(MESSAGE_PREFIX + message.len());
-    dst.put_u8(0);
+    dst.put_u8(u8::from(compressed));
     dst.put_u32(message.len() as u32);
     dst.put_slice(message);
+}
+
+/// A message the deframer took from the stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Deframed {
+    /// Not compressed.
+    Plain(Bytes),
+    /// Compressed with the stream's encoding: the receiver reserves its
+    /// [`declared_len`], then [`decompress`]es it.
+    Compressed(Encoding, Bytes),
 }
 
 /// Why the bytes of a stream are not a sequence of gRPC messages.
@@ -273,9 +433,12 @@ pub(crate) enum DeframeError {
         /// The limit.
         max: usize,
     },
-    /// A compressed message: no `grpc-encoding` is accepted.
-    #[error("compressed message, but no grpc-encoding was agreed (only identity is accepted)")]
+    /// A compressed message on a stream whose `grpc-encoding` is identity.
+    #[error("compressed message, but the stream's grpc-encoding is identity")]
     Compressed,
+    /// A compressed message that does not decompress as it declares.
+    #[error("compressed message does not decompress: {0}")]
+    Decompress(String),
     /// A compressed flag other than 0 or 1.
     #[error("message flag {0} is not 0 or 1")]
     BadFlag(u8),
@@ -291,6 +454,8 @@ pub(crate) enum DeframeError {
 pub(crate) struct Deframer {
     buffer: BytesMut,
     max: usize,
+    /// The stream's `grpc-encoding` (`None`: identity).
+    encoding: Option<Encoding>,
 }
 
 impl Deframer {
@@ -299,6 +464,52 @@ impl Deframer {
         Deframer {
             buffer: BytesMut::new(),
             max,
+            encoding: None,
+        }
+    }
+
+    /// The same, for a stream whose `grpc-encoding` is `encoding`.
+    pub(crate) fn with_encoding(max: usize, encoding: Option<Encoding>) -> Deframer {
+        Deframer {
+            encoding,
+            ..Deframer::new(max)
+        }
+    }
+
+    /// The largest message it takes.
+    pub(crate) fn max(&self) -> usize {
+        self.max
+    }
+
+    /// The next whole message, compressed or not.
+    pub(crate) fn next(&mut self) -> Result<Option<Deframed>, DeframeError> {
+        let compressed = self.buffer.first() == Some(&1);
+        let Some(message) = self.take(compressed)? else {
+            return Ok(None);
+        };
+        match (compressed, self.encoding) {
+            (false, _) => Ok(Some(Deframed::Plain(message))),
+            (true, Some(encoding)) => Ok(Some(Deframed::Compressed(encoding, message))),
+            (true, None) => Err(DeframeError::Compressed),
+        }
+    }
+
+    /// The next whole message, decompressed (within `max`) if it must be;
+    /// for a receiver that has no budget to reserve it from (a client).
+    pub(crate) fn next_decompressed(&mut self) -> Result<Option<Bytes>, DeframeError> {
+        match self.next()? {
+            None => Ok(None),
+            Some(Deframed::Plain(message)) => Ok(Some(message)),
+            Some(Deframed::Compressed(encoding, message)) => {
+                let expected = declared_len(encoding, &message)?;
+                if expected > self.max {
+                    return Err(DeframeError::TooLarge {
+                        len: expected,
+                        max: self.max,
+                    });
+                }
+                decompress(encoding, &message, expected).map(Some)
+            }
         }
     }
 
@@ -312,8 +523,16 @@ impl Deframer {
         }
     }
 
-    /// The next whole message, if one is buffered.
+    /// The next whole message, if one is buffered: only on a stream whose
+    /// encoding is identity (a compressed one is an error).
     pub(crate) fn next_message(&mut self) -> Result<Option<Bytes>, DeframeError> {
+        if self.buffer.first() == Some(&1) {
+            return Err(DeframeError::Compressed);
+        }
+        self.take(false)
+    }
+
+    fn take(&mut self, compressed_allowed: bool) -> Result<Option<Bytes>, DeframeError> {
         if self.buffer.len() < MESSAGE_PREFIX {
             return Ok(None);
         }
@@ -326,6 +545,7 @@ impl Deframer {
         ]) as usize;
         match flag {
             0 => {}
+            1 if compressed_allowed && self.encoding.is_some() => {}
             1 => return Err(DeframeError::Compressed),
             other => return Err(DeframeError::BadFlag(other)),
         }
@@ -575,5 +795,111 @@ mod tests {
         assert!(!check("application/json"));
         assert!(!check("application/grpc-web"));
         assert!(!is_grpc_content_type(None));
+    }
+
+    #[test]
+    fn gzip_messages_round_trip_and_are_held_to_their_declared_length() {
+        let message = b"a message that compresses, a message that compresses".repeat(50);
+        let compressed = compress(Encoding::Gzip, &message);
+        assert!(compressed.len() < message.len() / 4);
+        assert_eq!(declared_len(Encoding::Gzip, &compressed), Ok(message.len()));
+        assert_eq!(
+            decompress(Encoding::Gzip, &compressed, message.len()).unwrap(),
+            &message[..]
+        );
+
+        // A bomb that lies about its size: 8 MiB of zeros declaring 100 bytes
+        // stops at 101 bytes decompressed and fails.
+        let zeros = vec![0u8; 8 << 20];
+        let mut bomb = compress(Encoding::Gzip, &zeros).to_vec();
+        let tail = bomb.len() - 4;
+        bomb[tail..].copy_from_slice(&100u32.to_le_bytes());
+        assert_eq!(declared_len(Encoding::Gzip, &bomb), Ok(100));
+        let error = decompress(Encoding::Gzip, &bomb, 100).unwrap_err();
+        assert!(matches!(error, DeframeError::Decompress(_)), "{error}");
+        // One that declares more than it holds fails too.
+        let error = decompress(Encoding::Gzip, &compressed, message.len() + 1).unwrap_err();
+        assert!(error.to_string().contains("not the"), "{error}");
+        // Garbage is no gzip.
+        assert!(declared_len(Encoding::Gzip, b"short").is_err());
+        assert!(decompress(Encoding::Gzip, &[0u8; 40], 0).is_err());
+    }
+
+    #[test]
+    fn the_deframer_takes_compressed_messages_only_on_a_compressed_stream() {
+        let message = Bytes::from(vec![9u8; 1000]);
+        let compressed = compress(Encoding::Gzip, &message);
+        let mut wire = BytesMut::new();
+        frame_message_flagged(&compressed, true, &mut wire);
+        frame_message_flagged(b"plain", false, &mut wire);
+        let wire = wire.freeze();
+
+        let mut deframer = Deframer::with_encoding(2000, Some(Encoding::Gzip));
+        deframer.push(wire.clone());
+        assert_eq!(
+            deframer.next(),
+            Ok(Some(Deframed::Compressed(
+                Encoding::Gzip,
+                compressed.clone()
+            )))
+        );
+        assert_eq!(
+            deframer.next(),
+            Ok(Some(Deframed::Plain(Bytes::from_static(b"plain"))))
+        );
+        assert_eq!(deframer.next(), Ok(None));
+
+        let mut decompressing = Deframer::with_encoding(2000, Some(Encoding::Gzip));
+        decompressing.push(wire.clone());
+        assert_eq!(decompressing.next_decompressed(), Ok(Some(message.clone())));
+
+        // Within the compressed length, over the limit once inflated.
+        let mut small = Deframer::with_encoding(999, Some(Encoding::Gzip));
+        small.push(wire.clone());
+        assert_eq!(
+            small.next_decompressed(),
+            Err(DeframeError::TooLarge {
+                len: 1000,
+                max: 999
+            })
+        );
+
+        let mut identity = Deframer::new(2000);
+        identity.push(wire);
+        assert_eq!(identity.next(), Err(DeframeError::Compressed));
+    }
+
+    #[test]
+    fn encodings_are_negotiated_from_the_headers() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(message_encoding(&headers, &[]), Ok(None));
+        headers.insert("grpc-encoding", HeaderValue::from_static("gzip"));
+        assert_eq!(message_encoding(&headers, &[]), Err("gzip".to_owned()));
+        assert_eq!(
+            message_encoding(&headers, &[Encoding::Gzip]),
+            Ok(Some(Encoding::Gzip))
+        );
+        headers.insert("grpc-encoding", HeaderValue::from_static("snappy"));
+        assert_eq!(
+            message_encoding(&headers, &[Encoding::Gzip]),
+            Err("snappy".to_owned())
+        );
+        headers.insert(
+            "grpc-accept-encoding",
+            HeaderValue::from_static("identity, deflate, gzip"),
+        );
+        assert_eq!(accepted_encodings(&headers), [Encoding::Gzip]);
+        assert_eq!(accept_encoding_value(&[Encoding::Gzip]), "gzip,identity");
+        assert_eq!(accept_encoding_value(&[]), "identity");
+        let mut metadata = Metadata::new();
+        assert_eq!(requested_encoding(&metadata), None);
+        metadata.insert(ENCODING_REQUEST, "identity").unwrap();
+        assert_eq!(requested_encoding(&metadata), Some(None));
+        metadata.insert(ENCODING_REQUEST, "gzip").unwrap();
+        assert_eq!(requested_encoding(&metadata), Some(Some(Encoding::Gzip)));
+        // Never sent as a header.
+        let mut out = HeaderMap::new();
+        metadata_into_headers(&metadata, &mut out);
+        assert!(out.is_empty());
     }
 }

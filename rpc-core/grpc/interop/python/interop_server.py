@@ -9,6 +9,7 @@ not dropped; they see it through the context).
 
 Usage: interop_server.py [PORT]"""
 
+import os
 import sys
 import threading
 import time
@@ -101,7 +102,9 @@ def main():
         ("grpc.max_receive_message_length", LIMIT),
         ("grpc.max_send_message_length", 2 * LIMIT),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=options)
+    # INTEROP_COMPRESSION=gzip: every response compressed (when the client accepts it).
+    compression = grpc.Compression.Gzip if os.environ.get("INTEROP_COMPRESSION") == "gzip" else None
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=options, compression=compression)
     pb_grpc.add_InteropServicer_to_server(Interop(), server)
     port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()

@@ -83,11 +83,18 @@ pub fn python_script(name: &str) -> std::path::PathBuf {
 /// grpcio's server (`python/interop_server.py`) in a child process; `None`
 /// (and the reason printed) where Python's grpcio is missing.
 pub async fn grpcio_server() -> Option<TestServer> {
+    grpcio_server_with_env(&[]).await
+}
+
+/// [`grpcio_server`] with `env` set for `interop_server.py`
+/// (`INTEROP_COMPRESSION=gzip`: its responses compressed).
+pub async fn grpcio_server_with_env(env: &[(&str, &str)]) -> Option<TestServer> {
     if !python_ready() {
         return None;
     }
     let mut child = std::process::Command::new("python3")
         .arg(python_script("interop_server.py"))
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("start interop_server.py");

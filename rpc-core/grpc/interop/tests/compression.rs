@@ -1,0 +1,263 @@
+//! gzip on grpc:// (`rpc_grpc::GrpcOptions`), against grpcio both ways and
+//! on the wire. The gzip server and channels use a scheme of their own
+//! (`grpcgzip`, a `GrpcTransport` with `GrpcOptions::gzip()`), so that the
+//! default `grpc` scheme keeps the default options in this process.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use common::{grpcio_server_with_env, python_ready, python_script, rdma_server, tonic_server};
+use rpc_core::{Channel, Code, Request};
+use rpc_grpc::{ENCODING_REQUEST, GrpcOptions, GrpcTransport};
+use rpc_grpc_interop::RdmaInterop;
+use rpc_grpc_interop::rdma::Ask;
+use rpc_grpc_interop::rdma::interop_client::InteropClient;
+use rpc_grpc_interop::rdma::interop_server::InteropServer;
+
+const GZIP: &str = "grpcgzip";
+
+fn register() {
+    common::register();
+    rpc_core::transport::register(
+        GZIP,
+        Arc::new(GrpcTransport::with_options(GrpcOptions::gzip())),
+    );
+}
+
+/// rdma-rpc's interop server on `scheme` (`grpc` or the gzip one).
+async fn server_on(scheme: &str) -> (String, tokio::task::JoinHandle<()>) {
+    let listening = rpc_core::Server::builder()
+        .max_frame_len(common::LIMIT)
+        .add_service(InteropServer::new(RdmaInterop::default()))
+        .listen(format!("{scheme}://127.0.0.1:0").as_str())
+        .await
+        .unwrap();
+    let addr = listening.local_endpoint().authority().to_owned();
+    let task = tokio::spawn(async move {
+        let _ = listening.serve().await;
+    });
+    (addr, task)
+}
+
+#[tokio::test]
+async fn grpcio_client_compresses_against_a_gzip_server_and_is_refused_by_default() {
+    if !python_ready() {
+        return;
+    }
+    register();
+    let (gzip_addr, gzip_server) = server_on(GZIP).await;
+    let (plain_addr, plain_server) = server_on("grpc").await;
+    let script = python_script("compression_client.py");
+    let run = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(script)
+            .arg(gzip_addr)
+            .arg(plain_addr)
+            .output()
+            .expect("run compression_client.py")
+    });
+    let output = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("compression_client.py ends within 2 minutes")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "compression_client.py failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for scenario in [
+        "gzip_unary",
+        "gzip_server_stream",
+        "gzip_client_stream",
+        "refused_by_default",
+    ] {
+        assert!(
+            stdout.lines().any(|line| line == format!("ok {scenario}")),
+            "{scenario} did not pass:\n{stdout}"
+        );
+    }
+    gzip_server.abort();
+    plain_server.abort();
+}
+
+fn big_ask() -> Ask {
+    Ask {
+        body: Bytes::from(b"compressible ".repeat(80_000)),
+        ..Ask::default()
+    }
+}
+
+/// rdma-rpc's gzip channel calling `server`: a large unary call and a
+/// server stream come back whole.
+async fn gzip_channel_calls(name: &str, addr: &str) {
+    let channel = Channel::builder(format!("{GZIP}://{addr}").parse().unwrap())
+        .max_frame_len(2 * common::LIMIT)
+        .connect()
+        .await
+        .unwrap();
+    let mut client = InteropClient::new(channel);
+    let ask = big_ask();
+    let answer = client.unary(ask.clone()).await.unwrap().into_inner();
+    assert_eq!(answer.body, ask.body, "against {name}");
+    let stream = Ask {
+        count: 3,
+        answer_size: 100_000,
+        ..Ask::default()
+    };
+    let mut answers = client.server_stream(stream).await.unwrap().into_inner();
+    let mut count = 0;
+    while let Some(answer) = answers.message().await.unwrap() {
+        assert_eq!(answer.body.len(), 100_000);
+        count += 1;
+    }
+    assert_eq!(count, 3);
+}
+
+#[tokio::test]
+async fn gzip_channel_against_grpcio_server_that_compresses_its_answers() {
+    register();
+    let Some(server) = grpcio_server_with_env(&[("INTEROP_COMPRESSION", "gzip")]).await else {
+        return;
+    };
+    gzip_channel_calls(server.name, &server.addr).await;
+}
+
+#[tokio::test]
+async fn gzip_channel_against_rdma_rpc_gzip_server() {
+    register();
+    let (addr, task) = server_on(GZIP).await;
+    gzip_channel_calls("rdma-rpc gzip", &addr).await;
+    task.abort();
+}
+
+/// tonic's server accepts no compression unless told to: a compressed call
+/// gets UNIMPLEMENTED, which shows the channel did compress; the same
+/// channel's call that asks for identity is answered.
+#[tokio::test]
+async fn gzip_channel_compresses_unless_the_call_asks_for_identity() {
+    register();
+    let server = tonic_server().await;
+    let channel = Channel::connect(format!("{GZIP}://{}", server.addr).as_str())
+        .await
+        .unwrap();
+    let mut client = InteropClient::new(channel);
+    let status = client.unary(big_ask()).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unimplemented, "{status}");
+    let mut plain = Request::new(big_ask());
+    plain
+        .metadata_mut()
+        .insert(ENCODING_REQUEST, "identity")
+        .unwrap();
+    let answer = client.unary(plain).await.unwrap().into_inner();
+    assert_eq!(answer.body, big_ask().body);
+    // And rdma-rpc's default server refuses it the same way.
+    let ours = rdma_server().await;
+    let channel = Channel::connect(format!("{GZIP}://{}", ours.addr).as_str())
+        .await
+        .unwrap();
+    let status = InteropClient::new(channel)
+        .unary(big_ask())
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unimplemented, "{status}");
+    assert!(status.message().contains("gzip"), "{status}");
+}
+
+/// On the wire: the gzip server answers a client that accepts gzip with
+/// `grpc-encoding: gzip` and compressed messages, and one that does not
+/// with plain ones; a compressed request that inflates past what its gzip
+/// trailer declares fails its call without the server holding the rest.
+#[tokio::test]
+async fn the_gzip_server_compresses_only_for_clients_that_accept_it() {
+    register();
+    let (addr, task) = server_on(GZIP).await;
+    let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(socket).await.unwrap();
+    tokio::spawn(connection);
+    let ask = {
+        use prost::Message;
+        big_ask().encode_to_vec()
+    };
+    for accepts in [true, false] {
+        let mut request = http::Request::post(format!("http://{addr}/interop.v1.Interop/Unary"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers");
+        if accepts {
+            request = request.header("grpc-accept-encoding", "gzip");
+        }
+        let mut sender = client.clone().ready().await.unwrap();
+        let (response, mut body) = sender
+            .send_request(request.body(()).unwrap(), false)
+            .unwrap();
+        let mut data = BytesMut::new();
+        data.put_u8(0);
+        data.put_u32(ask.len() as u32);
+        data.put_slice(&ask);
+        body.send_data(data.freeze(), true).unwrap();
+        let response = response.await.unwrap();
+        let encoding = response.headers().get("grpc-encoding").cloned();
+        let mut received = BytesMut::new();
+        let mut stream = response.into_body();
+        while let Some(chunk) = stream.data().await {
+            let chunk = chunk.unwrap();
+            let _ = stream.flow_control().release_capacity(chunk.len());
+            received.extend_from_slice(&chunk);
+        }
+        let trailers = stream.trailers().await.unwrap().unwrap();
+        assert_eq!(trailers.get("grpc-status").unwrap(), "0");
+        if accepts {
+            assert_eq!(encoding.unwrap(), "gzip");
+            assert_eq!(received[0], 1, "the answer is compressed");
+            assert!(received.len() < ask.len() / 10, "{} bytes", received.len());
+        } else {
+            assert!(encoding.is_none());
+            assert_eq!(received[0], 0, "the answer is plain");
+            assert!(received.len() > ask.len());
+        }
+    }
+
+    // A bomb: 64 MiB of zeros whose trailer declares 1,000 bytes.
+    let mut bomb = {
+        use std::io::Write;
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        encoder.write_all(&vec![0u8; 64 << 20]).unwrap();
+        encoder.finish().unwrap()
+    };
+    let tail = bomb.len() - 4;
+    bomb[tail..].copy_from_slice(&1000u32.to_le_bytes());
+    let request = http::Request::post(format!("http://{addr}/interop.v1.Interop/Unary"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("grpc-encoding", "gzip")
+        .body(())
+        .unwrap();
+    let mut sender = client.clone().ready().await.unwrap();
+    let (response, mut body) = sender.send_request(request, false).unwrap();
+    let mut data = BytesMut::new();
+    data.put_u8(1);
+    data.put_u32(bomb.len() as u32);
+    data.put_slice(&bomb);
+    body.send_data(data.freeze(), true).unwrap();
+    let response = response.await.unwrap();
+    let status = match response.headers().get("grpc-status") {
+        Some(status) => status.clone(),
+        None => {
+            let mut stream = response.into_body();
+            while stream.data().await.is_some() {}
+            stream
+                .trailers()
+                .await
+                .unwrap()
+                .unwrap()
+                .get("grpc-status")
+                .unwrap()
+                .clone()
+        }
+    };
+    assert_eq!(status, "13", "INTERNAL: it does not decompress as declared");
+    task.abort();
+}
