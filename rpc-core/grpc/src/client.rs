@@ -24,12 +24,12 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::GrpcOptions;
 use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, ToCore};
 use crate::wire::{self, Deframer, Encoding};
 use crate::{H2Settings, data};
 
-/// Opens an HTTP/2 connection to the gRPC server at `endpoint`.
+/// Opens an HTTP/2 connection to the gRPC server at `endpoint` (inside TLS
+/// when `settings` carry it).
 pub(crate) async fn connect(
     endpoint: &Endpoint,
     settings: H2Settings,
@@ -42,9 +42,26 @@ pub(crate) async fn connect(
         })?;
     let socket = TcpStream::connect((endpoint.host(), port)).await?;
     socket.set_nodelay(true)?;
+    #[cfg(feature = "tls")]
+    if let Some(tls) = settings.tls.clone() {
+        let stream = tls.client_handshake(socket, endpoint).await?;
+        return over(stream, endpoint, settings).await;
+    }
+    over(socket, endpoint, settings).await
+}
+
+/// HTTP/2 over `io`, connected to `endpoint`.
+async fn over<T>(
+    io: T,
+    endpoint: &Endpoint,
+    settings: H2Settings,
+) -> Result<Connection, TransportError>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (send_request, connection) = settings
         .client()
-        .handshake::<_, Bytes>(socket)
+        .handshake::<_, Bytes>(io)
         .await
         .map_err(|error| TransportError::Other(Box::new(error)))?;
     let (core_connection, to_core, from_core, ended) =
@@ -81,14 +98,16 @@ enum ClientOut {
     Cancel,
 }
 
-async fn drive(
+async fn drive<T>(
     send_request: SendRequest<Bytes>,
-    connection: h2::client::Connection<TcpStream, Bytes>,
+    connection: h2::client::Connection<T, Bytes>,
     to_core: ToCore,
     mut from_core: link::FromCore,
     authority: String,
     settings: H2Settings,
-) {
+) where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let mut connection = std::pin::pin!(connection);
     let mut calls: HashMap<u64, Call> = HashMap::new();
     let mut tasks = JoinSet::new();
@@ -188,7 +207,7 @@ async fn run_call(
     let ended_at_opening = streaming && opening.flags.contains(FrameFlags::END_STREAM);
     // A whole stream (its messages in the opening frame) ends after them.
     let whole = ended_at_opening && !opening.payload.is_empty();
-    let request = match build_request(&opening, &authority, encoding, &settings.options) {
+    let request = match build_request(&opening, &authority, encoding, &settings) {
         Ok(request) => request,
         Err(status) => {
             let _ = to_core.send(status_frame(call_id, &status)).await;
@@ -301,10 +320,15 @@ fn build_request(
     opening: &Frame,
     authority: &str,
     encoding: Option<Encoding>,
-    options: &GrpcOptions,
+    settings: &H2Settings,
 ) -> Result<Request<()>, Status> {
+    let options = &settings.options;
     let uri = http::Uri::builder()
-        .scheme("http")
+        .scheme(if settings.is_secure() {
+            "https"
+        } else {
+            "http"
+        })
         .authority(authority)
         .path_and_query(opening.path.as_str())
         .build()

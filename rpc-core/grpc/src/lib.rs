@@ -56,7 +56,11 @@
 //! and only up to that length and the message limit: a small message that
 //! would inflate past either fails its call instead.
 //!
-//! Not supported: TLS on `grpc://` (use a TLS-terminating proxy).
+//! **TLS** (feature `tls`): `grpcs://` is the same inside TLS 1.2/1.3 with
+//! rustls and ALPN `h2`, as gRPC's secure channels speak it; register it
+//! with [`register_tls`] (a server configuration to listen, a client one to
+//! connect). The client checks the server's certificate against the
+//! endpoint's host; a failed handshake fails the connect with rustls' reason.
 #![forbid(unsafe_code)]
 
 mod client;
@@ -124,6 +128,8 @@ impl GrpcOptions {
 #[derive(Debug, Clone, Default)]
 pub struct GrpcTransport {
     options: Arc<GrpcOptions>,
+    #[cfg(feature = "tls")]
+    tls: Option<rpc_core::transport::tls::TlsTransport>,
 }
 
 impl GrpcTransport {
@@ -133,8 +139,55 @@ impl GrpcTransport {
     pub fn with_options(options: GrpcOptions) -> GrpcTransport {
         GrpcTransport {
             options: Arc::new(options),
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
+
+    /// The same inside TLS (feature `tls`): HTTP/2 over rustls, with ALPN
+    /// `h2` set on both configurations, as gRPC requires. `server` lets it
+    /// listen (its certificate; a client verifier for mutual TLS), `client`
+    /// lets it connect (the roots it trusts); the client checks the
+    /// server's certificate against the endpoint's host. Register it as
+    /// `grpcs` ([`register_tls`]).
+    #[cfg(feature = "tls")]
+    pub fn with_tls(
+        options: GrpcOptions,
+        server: Option<rpc_core::transport::tls::rustls::ServerConfig>,
+        client: Option<rpc_core::transport::tls::rustls::ClientConfig>,
+    ) -> GrpcTransport {
+        let mut tls = rpc_core::transport::tls::TlsTransport::new();
+        if let Some(mut server) = server {
+            server.alpn_protocols = vec![b"h2".to_vec()];
+            tls = tls.with_server(server);
+        }
+        if let Some(mut client) = client {
+            client.alpn_protocols = vec![b"h2".to_vec()];
+            tls = tls.with_client(client);
+        }
+        GrpcTransport {
+            options: Arc::new(options),
+            tls: Some(tls),
+        }
+    }
+}
+
+/// The scheme of gRPC over TLS.
+#[cfg(feature = "tls")]
+pub const TLS_SCHEME: &str = "grpcs";
+
+/// Registers `grpcs://` (feature `tls`): gRPC over TLS with these rustls
+/// configurations (see [`GrpcTransport::with_tls`]) and `options`.
+#[cfg(feature = "tls")]
+pub fn register_tls(
+    options: GrpcOptions,
+    server: Option<rpc_core::transport::tls::rustls::ServerConfig>,
+    client: Option<rpc_core::transport::tls::rustls::ClientConfig>,
+) {
+    rpc_core::transport::register(
+        TLS_SCHEME,
+        Arc::new(GrpcTransport::with_tls(options, server, client)),
+    );
 }
 
 impl Transport for GrpcTransport {
@@ -144,7 +197,7 @@ impl Transport for GrpcTransport {
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Connection, TransportError>> {
         let endpoint = endpoint.clone();
-        let settings = H2Settings::for_frame_limit(config.max_frame_len, &self.options);
+        let settings = H2Settings::for_frame_limit(config.max_frame_len, self);
         async move { client::connect(&endpoint, settings).await }.boxed()
     }
 
@@ -156,9 +209,9 @@ impl Transport for GrpcTransport {
         let endpoint = endpoint.clone();
         let max_frame_len = config.max_frame_len;
         let budget = config.receive_budget.clone();
-        let options = self.options.clone();
+        let settings = H2Settings::for_frame_limit(max_frame_len, self);
         async move {
-            let listener = server::bind(&endpoint, max_frame_len, budget, options).await?;
+            let listener = server::bind(&endpoint, settings, budget).await?;
             Ok(Box::new(listener) as Box<dyn Listener>)
         }
         .boxed()
@@ -172,6 +225,9 @@ pub(crate) struct H2Settings {
     pub(crate) max_message: usize,
     /// Compression.
     pub(crate) options: Arc<GrpcOptions>,
+    /// TLS around HTTP/2 (`grpcs://`).
+    #[cfg(feature = "tls")]
+    pub(crate) tls: Option<rpc_core::transport::tls::TlsTransport>,
 }
 
 /// Each stream's HTTP/2 receive window.
@@ -188,11 +244,21 @@ const SEND_BUFFER: usize = 64 << 10;
 pub(crate) const MAX_FRAME_SIZE: u32 = 64 << 10;
 
 impl H2Settings {
-    fn for_frame_limit(max_frame_len: usize, options: &Arc<GrpcOptions>) -> H2Settings {
+    fn for_frame_limit(max_frame_len: usize, transport: &GrpcTransport) -> H2Settings {
         H2Settings {
             max_message: server::max_message_for(max_frame_len),
-            options: options.clone(),
+            options: transport.options.clone(),
+            #[cfg(feature = "tls")]
+            tls: transport.tls.clone(),
         }
+    }
+
+    /// Whether HTTP/2 runs inside TLS.
+    pub(crate) fn is_secure(&self) -> bool {
+        #[cfg(feature = "tls")]
+        return self.tls.is_some();
+        #[cfg(not(feature = "tls"))]
+        false
     }
 
     fn server(&self) -> h2::server::Builder {

@@ -92,16 +92,14 @@ impl Listener for GrpcListener {
 /// Listens on `endpoint`; every accepted TCP connection speaks HTTP/2.
 pub(crate) async fn bind(
     endpoint: &Endpoint,
-    max_frame_len: usize,
+    settings: H2Settings,
     budget: Option<rpc_core::transport::ReceiveBudget>,
-    options: Arc<crate::GrpcOptions>,
 ) -> Result<GrpcListener, TransportError> {
     let listener =
         tokio::net::TcpListener::bind((endpoint.host(), endpoint.port().unwrap_or(0))).await?;
     let local_addr = listener.local_addr()?;
     let local = Endpoint::new(endpoint.scheme(), &local_addr.to_string())?;
     let (queue, accepted) = mpsc::channel(ACCEPT_QUEUE);
-    let settings = H2Settings::for_frame_limit(max_frame_len, &options);
     let accept_task = tokio::spawn(async move {
         loop {
             let accepted = listener.accept().await;
@@ -114,7 +112,7 @@ pub(crate) async fn bind(
                     );
                     let settings = settings.clone();
                     tokio::spawn(async move {
-                        serve_connection(socket, settings, to_core, from_core).await;
+                        serve_socket(socket, settings, to_core, from_core).await;
                         ended.cancel();
                     });
                     Ok(connection)
@@ -167,13 +165,33 @@ enum Stashed {
     End(Frame),
 }
 
-/// Serves one HTTP/2 connection until the client or rpc-core ends it.
-async fn serve_connection(
+/// Serves an accepted socket: its TLS handshake first on `grpcs://`.
+async fn serve_socket(
     socket: TcpStream,
     settings: H2Settings,
     to_core: ToCore,
-    mut from_core: link::FromCore,
+    from_core: link::FromCore,
 ) {
+    #[cfg(feature = "tls")]
+    if let Some(tls) = settings.tls.clone() {
+        match tls.server_handshake(socket, crate::TLS_SCHEME).await {
+            Ok(stream) => serve_connection(stream, settings, to_core, from_core).await,
+            Err(error) => tracing::debug!(%error, "grpcs: TLS handshake failed"),
+        }
+        return;
+    }
+    serve_connection(socket, settings, to_core, from_core).await;
+}
+
+/// Serves one HTTP/2 connection until the client or rpc-core ends it.
+async fn serve_connection<T>(
+    socket: T,
+    settings: H2Settings,
+    to_core: ToCore,
+    mut from_core: link::FromCore,
+) where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let handshake = settings.server().handshake::<_, Bytes>(socket);
     let mut h2 = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
         Ok(Ok(h2)) => h2,

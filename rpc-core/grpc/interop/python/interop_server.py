@@ -106,7 +106,14 @@ def main():
     compression = grpc.Compression.Gzip if os.environ.get("INTEROP_COMPRESSION") == "gzip" else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=options, compression=compression)
     pb_grpc.add_InteropServicer_to_server(Interop(), server)
-    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    # INTEROP_TLS_CERT / INTEROP_TLS_KEY (PEM files): a secure port instead.
+    cert, key = os.environ.get("INTEROP_TLS_CERT"), os.environ.get("INTEROP_TLS_KEY")
+    if cert and key:
+        with open(cert, "rb") as c, open(key, "rb") as k:
+            credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
+        port = server.add_secure_port(f"127.0.0.1:{port}", credentials)
+    else:
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     print(f"LISTENING {port}", flush=True)
     server.wait_for_termination()
