@@ -97,3 +97,64 @@ mod tcp_only {
         assert_all_unavailable_within_a_second(pending, killed).await;
     }
 }
+
+/// Transports passed as values (`ChannelBuilder::transport`,
+/// `Router::listen_with`, `Router::listen_on`): no registration, any scheme.
+mod injected {
+    use std::sync::Arc;
+
+    use rpc_core::transport::memory::MemoryTransport;
+    use rpc_core::transport::{Transport, TransportConfig};
+    use rpc_core::{Channel, Server};
+    use tokio::sync::mpsc;
+
+    use crate::suite::{Probe, assert_echoes};
+
+    #[tokio::test]
+    async fn a_transport_passed_as_a_value_needs_no_registration() {
+        let (events, _seen) = mpsc::unbounded_channel();
+        let listening = Server::builder()
+            .add_service(Probe::new(events))
+            .listen_with(Arc::new(MemoryTransport), "inproc://injected")
+            .await
+            .unwrap();
+        assert_eq!(listening.local_endpoint().scheme(), "inproc");
+        let server = tokio::spawn(listening.serve());
+
+        let channel = Channel::builder("inproc://injected".parse().unwrap())
+            .transport(Arc::new(MemoryTransport))
+            .connect()
+            .await
+            .unwrap();
+        assert_echoes(&channel, "over an injected transport").await;
+
+        // The scheme is in no registry: without the value it cannot connect.
+        let error = Channel::connect("inproc://injected").await.unwrap_err();
+        assert!(error.to_string().contains("inproc"), "{error}");
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn a_listener_made_outside_is_served() {
+        let config = TransportConfig {
+            max_frame_len: 1 << 20,
+            receive_budget: None,
+        };
+        let listener = MemoryTransport
+            .bind(&"inproc://outside".parse().unwrap(), &config)
+            .await
+            .unwrap();
+        let (events, _seen) = mpsc::unbounded_channel();
+        let listening = Server::builder()
+            .add_service(Probe::new(events))
+            .listen_on(listener);
+        let server = tokio::spawn(listening.serve());
+        let channel = Channel::builder("inproc://outside".parse().unwrap())
+            .transport(Arc::new(MemoryTransport))
+            .connect()
+            .await
+            .unwrap();
+        assert_echoes(&channel, "served from an incoming stream").await;
+        server.abort();
+    }
+}

@@ -92,6 +92,17 @@ pub struct ChannelBuilder {
     keepalive: Option<Keepalive>,
     outbound_queue_bytes: usize,
     fallback: Option<Endpoint>,
+    transport: Option<InjectedTransport>,
+}
+
+/// A transport given to [`ChannelBuilder::transport`].
+#[derive(Clone)]
+struct InjectedTransport(Arc<dyn transport::Transport>);
+
+impl std::fmt::Debug for InjectedTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Transport")
+    }
 }
 
 /// Attempts of one call: a call that a server provably never saw (it sent
@@ -164,6 +175,26 @@ impl ChannelBuilder {
     /// ```
     pub fn fallback(mut self, endpoint: Endpoint) -> Self {
         self.fallback = Some(endpoint);
+        self
+    }
+
+    /// Connects to the endpoint with `transport` instead of the one its
+    /// scheme names in the registry ([`transport::register`]), as tonic's
+    /// `connect_with_connector`: tests and embedders need no process-global
+    /// registration, and any scheme goes. The fallback, if any, still comes
+    /// from the registry.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), rpc_core::Error> {
+    /// use std::sync::Arc;
+    /// use rpc_core::transport::memory::MemoryTransport;
+    /// let channel = rpc_core::Channel::builder("inproc://echo".parse()?)
+    ///     .transport(Arc::new(MemoryTransport))
+    ///     .connect_lazy();
+    /// # let _ = channel; Ok(()) }
+    /// ```
+    pub fn transport(mut self, transport: Arc<dyn transport::Transport>) -> Self {
+        self.transport = Some(InjectedTransport(transport));
         self
     }
 
@@ -266,12 +297,20 @@ impl ChannelInner {
             max_frame_len: self.config.max_frame_len,
             receive_budget: None,
         };
-        match tokio::time::timeout(
-            self.config.connect_timeout,
-            transport::connect(endpoint, &config),
-        )
-        .await
-        {
+        let injected = self
+            .config
+            .transport
+            .as_ref()
+            .filter(|_| *endpoint == self.config.endpoint);
+        let connecting = async {
+            match injected {
+                Some(InjectedTransport(transport)) => {
+                    transport::connect_with(&**transport, endpoint, &config).await
+                }
+                None => transport::connect(endpoint, &config).await,
+            }
+        };
+        match tokio::time::timeout(self.config.connect_timeout, connecting).await {
             Ok(Ok(connection)) => Ok(ClientConnection::start(
                 connection,
                 endpoint.scheme(),
@@ -407,6 +446,7 @@ impl Channel {
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             backoff: Backoff::default(),
             fallback: None,
+            transport: None,
             keepalive: Some(Keepalive::default()),
             outbound_queue_bytes: DEFAULT_OUTBOUND_QUEUE_BYTES,
         }

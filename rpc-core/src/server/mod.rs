@@ -345,12 +345,46 @@ where
         E::Error: Into<Error>,
     {
         let endpoint = endpoint.try_into().map_err(Into::into)?;
+        let transport = transport::lookup(endpoint.scheme())?;
+        self.listen_with(transport, endpoint).await
+    }
+
+    /// Binds `endpoint` with `transport` instead of the one its scheme names
+    /// in the registry ([`transport::register`]): no process-global
+    /// registration, any scheme. The transport gets the server's frame limit
+    /// and receive budget, as with [`listen`](Self::listen).
+    pub async fn listen_with<E>(
+        self,
+        transport: Arc<dyn transport::Transport>,
+        endpoint: E,
+    ) -> Result<Listening, Error>
+    where
+        E: TryInto<Endpoint>,
+        E::Error: Into<Error>,
+    {
+        let endpoint = endpoint.try_into().map_err(Into::into)?;
         let budget = ReceiveBudget::new(self.server.config.receive_budget());
         let transport_config = TransportConfig {
             max_frame_len: self.server.config.max_frame_len,
             receive_budget: Some(budget.clone()),
         };
-        let listener = transport::bind(&endpoint, &transport_config).await?;
+        let listener = transport::bind_with(&*transport, &endpoint, &transport_config).await?;
+        Ok(self.listening(listener, budget))
+    }
+
+    /// Serves connections from `incoming`, any [`Listener`](transport::Listener)
+    /// made outside (tonic's `serve_with_incoming`): a stream of accepted
+    /// connections and the endpoint they were accepted on. Such a listener
+    /// was built without the server's [`TransportConfig`], so the receive
+    /// budget holds only what the connections' transport reserves in it
+    /// (none, unless it was given [`Listening::stats`]'s budget); the other
+    /// limits apply as everywhere.
+    pub fn listen_on(self, incoming: Box<dyn transport::Listener>) -> Listening {
+        let budget = ReceiveBudget::new(self.server.config.receive_budget());
+        self.listening(incoming, budget)
+    }
+
+    fn listening(self, listener: Box<dyn transport::Listener>, budget: ReceiveBudget) -> Listening {
         let service = self.server.layer.layer(self.routes);
         let service = tower::ServiceExt::map_err(
             service,
@@ -358,12 +392,12 @@ where
                 Status::from_error(error.into())
             },
         );
-        Ok(Listening {
+        Listening {
             listener,
             service: BoxCloneSyncService::new(service),
             stats: ServerStats::new(budget, self.server.config.outbound_budget),
             config: self.server.config,
-        })
+        }
     }
 
     /// Serves on `endpoint` until the process ends or accepting fails for good.

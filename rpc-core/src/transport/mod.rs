@@ -243,7 +243,16 @@ pub async fn connect(
     endpoint: &Endpoint,
     config: &TransportConfig,
 ) -> Result<Connection, TransportError> {
-    lookup(endpoint.scheme())?
+    connect_with(&*lookup(endpoint.scheme())?, endpoint, config).await
+}
+
+/// Connects to `endpoint` with `transport`, whatever the scheme (no registry).
+pub async fn connect_with(
+    transport: &dyn Transport,
+    endpoint: &Endpoint,
+    config: &TransportConfig,
+) -> Result<Connection, TransportError> {
+    transport
         .connect(endpoint, config)
         .await
         .map_err(|error| in_context(error, "cannot connect to", endpoint))
@@ -255,7 +264,16 @@ pub async fn bind(
     endpoint: &Endpoint,
     config: &TransportConfig,
 ) -> Result<Box<dyn Listener>, TransportError> {
-    lookup(endpoint.scheme())?
+    bind_with(&*lookup(endpoint.scheme())?, endpoint, config).await
+}
+
+/// Binds a listener on `endpoint` with `transport`, whatever the scheme.
+pub async fn bind_with(
+    transport: &dyn Transport,
+    endpoint: &Endpoint,
+    config: &TransportConfig,
+) -> Result<Box<dyn Listener>, TransportError> {
+    transport
         .bind(endpoint, config)
         .await
         .map_err(|error| in_context(error, "cannot listen on", endpoint))

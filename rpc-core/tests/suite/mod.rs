@@ -74,6 +74,13 @@ pub struct Probe {
     events: mpsc::UnboundedSender<Event>,
 }
 
+impl Probe {
+    /// A probe reporting its events to `events`.
+    pub fn new(events: mpsc::UnboundedSender<Event>) -> Probe {
+        Probe { events }
+    }
+}
+
 impl NamedService for Probe {
     const NAME: &'static str = "test.Probe";
 }
