@@ -447,24 +447,14 @@ async fn read_response(
             }
             // The messages ready together go in one frame, under the window.
             if !batch.has_room_for(&message) || !window.try_acquire(message.len()) {
-                if !batch.is_empty()
-                    && to_core
-                        .send(batch.take_frame(call_id, false))
-                        .await
-                        .is_err()
-                {
+                if batch.flush(to_core, call_id).await.is_err() {
                     return fail(gone());
                 }
                 window.acquire(message.len()).await;
             }
             batch.push(&message);
         }
-        if !batch.is_empty()
-            && to_core
-                .send(batch.take_frame(call_id, false))
-                .await
-                .is_err()
-        {
+        if batch.flush(to_core, call_id).await.is_err() {
             return fail(gone());
         }
     }

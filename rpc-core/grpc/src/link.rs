@@ -244,6 +244,15 @@ impl MessageBatch {
         self.payload.is_empty()
     }
 
+    /// Hands what the batch holds (if anything) to rpc-core as one MESSAGE
+    /// frame, not the sender's last.
+    pub(crate) async fn flush(&mut self, to_core: &ToCore, call_id: u64) -> Result<(), CoreGone> {
+        if self.is_empty() {
+            return Ok(());
+        }
+        to_core.send(self.take_frame(call_id, false)).await
+    }
+
     /// The encoded length of a MESSAGE frame holding one message of `len` bytes.
     pub(crate) fn frame_len_for(len: usize) -> usize {
         rpc_core::frame::HEADER_LEN + 4 + len

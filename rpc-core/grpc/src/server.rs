@@ -602,12 +602,7 @@ async fn read_requests(
                         Ok(Some(Deframed::Compressed(encoding, compressed))) => {
                             assembling = None;
                             // What came before goes first, in order.
-                            if !batch.is_empty()
-                                && to_core
-                                    .send(batch.take_frame(call_id, false))
-                                    .await
-                                    .is_err()
-                            {
+                            if batch.flush(&to_core, call_id).await.is_err() {
                                 return;
                             }
                             let sent = send_decompressed(
@@ -637,12 +632,7 @@ async fn read_requests(
                     // Whole: its frame reserves its own bytes on the way in.
                     assembling = None;
                     if !batch.has_room_for(&message) || !window.try_acquire(message.len()) {
-                        if !batch.is_empty()
-                            && to_core
-                                .send(batch.take_frame(call_id, false))
-                                .await
-                                .is_err()
-                        {
+                        if batch.flush(&to_core, call_id).await.is_err() {
                             return;
                         }
                         window.acquire(message.len()).await;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use common::{grpcio_server_with_env, python_ready, python_script, rdma_server, tonic_server};
+use common::{grpcio_server_with_env, python_ready, rdma_server, tonic_server};
 use rpc_core::{Channel, Code, Request};
 use rpc_grpc::{ENCODING_REQUEST, GrpcOptions, GrpcTransport};
 use rpc_grpc_interop::RdmaInterop;
@@ -50,36 +50,18 @@ async fn grpcio_client_compresses_against_a_gzip_server_and_is_refused_by_defaul
     register();
     let (gzip_addr, gzip_server) = server_on(GZIP).await;
     let (plain_addr, plain_server) = server_on("grpc").await;
-    let script = python_script("compression_client.py");
-    let run = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("python3")
-            .arg(script)
-            .arg(gzip_addr)
-            .arg(plain_addr)
-            .output()
-            .expect("run compression_client.py")
-    });
-    let output = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("compression_client.py ends within 2 minutes")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "compression_client.py failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    for scenario in [
-        "gzip_unary",
-        "gzip_server_stream",
-        "gzip_client_stream",
-        "refused_by_default",
-    ] {
-        assert!(
-            stdout.lines().any(|line| line == format!("ok {scenario}")),
-            "{scenario} did not pass:\n{stdout}"
-        );
-    }
+    common::run_python_scenarios(
+        "compression_client.py",
+        vec![gzip_addr, plain_addr],
+        &[
+            "gzip_unary",
+            "gzip_server_stream",
+            "gzip_client_stream",
+            "refused_by_default",
+        ],
+        Duration::from_secs(120),
+    )
+    .await;
     gzip_server.abort();
     plain_server.abort();
 }

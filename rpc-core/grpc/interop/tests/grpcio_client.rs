@@ -11,43 +11,21 @@ use common::{
 
 /// Runs interop_client.py against `server` and checks every scenario passed.
 async fn grpcio_client_passes_every_scenario(server: TestServer) {
-    let script = python_script("interop_client.py");
-    let addr = server.addr.clone();
     let over_limit = common::over_limit_code(&server).to_string();
-    let name = server.name;
-    let run = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("python3")
-            .arg(script)
-            .arg(addr)
-            .arg(over_limit)
-            .arg(name)
-            .output()
-            .expect("run interop_client.py")
-    });
-    let output = tokio::time::timeout(Duration::from_secs(180), run)
-        .await
-        .expect("interop_client.py ends within 3 minutes")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "interop_client.py failed against the {} server:\n{stdout}\n{stderr}",
-        server.name
-    );
-    for scenario in [
-        "unary_metadata",
-        "every_status_code",
-        "deadline",
-        "cancellation",
-        "large_messages",
-        "streams",
-    ] {
-        assert!(
-            stdout.lines().any(|line| line == format!("ok {scenario}")),
-            "{scenario} did not pass:\n{stdout}"
-        );
-    }
+    common::run_python_scenarios(
+        "interop_client.py",
+        vec![server.addr.clone(), over_limit, server.name.to_owned()],
+        &[
+            "unary_metadata",
+            "every_status_code",
+            "deadline",
+            "cancellation",
+            "large_messages",
+            "streams",
+        ],
+        Duration::from_secs(180),
+    )
+    .await;
     // The deadline and the cancellation each ended a handler early.
     wait_for_abandoned(&server, 2).await;
 }

@@ -138,6 +138,31 @@ impl Raw {
     }
 }
 
+/// Sends `block` as stream 1's request headers (HEADERS, then CONTINUATION
+/// frames of 16 KiB) and asserts the server refused the stream or ended
+/// the connection.
+async fn assert_refused(mut raw: Raw, block: &[u8]) {
+    let mut pieces = block.chunks(16 << 10).peekable();
+    let mut kind = HEADERS;
+    let mut flags = END_STREAM;
+    let mut all_sent = true;
+    while let Some(piece) = pieces.next() {
+        if pieces.peek().is_none() {
+            flags |= END_HEADERS;
+        }
+        all_sent = all_sent && raw.send(&frame(kind, flags, 1, piece)).await;
+        kind = CONTINUATION;
+        flags = 0;
+    }
+    let frames = raw.frames().await;
+    assert!(
+        frames.iter().any(|(kind, stream)| {
+            matches!(*kind, RST_STREAM | HEADERS) && *stream == 1 || *kind == GOAWAY
+        }),
+        "the stream was neither refused nor the connection ended: {frames:?} (all sent: {all_sent})"
+    );
+}
+
 fn resident_bytes() -> usize {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
@@ -221,42 +246,12 @@ async fn a_header_list_over_the_limit_is_refused() {
     let server = common::rdma_server().await;
     let stats = server.stats.clone().unwrap();
     let received = stats.frames_received();
-    let mut raw = Raw::connect(&server.addr).await;
+    let raw = Raw::connect(&server.addr).await;
     let block = request_block(&server.addr, |block| {
         literal(block, "x-huge", &vec![b'h'; 1 << 20], false);
     });
     // In frames of 16 KiB, the server's (and HTTP/2's default) frame size.
-    let mut pieces = block.chunks(16 << 10).peekable();
-    let first = pieces.next().unwrap();
-    let mut ok = raw
-        .send(&frame(
-            HEADERS,
-            END_STREAM
-                | if pieces.peek().is_none() {
-                    END_HEADERS
-                } else {
-                    0
-                },
-            1,
-            first,
-        ))
-        .await;
-    while let Some(piece) = pieces.next() {
-        let flags = if pieces.peek().is_none() {
-            END_HEADERS
-        } else {
-            0
-        };
-        ok = ok && raw.send(&frame(CONTINUATION, flags, 1, piece)).await;
-    }
-    let frames = raw.frames().await;
-    assert!(
-        frames.iter().any(
-            |(kind, stream)| matches!(*kind, RST_STREAM | HEADERS) && *stream == 1
-                || *kind == GOAWAY
-        ),
-        "the stream was neither refused nor the connection ended: {frames:?} (all sent: {ok})"
-    );
+    assert_refused(raw, &block).await;
     assert_eq!(
         stats.frames_received(),
         received,
@@ -275,7 +270,7 @@ async fn an_hpack_bomb_is_refused_without_decoding_it_all() {
     let stats = server.stats.clone().unwrap();
     let received = stats.frames_received();
     let before = resident_bytes();
-    let mut raw = Raw::connect(&server.addr).await;
+    let raw = Raw::connect(&server.addr).await;
     let block = request_block(&server.addr, |block| {
         literal(block, "x-bomb", &[b'b'; 4000], true);
         for _ in 0..4000 {
@@ -283,37 +278,7 @@ async fn an_hpack_bomb_is_refused_without_decoding_it_all() {
             hpack_int(block, 0x80, 7, 62);
         }
     });
-    let mut pieces = block.chunks(16 << 10).peekable();
-    let first = pieces.next().unwrap();
-    let mut ok = raw
-        .send(&frame(
-            HEADERS,
-            END_STREAM
-                | if pieces.peek().is_none() {
-                    END_HEADERS
-                } else {
-                    0
-                },
-            1,
-            first,
-        ))
-        .await;
-    while let Some(piece) = pieces.next() {
-        let flags = if pieces.peek().is_none() {
-            END_HEADERS
-        } else {
-            0
-        };
-        ok = ok && raw.send(&frame(CONTINUATION, flags, 1, piece)).await;
-    }
-    let frames = raw.frames().await;
-    assert!(
-        frames.iter().any(
-            |(kind, stream)| matches!(*kind, RST_STREAM | HEADERS) && *stream == 1
-                || *kind == GOAWAY
-        ),
-        "the stream was neither refused nor the connection ended: {frames:?} (all sent: {ok})"
-    );
+    assert_refused(raw, &block).await;
     assert_eq!(stats.frames_received(), received, "no call was opened");
     assert!(
         resident_bytes() < before + (8 << 20),

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{TestServer, grpcio_server, python_ready, python_script, rdma_server, tonic_server};
+use common::{TestServer, grpcio_server, python_ready, rdma_server, tonic_server};
 use rpc_core::{Channel, Code, Request, Status};
 use rpc_grpc_interop::RdmaInterop;
 use rpc_grpc_interop::rdma::Ask;
@@ -46,30 +46,13 @@ async fn grpcio_client_against_a_server_interceptor() {
         .unwrap();
     let addr = listening.local_endpoint().authority().to_owned();
     let server = tokio::spawn(listening.serve());
-    let script = python_script("interceptor_client.py");
-    let run = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("python3")
-            .arg(script)
-            .arg(addr)
-            .output()
-            .expect("run interceptor_client.py")
-    });
-    let output = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("interceptor_client.py ends within 2 minutes")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "interceptor_client.py failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    for scenario in ["refused", "admitted"] {
-        assert!(
-            stdout.lines().any(|line| line == format!("ok {scenario}")),
-            "{scenario} did not pass:\n{stdout}"
-        );
-    }
+    common::run_python_scenarios(
+        "interceptor_client.py",
+        vec![addr],
+        &["refused", "admitted"],
+        Duration::from_secs(120),
+    )
+    .await;
     server.abort();
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{grpcio_server_with_env, python_ready, python_script};
+use common::{grpcio_server_with_env, python_ready};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
 use rpc_core::Channel;
 use rpc_core::transport::tls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -109,32 +109,13 @@ async fn grpcio_secure_channel_against_grpcs_server() {
     let [ca, _, _] = pki.write_pem(&dir);
     let other_dir = temp_dir("grpcs-other");
     let [other_ca, _, _] = other.write_pem(&other_dir);
-    let script = python_script("tls_client.py");
-    let run = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("python3")
-            .arg(script)
-            .arg(port.to_string())
-            .arg(ca)
-            .arg(other_ca)
-            .output()
-            .expect("run tls_client.py")
-    });
-    let output = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("tls_client.py ends within 2 minutes")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "tls_client.py failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    for scenario in ["secure_calls", "untrusted_refused"] {
-        assert!(
-            stdout.lines().any(|line| line == format!("ok {scenario}")),
-            "{scenario} did not pass:\n{stdout}"
-        );
-    }
+    common::run_python_scenarios(
+        "tls_client.py",
+        vec![port.to_string(), ca, other_ca],
+        &["secure_calls", "untrusted_refused"],
+        Duration::from_secs(120),
+    )
+    .await;
     server.abort();
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(other_dir);

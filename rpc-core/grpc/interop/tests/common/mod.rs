@@ -73,6 +73,42 @@ pub fn python_ready() -> bool {
     false
 }
 
+/// Runs `python/{script}` with `args` (within `limit`) and asserts that it
+/// passed: exit status 0 and an `ok <scenario>` line for each of
+/// `scenarios`. Returns what it printed.
+pub async fn run_python_scenarios(
+    script: &str,
+    args: Vec<String>,
+    scenarios: &[&str],
+    limit: Duration,
+) -> String {
+    let path = python_script(script);
+    let run = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(path)
+            .args(args)
+            .output()
+            .expect("run python3")
+    });
+    let output = tokio::time::timeout(limit, run)
+        .await
+        .unwrap_or_else(|_| panic!("{script} ends within {limit:?}"))
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{script} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for scenario in scenarios {
+        assert!(
+            stdout.lines().any(|line| line == format!("ok {scenario}")),
+            "{scenario} did not pass:\n{stdout}"
+        );
+    }
+    stdout
+}
+
 /// A Python script of `python/`.
 pub fn python_script(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
