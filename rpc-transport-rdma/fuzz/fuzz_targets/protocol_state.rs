@@ -516,7 +516,10 @@ fn limits(u: &mut Unstructured<'_>) -> arbitrary::Result<Limits> {
         max_active_pulls: u.int_in_range(1..=3)?,
         max_exposed: u.int_in_range(1..=4)?,
         max_queued: u.int_in_range(1..=8)?,
+        max_queued_bytes: u.int_in_range(1..=4096)?,
         max_pending: u.int_in_range(1..=8)?,
+        max_pending_bytes: u.int_in_range(1..=4096)?,
+        max_exposed_bytes: u.int_in_range(1..=300_000)?,
         rendezvous_timeout: Duration::from_millis(u.int_in_range(1..=5000)?),
     })
 }
