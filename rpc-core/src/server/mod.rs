@@ -372,7 +372,7 @@ where
         Ok(self.listening(listener, budget))
     }
 
-    /// Serves connections from `incoming`, any [`Listener`](transport::Listener)
+    /// Serves connections from `incoming`, any [`Listener`]
     /// made outside (tonic's `serve_with_incoming`): a stream of accepted
     /// connections and the endpoint they were accepted on. Such a listener
     /// was built without the server's [`TransportConfig`], so the receive
