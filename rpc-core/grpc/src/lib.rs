@@ -211,6 +211,16 @@ impl Transport for GrpcTransport {
         let budget = config.receive_budget.clone();
         let settings = H2Settings::for_frame_limit(max_frame_len, self);
         async move {
+            #[cfg(feature = "tls")]
+            if settings.tls.as_ref().is_some_and(|tls| !tls.has_server()) {
+                return Err(TransportError::Other(
+                    format!(
+                        "{}:// cannot listen: its GrpcTransport has no TLS server configuration (GrpcTransport::with_tls(.., Some(server), ..))",
+                        endpoint.scheme()
+                    )
+                    .into(),
+                ));
+            }
             let listener = server::bind(&endpoint, settings, budget).await?;
             Ok(Box::new(listener) as Box<dyn Listener>)
         }

@@ -54,6 +54,10 @@ const CLOSE_LINGER: Duration = Duration::from_secs(1);
 /// and holds the handlers back, as on every transport.
 const QUEUED_BYTES: usize = 8 << 20;
 
+/// A compressed request message that inflates to this much or more is
+/// inflated on a blocking thread, not on a runtime worker.
+const INFLATE_OFF_THREAD: usize = 1 << 20;
+
 /// Window given back to rpc-core once this much is owed: less than
 /// rpc-core's `GRANT_AT` outstanding never holds a sender back.
 pub(crate) const GRANT_BATCH: u64 = 64 << 10;
@@ -242,7 +246,7 @@ async fn serve_connection<T>(
                     let coding = CallCoding {
                         accept: accept.clone(),
                         send: settings.options.send_compressed,
-                        client_accepts: request.headers().get("grpc-accept-encoding").cloned(),
+                        client_accepts: wire::EncodingSet::accepted_by(request.headers()),
                         response: None,
                     };
                     let mut body = request.into_body();
@@ -610,7 +614,7 @@ async fn read_requests(
                                 &window,
                                 call_id,
                                 encoding,
-                                &compressed,
+                                compressed,
                                 max_message,
                             )
                             .await;
@@ -694,34 +698,45 @@ async fn read_requests(
 }
 
 /// Inflates one compressed request message and hands it to rpc-core as a
-/// frame of its own, under the call's window. The length its trailer
-/// declares (within `max_message`) is reserved from the receive budget
-/// first, and the frame carries that reservation: a small message that
+/// frame of its own. It waits for the call's window first (holding nothing
+/// of the budget meanwhile, as a plain message does), then reserves the
+/// length its trailer declares (within `max_message`) from the receive
+/// budget, and the frame carries that reservation: a small message that
 /// would inflate to a large one makes the gateway hold no more than the
-/// budget allows, and one that inflates past what it declared fails.
+/// budget allows, and one that inflates past what it declared fails. A
+/// large one is inflated off the runtime's worker threads.
 /// `Ok(false)`: rpc-core is gone.
 async fn send_decompressed(
     to_core: &ToCore,
     window: &StreamWindow,
     call_id: u64,
     encoding: Encoding,
-    compressed: &[u8],
+    compressed: Bytes,
     max_message: usize,
 ) -> Result<bool, Status> {
-    let declared = wire::declared_len(encoding, compressed).map_err(deframe_status)?;
+    let declared = wire::declared_len(encoding, &compressed).map_err(deframe_status)?;
     if declared > max_message {
         return Err(deframe_status(wire::DeframeError::TooLarge {
             len: declared,
             max: max_message,
         }));
     }
+    window.acquire(declared).await;
     let mut batch = MessageBatch::default();
     let frame_len = MessageBatch::frame_len_for(declared);
     let Ok(reservation) = to_core.reserve(frame_len).await else {
         return Ok(false);
     };
-    let message = wire::decompress(encoding, compressed, declared).map_err(deframe_status)?;
-    window.acquire(message.len()).await;
+    let message = if declared >= INFLATE_OFF_THREAD {
+        let inflating =
+            tokio::task::spawn_blocking(move || wire::decompress(encoding, &compressed, declared));
+        inflating
+            .await
+            .map_err(|_| Status::internal("inflating a request message failed"))?
+    } else {
+        wire::decompress(encoding, &compressed, declared)
+    }
+    .map_err(deframe_status)?;
     batch.push(&message);
     drop(message);
     Ok(to_core
@@ -869,8 +884,8 @@ struct CallCoding {
     accept: HeaderValue,
     /// The server's encoding for responses ([`crate::GrpcOptions::send_compressed`]).
     send: Option<Encoding>,
-    /// The client's `grpc-accept-encoding`, parsed only if needed.
-    client_accepts: Option<HeaderValue>,
+    /// What the client's `grpc-accept-encoding` lists.
+    client_accepts: wire::EncodingSet,
     /// The response's encoding, chosen with its headers.
     response: Option<Encoding>,
 }
@@ -881,12 +896,7 @@ impl CallCoding {
     /// server's; either only if the client accepts it.
     fn choose(&self, metadata: &Metadata) -> Option<Encoding> {
         let wanted = wire::requested_encoding(metadata).unwrap_or(self.send)?;
-        let client = self.client_accepts.as_ref()?;
-        let mut headers = HeaderMap::new();
-        headers.insert("grpc-accept-encoding", client.clone());
-        wire::accepted_encodings(&headers)
-            .contains(&wanted)
-            .then_some(wanted)
+        self.client_accepts.contains(wanted).then_some(wanted)
     }
 }
 

@@ -62,6 +62,12 @@ impl Encoding {
         }
     }
 
+    fn bit(self) -> u8 {
+        match self {
+            Encoding::Gzip => 1,
+        }
+    }
+
     /// The encoding `name` names; `None` for `identity` and unknown names.
     pub fn from_name(name: &str) -> Option<Encoding> {
         match name.trim() {
@@ -90,15 +96,29 @@ pub(crate) fn message_encoding(
     }
 }
 
-/// The encodings a peer's `grpc-accept-encoding` lists.
-pub(crate) fn accepted_encodings(headers: &HeaderMap) -> Vec<Encoding> {
-    headers
-        .get_all("grpc-accept-encoding")
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|list| list.split(','))
-        .filter_map(Encoding::from_name)
-        .collect()
+/// A set of encodings (without allocating: one bit each).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct EncodingSet(u8);
+
+impl EncodingSet {
+    /// The encodings `headers`' `grpc-accept-encoding` lists (on every line).
+    pub(crate) fn accepted_by(headers: &HeaderMap) -> EncodingSet {
+        let mut set = EncodingSet::default();
+        for encoding in headers
+            .get_all("grpc-accept-encoding")
+            .iter()
+            .filter_map(|value| value.to_str().ok())
+            .flat_map(|list| list.split(','))
+            .filter_map(Encoding::from_name)
+        {
+            set.0 |= encoding.bit();
+        }
+        set
+    }
+
+    pub(crate) fn contains(self, encoding: Encoding) -> bool {
+        self.0 & encoding.bit() != 0
+    }
 }
 
 /// `grpc-accept-encoding`'s value for `accepted`: them, then identity.
@@ -154,7 +174,8 @@ pub(crate) fn declared_len(encoding: Encoding, compressed: &[u8]) -> Result<usiz
 /// Decompresses a message that must come to exactly `expected` bytes (its
 /// [`declared_len`], within the receiver's limit): a message that would
 /// grow past it fails as soon as it does, so a compressed message never
-/// makes the receiver hold more than it reserved.
+/// makes the receiver hold more than it reserved. One gzip member, as gRPC
+/// senders write it (the trailer [`declared_len`] reads is the last one's).
 pub(crate) fn decompress(
     encoding: Encoding,
     compressed: &[u8],
@@ -164,7 +185,7 @@ pub(crate) fn decompress(
     match encoding {
         Encoding::Gzip => {
             let mut out = Vec::with_capacity(expected);
-            let decoder = flate2::read::MultiGzDecoder::new(compressed);
+            let decoder = flate2::read::GzDecoder::new(compressed);
             decoder
                 .take(expected as u64 + 1)
                 .read_to_end(&mut out)
@@ -888,7 +909,18 @@ mod tests {
             "grpc-accept-encoding",
             HeaderValue::from_static("identity, deflate, gzip"),
         );
-        assert_eq!(accepted_encodings(&headers), [Encoding::Gzip]);
+        assert!(EncodingSet::accepted_by(&headers).contains(Encoding::Gzip));
+        headers.insert(
+            "grpc-accept-encoding",
+            HeaderValue::from_static("identity, deflate"),
+        );
+        headers.append("grpc-accept-encoding", HeaderValue::from_static("gzip"));
+        assert!(
+            EncodingSet::accepted_by(&headers).contains(Encoding::Gzip),
+            "on a second line too"
+        );
+        headers.remove("grpc-accept-encoding");
+        assert!(!EncodingSet::accepted_by(&headers).contains(Encoding::Gzip));
         assert_eq!(accept_encoding_value(&[Encoding::Gzip]), "gzip,identity");
         assert_eq!(accept_encoding_value(&[]), "identity");
         let mut metadata = Metadata::new();

@@ -296,10 +296,12 @@ impl<L> Server<L> {
     /// the connections open), at least [`OUTBOUND_SHARE_FLOOR`] (64 KiB) and
     /// at most [`outbound_queue_bytes`](Self::outbound_queue_bytes). A
     /// connection over its share stops reading, as one whose queue is full:
-    /// many peers that stop reading their answers hold at most
+    /// many peers that stop reading their answers hold about
     /// `max(budget, connections × 64 KiB)` of queued answers together, not
-    /// `connections × outbound_queue_bytes`, and a well-behaved connection
-    /// never waits for another's room. `0` turns the sharing off.
+    /// `connections × outbound_queue_bytes` (plus, per connection, one frame
+    /// larger than its share: an empty queue takes any one frame, up to
+    /// `max_frame_len`, so that it can be sent at all), and a well-behaved
+    /// connection never waits for another's room. `0` turns the sharing off.
     pub fn outbound_budget(mut self, bytes: usize) -> Self {
         self.config.outbound_budget = bytes;
         self

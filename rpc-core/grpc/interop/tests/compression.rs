@@ -68,7 +68,7 @@ async fn grpcio_client_compresses_against_a_gzip_server_and_is_refused_by_defaul
 
 fn big_ask() -> Ask {
     Ask {
-        body: Bytes::from(b"compressible ".repeat(80_000)),
+        body: Bytes::from(b"compressible ".repeat(200_000)),
         ..Ask::default()
     }
 }

@@ -147,6 +147,25 @@ async fn grpcs_channel_against_grpcio_secure_server() {
         )),
     );
     let port = server.addr.rsplit(':').next().unwrap().to_owned();
+    // A transport with no server configuration cannot listen, and says so.
+    let listened = rpc_core::Server::builder()
+        .add_service(InteropServer::new(RdmaInterop::default()))
+        .listen_with(
+            Arc::new(GrpcTransport::with_tls(
+                GrpcOptions::default(),
+                None,
+                Some(pki.client_config()),
+            )),
+            "grpcs://127.0.0.1:0",
+        )
+        .await;
+    let Err(error) = listened else {
+        panic!("no server configuration, yet it listens");
+    };
+    assert!(
+        error.to_string().contains("no TLS server configuration"),
+        "{error}"
+    );
     // The certificate names localhost and 127.0.0.1: both are checked and pass.
     for host in ["localhost", "127.0.0.1"] {
         let channel = Channel::connect(format!("grpcstrusting://{host}:{port}").as_str())
