@@ -734,7 +734,9 @@ async fn send_decompressed(
             .await
             .map_err(|_| Status::internal("inflating a request message failed"))?
     } else {
-        wire::decompress(encoding, &compressed, declared)
+        let inflated = wire::decompress(encoding, &compressed, declared);
+        drop(compressed);
+        inflated
     }
     .map_err(deframe_status)?;
     batch.push(&message);
