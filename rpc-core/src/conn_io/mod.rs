@@ -266,9 +266,10 @@ impl Drop for QueueShared {
 impl OutboundQueue {
     /// A queue of `capacity` bytes into `sink`, and the writer task to spawn
     /// (it closes the sink once every sender is gone). With `gauges` that
-    /// carry a budget, the queue holds at most its share of that budget. With `flush_inline`
-    /// a sender writes and flushes its frame itself when no other task is
-    /// writing, and the writer task only takes over what would wait.
+    /// carry a budget, the queue holds at most its share of that budget.
+    /// With `flush_inline` a sender writes and flushes its frame itself when
+    /// no other task is writing, and the writer task only takes over what
+    /// would wait.
     pub(crate) fn new(
         capacity: usize,
         gauges: Option<Arc<QueueGauges>>,
