@@ -157,29 +157,18 @@ async fn gzip_channel_compresses_unless_the_call_asks_for_identity() {
 async fn the_gzip_server_compresses_only_for_clients_that_accept_it() {
     register();
     let (addr, task) = server_on(GZIP).await;
-    let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let (client, connection) = h2::client::handshake(socket).await.unwrap();
-    tokio::spawn(connection);
+    let client = common::raw_http2_client(&addr).await;
     let ask = {
         use prost::Message;
         big_ask().encode_to_vec()
     };
     for accepts in [true, false] {
-        let mut request = http::Request::post(format!("http://{addr}/interop.v1.Interop/Unary"))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers");
-        if accepts {
-            request = request.header("grpc-accept-encoding", "gzip");
-        }
-        let mut sender = client.clone().ready().await.unwrap();
-        let (response, mut body) = sender
-            .send_request(request.body(()).unwrap(), false)
-            .unwrap();
-        let mut data = BytesMut::new();
-        data.put_u8(0);
-        data.put_u32(ask.len() as u32);
-        data.put_slice(&ask);
-        body.send_data(data.freeze(), true).unwrap();
+        let accept: &[(&str, &str)] = if accepts {
+            &[("grpc-accept-encoding", "gzip")]
+        } else {
+            &[]
+        };
+        let response = send_message(&client, &addr, accept, false, &ask).await;
         let response = response.await.unwrap();
         let encoding = response.headers().get("grpc-encoding").cloned();
         let mut received = BytesMut::new();
@@ -211,19 +200,7 @@ async fn the_gzip_server_compresses_only_for_clients_that_accept_it() {
     };
     let tail = bomb.len() - 4;
     bomb[tail..].copy_from_slice(&1000u32.to_le_bytes());
-    let request = http::Request::post(format!("http://{addr}/interop.v1.Interop/Unary"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header("grpc-encoding", "gzip")
-        .body(())
-        .unwrap();
-    let mut sender = client.clone().ready().await.unwrap();
-    let (response, mut body) = sender.send_request(request, false).unwrap();
-    let mut data = BytesMut::new();
-    data.put_u8(1);
-    data.put_u32(bomb.len() as u32);
-    data.put_slice(&bomb);
-    body.send_data(data.freeze(), true).unwrap();
+    let response = send_message(&client, &addr, &[("grpc-encoding", "gzip")], true, &bomb).await;
     let response = response.await.unwrap();
     let status = match response.headers().get("grpc-status") {
         Some(status) => status.clone(),
@@ -242,4 +219,30 @@ async fn the_gzip_server_compresses_only_for_clients_that_accept_it() {
     };
     assert_eq!(status, "13", "INTERNAL: it does not decompress as declared");
     task.abort();
+}
+
+/// Sends one `Unary` call with `headers` and one message (its compressed
+/// flag set when `compressed`) over a raw HTTP/2 connection; its response.
+async fn send_message(
+    client: &h2::client::SendRequest<Bytes>,
+    addr: &str,
+    headers: &[(&str, &str)],
+    compressed: bool,
+    message: &[u8],
+) -> h2::client::ResponseFuture {
+    let mut request = common::grpc_request(addr, "Unary");
+    for (name, value) in headers {
+        request.headers_mut().insert(
+            http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            http::HeaderValue::from_str(value).unwrap(),
+        );
+    }
+    let mut sender = client.clone().ready().await.unwrap();
+    let (response, mut body) = sender.send_request(request, false).unwrap();
+    let mut data = BytesMut::new();
+    data.put_u8(u8::from(compressed));
+    data.put_u32(message.len() as u32);
+    data.put_slice(message);
+    body.send_data(data.freeze(), true).unwrap();
+    response
 }

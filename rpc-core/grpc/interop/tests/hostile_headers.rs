@@ -10,8 +10,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use rpc_grpc_interop::rdma::Ask;
-use rpc_grpc_interop::rdma::interop_client::InteropClient;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -178,21 +176,6 @@ fn resident_bytes() -> usize {
         .map_or(0, |kib| kib << 10)
 }
 
-async fn still_served(server: &common::TestServer) {
-    let channel = rpc_core::Channel::connect(server.endpoint.as_str())
-        .await
-        .unwrap();
-    let answer = InteropClient::new(channel)
-        .unary(Ask {
-            body: Bytes::from_static(b"after"),
-            ..Ask::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(&answer.body[..], b"after");
-}
-
 /// HEADERS without END_HEADERS, then CONTINUATION frames without end (64
 /// MiB if the server let them all in): the server must cut the connection
 /// early and never buffer the block.
@@ -235,7 +218,7 @@ async fn a_continuation_flood_is_cut_off() {
         "the process grew by {} bytes",
         resident_bytes().saturating_sub(before)
     );
-    still_served(&server).await;
+    common::still_answers(&server).await;
 }
 
 /// One header of 1 MiB (the limit is 16 KiB of header list): the stream is
@@ -257,7 +240,7 @@ async fn a_header_list_over_the_limit_is_refused() {
         received,
         "nothing of it reached rpc-core"
     );
-    still_served(&server).await;
+    common::still_answers(&server).await;
 }
 
 /// An HPACK bomb: a 4 KiB header enters the dynamic table, then 4,000
@@ -285,5 +268,5 @@ async fn an_hpack_bomb_is_refused_without_decoding_it_all() {
         "the process grew by {} bytes",
         resident_bytes().saturating_sub(before)
     );
-    still_served(&server).await;
+    common::still_answers(&server).await;
 }

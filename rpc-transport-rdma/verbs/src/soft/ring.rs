@@ -36,11 +36,12 @@ use rustix::net::{
 };
 
 /// Bytes of ring data per direction. The rings carry work-request
-/// descriptors and messages of at most 512 bytes (payloads move by
-/// `process_vm_*`), and a full ring is back-pressure, so 128 KiB is ample:
-/// every page of a ring ends up resident as it wraps, in both processes, so
-/// this is what an idle connection costs each side in memory (it was
-/// 4 MiB, 8 MiB a connection). Under Miri, which runs only the index
+/// descriptors, with data only for inline sends (at most 4096 bytes) and
+/// messages of at most 512 bytes (other payloads move by `process_vm_*`); a
+/// record larger than the room left is written in pieces, and a full ring
+/// is back-pressure, so 128 KiB is ample. Every page of a ring ends up
+/// resident as it wraps, in both processes, so this is what a busy
+/// connection costs each side in memory (it was 4 MiB, 8 MiB a connection). Under Miri, which runs only the index
 /// arithmetic over heap memory in one process, 64 KiB: the same logic,
 /// wrapped around in a time Miri can afford.
 pub(crate) const RING_BYTES: usize = if cfg!(miri) { 64 << 10 } else { 128 << 10 };
