@@ -498,6 +498,14 @@ pub struct Protocol {
     /// Receives consumed (and re-posted) since our last grant that held
     /// something other than a CREDIT or RETURN message.
     owed_for_data: u32,
+    /// DONE and RETURN messages received since our last grant: re-granted
+    /// even while we hold credits back, since they add nothing to what
+    /// waits here and free what we hold (see [`Protocol::poll_transmit`]).
+    owed_for_control: u32,
+    /// Our announcements whose DONE credit the peer may still need: one
+    /// credit each, paid even while we hold credits back (at most one per
+    /// frame we exposed, so a peer cannot turn them into more than that).
+    done_debt: u32,
     granted_total: u64,
     received_total: u64,
     /// Credits the peer gave back with RETURN messages.
@@ -552,6 +560,8 @@ impl Protocol {
             refuse_head: |_| false,
             send_credits: peer.initial_credits,
             owed_for_data: 0,
+            owed_for_control: 0,
+            done_debt: 0,
             granted_total: u64::from(local.initial_credits),
             received_total: 0,
             returned_total: 0,
@@ -713,6 +723,9 @@ impl Protocol {
         if !matches!(message.body, Body::Credit | Body::Return { .. }) {
             self.owed_for_data += 1;
         }
+        if matches!(message.body, Body::Done { .. } | Body::Return { .. }) {
+            self.owed_for_control = self.owed_for_control.saturating_add(1);
+        }
         match message.body {
             Body::Data(frame) => {
                 if self.close_received {
@@ -789,6 +802,7 @@ impl Protocol {
                     return Err(ProtocolError::UnknownToken(token));
                 }
                 // Else: revoked by the timeout already; nothing to free.
+                self.done_debt = self.done_debt.min(self.exposed.len() as u32);
             }
             Body::Credit => {}
             Body::Return { credits } => {
@@ -877,6 +891,7 @@ impl Protocol {
     /// there is nothing to give back or we are busy (frames queued).
     pub fn return_credits(&mut self) -> bool {
         if self.excess_credits() == 0
+            || self.unanswered > 0
             || !self.queue.is_empty()
             || !self.control.is_empty()
             || self.close_queued
@@ -927,6 +942,7 @@ impl Protocol {
                 expired: true,
             });
         }
+        self.done_debt = self.done_debt.min(self.exposed.len() as u32);
     }
 
     /// When [`Protocol::handle_timeout`] wants to run next.
@@ -940,9 +956,15 @@ impl Protocol {
         if self.free_send_slots == 0 || self.send_credits == 0 {
             return None;
         }
-        // Everything but CREDIT keeps one credit in reserve.
-        let body = if self.send_credits >= 2 {
-            self.control.pop_front().or_else(|| self.queue.pop_front())
+        // Everything but CREDIT keeps one credit in reserve, so that a side
+        // can always grant. While the peer's announcements await our DONE,
+        // frames keep one more: the first DONE can always go, and the peer
+        // re-grants every DONE even while it holds credits back.
+        let frame_reserve = if self.unanswered > 0 { 3 } else { 2 };
+        let body = if self.send_credits >= 2 && !self.control.is_empty() {
+            self.control.pop_front()
+        } else if self.send_credits >= frame_reserve {
+            self.queue.pop_front()
         } else {
             None
         };
@@ -952,7 +974,11 @@ impl Protocol {
                 self.batch_behind(frame)
             }
             Some(body) => body,
-            None if self.needs_credit_message() => Body::Credit,
+            None if self.needs_credit_message()
+                && (self.unanswered == 0 || self.send_credits >= frame_reserve) =>
+            {
+                Body::Credit
+            }
             None => return None,
         };
         self.send_credits -= 1;
@@ -975,10 +1001,25 @@ impl Protocol {
             }
             _ => {}
         }
-        let credits = if self.holding() { 0 } else { self.owed() };
-        if credits > 0 {
-            self.owed_for_data = 0;
+        if matches!(body, Body::Announce(_)) {
+            self.done_debt += 1;
         }
+        let credits = if self.holding() {
+            // Held back, but for what control messages spent and what our
+            // announcements' DONEs need.
+            let credits = self.owed().min(self.owed_for_control + self.done_debt);
+            let from_control = credits.min(self.owed_for_control);
+            self.owed_for_control -= from_control;
+            self.done_debt -= credits - from_control;
+            credits
+        } else {
+            let credits = self.owed();
+            if credits > 0 {
+                self.owed_for_data = 0;
+                self.owed_for_control = 0;
+            }
+            credits
+        };
         self.granted_total += u64::from(credits);
         self.free_send_slots -= 1;
         Some(Message { credits, body })
@@ -1015,10 +1056,15 @@ impl Protocol {
 
     /// Whether credit grants are held back: the driver asked (the application
     /// is not reading), or `max_pending` frames (or `max_pending_bytes`)
-    /// wait for the application
-    /// (frames behind a pull, pulls not done). Either way what is pending
-    /// drains without the peer's help, so holding cannot deadlock; once held,
-    /// the peer can add at most the credits it still has (our receive slots).
+    /// wait for the application (frames behind a pull, pulls not done).
+    /// What is pending drains once the application reads, but the
+    /// application may itself wait for the peer: a server whose answers are
+    /// announced waits for their DONEs before it reads more calls. So
+    /// holding never withholds what the peer's DONE and RETURN messages
+    /// spent, nor the credit each of our announcements' DONE needs (sent
+    /// alone in a CREDIT once the peer is at its reserve). Once held, the
+    /// peer can add at most the credits it still has plus one per frame we
+    /// announce.
     fn holding(&self) -> bool {
         self.hold_credits
             || self.pending.len() >= self.limits.max_pending.max(1) as usize
@@ -1026,8 +1072,15 @@ impl Protocol {
     }
 
     fn needs_credit_message(&self) -> bool {
-        if self.holding() || self.owed() == 0 {
+        if self.owed() == 0 {
             return false;
+        }
+        if self.holding() {
+            // Only what is re-granted while holding, once the peer is at its
+            // reserve: it may have a DONE to send and nothing to send it with.
+            // Never in answer to a CREDIT, so two holding sides cannot
+            // answer each other forever.
+            return self.owed_for_control + self.done_debt > 0 && self.peer_credits() <= 1;
         }
         // What the peer can still send as far as it knows (an upper bound:
         // messages in flight make it lower). At its reserve it is blocked.
@@ -1184,8 +1237,10 @@ impl Protocol {
 
     /// Messages wait to go out and only the peer's credits hold them back.
     pub fn waits_for_credits(&self) -> bool {
-        let waiting = !self.queue.is_empty() || !self.control.is_empty();
-        waiting && self.send_credits < 2 && self.free_send_slots > 0
+        let frame_reserve = if self.unanswered > 0 { 3 } else { 2 };
+        let waiting = (!self.queue.is_empty() && self.send_credits < frame_reserve)
+            || (!self.control.is_empty() && self.send_credits < 2);
+        waiting && self.free_send_slots > 0
     }
 
     /// Credits we hold for sending.

@@ -48,6 +48,13 @@ struct Side {
     reads_in_flight: VecDeque<ReadRequest>,
     messages_sent: u64,
     credit_messages_sent: u64,
+    /// The application reads only while fewer of its own frames than this
+    /// await DONE (a server whose answers wait to be pulled stops taking
+    /// calls); `usize::MAX` reads always.
+    reads_while_exposed_below: usize,
+    /// The application answers every frame it reads with one of this
+    /// length (announced when large).
+    answer_len: Option<usize>,
 }
 
 impl Side {
@@ -69,6 +76,8 @@ impl Side {
             reads_in_flight: VecDeque::new(),
             messages_sent: 0,
             credit_messages_sent: 0,
+            reads_while_exposed_below: usize::MAX,
+            answer_len: None,
         }
     }
 
@@ -236,9 +245,17 @@ impl Pair {
             side.max_reads_seen = side.max_reads_seen.max(side.reads_in_flight.len() as u32);
             progress = true;
         }
-        while let Some(inbound) = side.protocol.poll_inbound() {
+        while side.protocol.exposed() < side.reads_while_exposed_below {
+            let Some(inbound) = side.protocol.poll_inbound() else {
+                break;
+            };
             match inbound {
-                Inbound::Frame(frame) => side.delivered.push(frame),
+                Inbound::Frame(read) => {
+                    if let Some(len) = side.answer_len {
+                        side.send(frame(len, read.len() as u8), Instant::now());
+                    }
+                    side.delivered.push(read);
+                }
                 Inbound::Pulled {
                     token,
                     len,
@@ -296,6 +313,34 @@ fn eager_and_rendezvous_frames_arrive_in_send_order_byte_exact() {
     assert!(pair.a.released.iter().all(|(_, expired)| !expired));
     assert_eq!(pair.a.protocol.exposed(), 0);
     assert_eq!(pair.b.protocol.pulls(), 0);
+}
+
+/// The soak's deadlock (CI, stop 38): a server stops reading calls while
+/// its announced answers await DONE; calls pile up in front of it, so it
+/// holds credits back; the client, out of credits, could not send the DONEs
+/// the server waited for. Held credits now never strand a DONE: every
+/// call is read and answered, every answer released by DONE.
+#[test]
+fn a_side_that_stops_reading_until_its_answers_are_pulled_still_gets_their_dones() {
+    let limits = Limits {
+        max_pending_bytes: 4 << 10,
+        ..Limits::default()
+    };
+    let client = geometry(4, 2048);
+    let server = geometry(4, 2048);
+    let mut pair = Pair::new(client, server, limits);
+    pair.b.reads_while_exposed_below = 2;
+    pair.b.answer_len = Some(20_000);
+    let calls: Vec<Bytes> = (0..300).map(|i| frame(1000, i as u8)).collect();
+    for call in &calls {
+        pair.a.send(call.clone(), pair.now);
+    }
+    pair.run().unwrap();
+    assert_eq!(pair.b.delivered, calls);
+    assert_eq!(pair.a.delivered.len(), calls.len());
+    assert!(pair.a.delivered.iter().all(|answer| answer.len() == 20_000));
+    assert!(pair.b.released.iter().all(|(_, expired)| !expired));
+    assert_eq!(pair.b.protocol.exposed(), 0);
 }
 
 #[test]
@@ -946,11 +991,25 @@ fn a_flooding_peer_cannot_grow_what_waits_for_the_application() {
 }
 
 /// A peer that keeps announcing (the same window under new tokens) while it
-/// grants this side just enough credits for CREDIT messages, never two for
-/// a DONE: the DONEs queued without bound. Now more than MAX_UNANSWERED
-/// announcements awaiting DONE are a protocol error.
+/// grants this side one credit at a time, never two for a DONE: the DONEs
+/// used to queue without bound while this side's CREDIT messages kept the
+/// peer going. Now a side with DONEs owed sends no CREDIT from its reserve,
+/// so such a peer stalls within this side's window; and a peer with a
+/// window large enough to announce past MAX_UNANSWERED at once meets a
+/// protocol error.
 #[test]
 fn announcements_awaiting_done_are_bounded() {
+    let announce = |token| {
+        Body::Announce(Announce {
+            token,
+            addr: 0x1000,
+            len: 1,
+            rkey: 1,
+            head: Bytes::new(),
+            tail: Bytes::new(),
+        })
+    };
+    // One credit at a time.
     let g = geometry(8, 1024);
     let mut p = Protocol::new(g, g, Limits::default());
     let mut peer = Hostile {
@@ -958,27 +1017,11 @@ fn announcements_awaiting_done_are_bounded() {
         owed: 0,
     };
     let mut token = 0;
-    let error = 'run: loop {
-        assert!(token < 100_000, "never refused");
-        // One credit when this side has none: enough for a CREDIT message.
-        let grant = u32::from(p.send_credits() == 0);
-        if peer.credits == 0 && grant == 0 && peer.take(&mut p) == 0 {
-            panic!("stalled after {token} announcements");
-        }
+    for _ in 0..100 {
         while peer.credits > 0 {
             token += 1;
-            let announce = Body::Announce(Announce {
-                token,
-                addr: 0x1000,
-                len: 1,
-                rkey: 1,
-                head: Bytes::new(),
-                tail: Bytes::new(),
-            });
             let grant = u32::from(p.send_credits() == 0);
-            if let Some(Err(error)) = peer.send(&mut p, grant, announce) {
-                break 'run error;
-            }
+            assert_eq!(peer.send(&mut p, grant, announce(token)), Some(Ok(())));
             // This side pulls and delivers at once.
             while let Some(event) = p.poll_event() {
                 assert!(matches!(event, Event::Allocate { .. }));
@@ -987,11 +1030,21 @@ fn announcements_awaiting_done_are_bounded() {
                 p.handle_read_complete(read.token, read.len);
             }
             while p.poll_inbound().is_some() {}
-            assert_eq!(p.pulls(), 0);
         }
         peer.take(&mut p);
-        assert!(p.unanswered() <= MAX_UNANSWERED as usize);
-    };
+    }
+    assert!(
+        token <= 16,
+        "{token} announcements from one credit at a time"
+    );
+    assert!(p.unanswered() <= 16);
+
+    // A window past MAX_UNANSWERED, spent on announcements alone.
+    let g = geometry(2 * MAX_UNANSWERED, 1024);
+    let mut p = Protocol::new(g, g, Limits::default());
+    let error = (1..=u64::from(MAX_UNANSWERED) + 1)
+        .find_map(|token| received(&mut p, 0, announce(token)).err())
+        .expect("refused");
     assert_eq!(
         error,
         ProtocolError::TooManyUnanswered {
