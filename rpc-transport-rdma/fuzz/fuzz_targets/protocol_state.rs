@@ -483,10 +483,11 @@ impl Pair {
             assert!(p.pulls() <= MAX_UNANSWERED as usize, "{} pulls", p.pulls());
             assert!(p.unanswered() <= MAX_UNANSWERED as usize);
             // Grants stop once max_pending wait; the peer may still use the
-            // credits it holds, each message a BATCH of up to
+            // credits it holds and the DONE credits paid while holding (at
+            // most max_exposed), each message a BATCH of up to
             // MAX_BATCH_FRAMES frames.
             let pending_bound = s.limits.max_pending as usize
-                + s.geometry.recv_slots as usize * MAX_BATCH_FRAMES;
+                + (s.geometry.recv_slots + s.limits.max_exposed) as usize * MAX_BATCH_FRAMES;
             assert!(
                 p.pending() <= pending_bound,
                 "{} messages wait for the application, bound {pending_bound}",

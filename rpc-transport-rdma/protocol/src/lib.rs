@@ -506,6 +506,9 @@ pub struct Protocol {
     /// credit each, paid even while we hold credits back (at most one per
     /// frame we exposed, so a peer cannot turn them into more than that).
     done_debt: u32,
+    /// DONE credits paid since we last granted in full: at most
+    /// `max_exposed` per spell of holding, whatever the peer does with them.
+    done_credits_paid: u32,
     granted_total: u64,
     received_total: u64,
     /// Credits the peer gave back with RETURN messages.
@@ -562,6 +565,7 @@ impl Protocol {
             owed_for_data: 0,
             owed_for_control: 0,
             done_debt: 0,
+            done_credits_paid: 0,
             granted_total: u64::from(local.initial_credits),
             received_total: 0,
             returned_total: 0,
@@ -956,15 +960,9 @@ impl Protocol {
         if self.free_send_slots == 0 || self.send_credits == 0 {
             return None;
         }
-        // Everything but CREDIT keeps one credit in reserve, so that a side
-        // can always grant. While the peer's announcements await our DONE,
-        // frames keep one more: the first DONE can always go, and the peer
-        // re-grants every DONE even while it holds credits back.
-        let frame_reserve = if self.unanswered > 0 { 3 } else { 2 };
-        let body = if self.send_credits >= 2 && !self.control.is_empty() {
-            self.control.pop_front()
-        } else if self.send_credits >= frame_reserve {
-            self.queue.pop_front()
+        // Everything but CREDIT keeps one credit in reserve.
+        let body = if self.send_credits >= 2 {
+            self.control.pop_front().or_else(|| self.queue.pop_front())
         } else {
             None
         };
@@ -974,11 +972,7 @@ impl Protocol {
                 self.batch_behind(frame)
             }
             Some(body) => body,
-            None if self.needs_credit_message()
-                && (self.unanswered == 0 || self.send_credits >= frame_reserve) =>
-            {
-                Body::Credit
-            }
+            None if self.needs_credit_message() => Body::Credit,
             None => return None,
         };
         self.send_credits -= 1;
@@ -1007,16 +1001,18 @@ impl Protocol {
         let credits = if self.holding() {
             // Held back, but for what control messages spent and what our
             // announcements' DONEs need.
-            let credits = self.owed().min(self.owed_for_control + self.done_debt);
+            let credits = self.owed().min(self.owed_for_control + self.payable_debt());
             let from_control = credits.min(self.owed_for_control);
             self.owed_for_control -= from_control;
-            self.done_debt -= credits - from_control;
+            self.done_debt = self.done_debt.saturating_sub(credits - from_control);
+            self.done_credits_paid += credits - from_control;
             credits
         } else {
             let credits = self.owed();
             if credits > 0 {
                 self.owed_for_data = 0;
                 self.owed_for_control = 0;
+                self.done_credits_paid = 0;
             }
             credits
         };
@@ -1063,12 +1059,30 @@ impl Protocol {
     /// holding never withholds what the peer's DONE and RETURN messages
     /// spent, nor the credit each of our announcements' DONE needs (sent
     /// alone in a CREDIT once the peer is at its reserve). Once held, the
-    /// peer can add at most the credits it still has plus one per frame we
-    /// announce.
+    /// peer can add at most the credits it still has plus `max_exposed`.
     fn holding(&self) -> bool {
         self.hold_credits
             || self.pending.len() >= self.limits.max_pending.max(1) as usize
             || self.pending_bytes >= self.limits.max_pending_bytes.max(1)
+    }
+
+    /// DONE credits we may pay now while holding: one per frame announced,
+    /// and, while any awaits DONE, what brings the peer up to the two
+    /// credits a DONE needs (it may have spent them on frames before it
+    /// owed a DONE, or on a CREDIT). An honest peer needs a few per spell of
+    /// holding (then every DONE is re-granted); a hostile one gets no more
+    /// than `max_exposed` to send frames with.
+    fn payable_debt(&self) -> u32 {
+        let to_reach_a_done = if self.exposed.is_empty() {
+            0
+        } else {
+            2u64.saturating_sub(self.peer_credits()) as u32
+        };
+        self.done_debt.max(to_reach_a_done).min(
+            self.limits
+                .max_exposed
+                .saturating_sub(self.done_credits_paid),
+        )
     }
 
     fn needs_credit_message(&self) -> bool {
@@ -1078,9 +1092,9 @@ impl Protocol {
         if self.holding() {
             // Only what is re-granted while holding, once the peer is at its
             // reserve: it may have a DONE to send and nothing to send it with.
-            // Never in answer to a CREDIT, so two holding sides cannot
-            // answer each other forever.
-            return self.owed_for_control + self.done_debt > 0 && self.peer_credits() <= 1;
+            // Never for a CREDIT received, and DONE credits are capped per
+            // spell, so two holding sides cannot answer each other forever.
+            return self.owed_for_control + self.payable_debt() > 0 && self.peer_credits() <= 1;
         }
         // What the peer can still send as far as it knows (an upper bound:
         // messages in flight make it lower). At its reserve it is blocked.
@@ -1237,10 +1251,8 @@ impl Protocol {
 
     /// Messages wait to go out and only the peer's credits hold them back.
     pub fn waits_for_credits(&self) -> bool {
-        let frame_reserve = if self.unanswered > 0 { 3 } else { 2 };
-        let waiting = (!self.queue.is_empty() && self.send_credits < frame_reserve)
-            || (!self.control.is_empty() && self.send_credits < 2);
-        waiting && self.free_send_slots > 0
+        let waiting = !self.queue.is_empty() || !self.control.is_empty();
+        waiting && self.send_credits < 2 && self.free_send_slots > 0
     }
 
     /// Credits we hold for sending.
