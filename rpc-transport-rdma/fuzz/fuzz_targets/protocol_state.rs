@@ -116,6 +116,8 @@ struct Side {
     destinations: HashMap<u64, Vec<u8>>,
     reads: VecDeque<ReadRequest>,
     sent: Vec<Bytes>,
+    /// Frames this side announced (each may earn the peer a DONE credit).
+    announced: usize,
     queued: usize,
     delivered: usize,
 }
@@ -132,6 +134,7 @@ impl Side {
             destinations: HashMap::new(),
             reads: VecDeque::new(),
             sent: Vec::new(),
+            announced: 0,
             queued: 0,
             delivered: 0,
         }
@@ -197,6 +200,7 @@ impl Pair {
                             self.now,
                         );
                         assert!(s.exposed.insert(token, (addr, rkey, remote)).is_none());
+                        s.announced += 1;
                     }
                 }
             }
@@ -484,10 +488,11 @@ impl Pair {
             assert!(p.unanswered() <= MAX_UNANSWERED as usize);
             // Grants stop once max_pending wait; the peer may still use the
             // credits it holds and the DONE credits paid while holding (at
-            // most max_exposed), each message a BATCH of up to
-            // MAX_BATCH_FRAMES frames.
+            // most max_exposed outstanding, one more per frame announced),
+            // each message a BATCH of up to MAX_BATCH_FRAMES frames.
             let pending_bound = s.limits.max_pending as usize
-                + (s.geometry.recv_slots + s.limits.max_exposed) as usize * MAX_BATCH_FRAMES;
+                + (s.geometry.recv_slots as usize + s.limits.max_exposed as usize + s.announced)
+                    * MAX_BATCH_FRAMES;
             assert!(
                 p.pending() <= pending_bound,
                 "{} messages wait for the application, bound {pending_bound}",

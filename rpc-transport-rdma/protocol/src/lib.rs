@@ -506,8 +506,9 @@ pub struct Protocol {
     /// credit each, paid even while we hold credits back (at most one per
     /// frame we exposed, so a peer cannot turn them into more than that).
     done_debt: u32,
-    /// DONE credits paid since we last granted in full: at most
-    /// `max_exposed` per spell of holding, whatever the peer does with them.
+    /// DONE credits paid since we last granted in full, less the DONEs that
+    /// came back for frames still exposed: at most `max_exposed` while
+    /// holding, whatever the peer does with them.
     done_credits_paid: u32,
     granted_total: u64,
     received_total: u64,
@@ -798,6 +799,10 @@ impl Protocol {
             Body::Done { token } => {
                 if let Some((_, frame_len)) = self.exposed.remove(&token) {
                     self.exposed_bytes -= frame_len;
+                    // A DONE credit came back as one: it counts no more
+                    // against the spell's cap (a DONE for a window revoked
+                    // already does not).
+                    self.done_credits_paid = self.done_credits_paid.saturating_sub(1);
                     self.events.push_back(Event::Release {
                         token,
                         expired: false,
@@ -1069,9 +1074,9 @@ impl Protocol {
     /// DONE credits we may pay now while holding: one per frame announced,
     /// and, while any awaits DONE, what brings the peer up to the two
     /// credits a DONE needs (it may have spent them on frames before it
-    /// owed a DONE, or on a CREDIT). An honest peer needs a few per spell of
-    /// holding (then every DONE is re-granted); a hostile one gets no more
-    /// than `max_exposed` to send frames with.
+    /// owed a DONE, or on a CREDIT). An honest peer spends each on a DONE,
+    /// which frees it again; a hostile one that spends them on frames gets
+    /// no more than `max_exposed` beyond one per frame we announce.
     fn payable_debt(&self) -> u32 {
         let to_reach_a_done = if self.exposed.is_empty() {
             0
