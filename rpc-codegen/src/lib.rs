@@ -26,6 +26,7 @@
 //! `rpc_core::Streaming<Msg>` for streamed responses.
 #![forbid(unsafe_code)]
 
+mod diagnostic;
 mod generator;
 
 use std::io;
@@ -159,8 +160,13 @@ impl Builder {
         protos: &[impl AsRef<Path>],
         includes: &[impl AsRef<Path>],
     ) -> io::Result<()> {
-        let descriptors = protox::compile(protos, includes)
-            .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, format!("{error}")))?;
+        let descriptors = protox::compile(protos, includes).map_err(|error| {
+            let includes: Vec<&Path> = includes.iter().map(AsRef::as_ref).collect();
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                diagnostic::ProtoError::new(&error, &includes),
+            )
+        })?;
         if self.emit_rerun_if_changed {
             for proto in protos {
                 println!("cargo:rerun-if-changed={}", proto.as_ref().display());
@@ -198,6 +204,73 @@ impl Builder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Compiles `main.proto` (with `files` beside it) from a fresh folder;
+    /// the error's text.
+    fn compile_error(name: &str, files: &[(&str, &str)]) -> String {
+        let dir = std::env::temp_dir().join(format!("rpc-codegen-err-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, text) in files {
+            std::fs::write(dir.join(file), text).unwrap();
+        }
+        let error = configure()
+            .out_dir(&dir)
+            .emit_rerun_if_changed(false)
+            .compile(&[dir.join("main.proto")], &[&dir])
+            .expect_err("the file is wrong");
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidInput);
+        // What `fn main() -> io::Result<()>` prints shows the same lines.
+        let debug = format!("{error:?}");
+        let display = error.to_string();
+        assert!(debug.contains(&display), "{debug}");
+        display
+    }
+
+    #[test]
+    fn a_syntax_error_names_its_file_line_and_column_with_a_caret() {
+        let text = compile_error(
+            "syntax",
+            &[(
+                "main.proto",
+                "syntax = \"proto3\";\npackage p;\nmessage M {\n  string name = 1\n}\n",
+            )],
+        );
+        assert!(text.starts_with("error: expected ';' or '['"), "{text}");
+        assert!(text.contains("main.proto:5:1"), "{text}");
+        assert!(text.contains("5 | }"), "{text}");
+        assert!(text.contains("  | ^"), "{text}");
+    }
+
+    #[test]
+    fn a_missing_import_names_the_line_and_the_include_paths_searched() {
+        let text = compile_error(
+            "import",
+            &[(
+                "main.proto",
+                "syntax = \"proto3\";\npackage p;\nimport \"common/types.proto\";\nmessage M {}\n",
+            )],
+        );
+        assert!(text.contains("import 'common/types.proto' not found"), "{text}");
+        assert!(text.contains("main.proto:3:1"), "{text}");
+        assert!(text.contains("3 | import \"common/types.proto\";"), "{text}");
+        assert!(text.contains("include paths searched: "), "{text}");
+        assert!(text.contains("rpc-codegen-err-import"), "{text}");
+    }
+
+    #[test]
+    fn an_unknown_type_names_its_place() {
+        let text = compile_error(
+            "type",
+            &[(
+                "main.proto",
+                "syntax = \"proto3\";\npackage p;\nmessage M {\n  Missing m = 1;\n}\n",
+            )],
+        );
+        assert!(text.contains("main.proto:4:3"), "{text}");
+        assert!(text.contains("4 |   Missing m = 1;"), "{text}");
+        assert!(text.contains("^^^^^^^"), "{text}");
+    }
 
     /// Generates `blob.proto` into a fresh folder; the generated Rust.
     fn generate(builder: Builder, name: &str) -> String {
