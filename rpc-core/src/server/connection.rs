@@ -63,6 +63,9 @@ enum Ending {
     Stalled(String),
     /// The peer broke the protocol: tell it why (GOAWAY with the reason), then close.
     ProtocolError(String),
+    /// The server ended its calls in flight (its grace period is over, or
+    /// it was dropped): each ends with `Unavailable`, then the connection.
+    ShutDown,
 }
 
 /// A frame the connection task must send but has no room for yet; while one
@@ -109,13 +112,24 @@ fn queue_or_block(
     }
 }
 
+/// What a call still in flight hears when its server's grace period is over.
+const SHUTTING_DOWN: &str = "server shutting down";
+
+/// When a connection's server shuts down.
+pub(crate) struct Shutdown {
+    /// Gracefully: GOAWAY, no new calls, the end once those in flight are done.
+    pub(crate) graceful: CancellationToken,
+    /// Now: the calls in flight end with `Unavailable`, then the connection.
+    pub(crate) now: CancellationToken,
+}
+
 /// Serves one connection until the peer closes it, it breaks, it idles out, or
-/// `shutdown` fires and its in-flight calls are done.
+/// the server shuts down (gracefully: once its in-flight calls are done).
 pub(crate) async fn serve_connection(
     connection: Connection,
     service: ServerService,
     config: ServerConfig,
-    shutdown: CancellationToken,
+    shutdown: Shutdown,
     stats: Arc<StatsInner>,
     slot: ConnectionSlot,
     scheme: Arc<str>,
@@ -151,8 +165,10 @@ pub(crate) async fn serve_connection(
     let idle = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle);
     // Polled only when the token wakes it, not on every turn of the loop.
-    let shutting_down = WakeGated::new(shutdown.cancelled());
+    let shutting_down = WakeGated::new(shutdown.graceful.cancelled());
     tokio::pin!(shutting_down);
+    let ending_now = WakeGated::new(shutdown.now.cancelled());
+    tokio::pin!(ending_now);
 
     // Counts this connection as paused while a full queue stops its reading.
     let mut full_queue_pause: Option<super::stats::PausedGuard> = None;
@@ -163,6 +179,7 @@ pub(crate) async fn serve_connection(
             full_queue_pause = None;
         }
         tokio::select! {
+            () = &mut ending_now => break Ending::ShutDown,
             () = &mut shutting_down, if !draining => {
                 draining = true;
                 let goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
@@ -408,6 +425,23 @@ pub(crate) async fn serve_connection(
             tracing::warn!(%peer, "closing connection: {reason}");
             stats.stalled_closed.fetch_add(1, Ordering::Relaxed);
             stats.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        Ending::ShutDown => {
+            tracing::debug!(%peer, calls = in_flight.len(), "ending the calls in flight: server shutting down");
+            if !draining {
+                let goaway = Frame::control(FrameKind::GoAway, FrameFlags::EMPTY, last_call_id);
+                let _ = outbound.send_unbounded(goaway.encode_parts());
+            }
+            // Each handler stops where it is; then its call's last frame.
+            for (call_id, handler) in in_flight.drain() {
+                handler.abort();
+                let status = status_frame(call_id, Status::unavailable(SHUTTING_DOWN));
+                let _ = outbound.send_unbounded(status.encode_parts());
+            }
+            for (_, stream) in streams.drain() {
+                stream.close(|| Status::unavailable(SHUTTING_DOWN));
+            }
+            linger = true;
         }
         Ending::ProtocolError(reason) => {
             tracing::warn!(%peer, "closing connection: {reason}");

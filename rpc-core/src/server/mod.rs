@@ -98,6 +98,8 @@ pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: usize = 1_024;
 
 /// Default idle time-out; see [`Server::idle_timeout`].
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default for [`Server::shutdown_grace`].
+const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Smallest default receive budget; see [`Server::receive_budget`].
 pub const DEFAULT_RECEIVE_BUDGET: usize = 256 << 20;
@@ -132,6 +134,7 @@ pub(crate) struct ServerConfig {
     pub(crate) outbound_queue_bytes: usize,
     pub(crate) outbound_budget: usize,
     pub(crate) access_log: bool,
+    pub(crate) shutdown_grace: Duration,
 }
 
 impl ServerConfig {
@@ -164,6 +167,7 @@ impl Server {
                 outbound_queue_bytes: DEFAULT_OUTBOUND_QUEUE_BYTES,
                 outbound_budget: DEFAULT_OUTBOUND_BUDGET,
                 access_log: false,
+                shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             },
         }
     }
@@ -240,6 +244,15 @@ impl<L> Server<L> {
     /// that raced with the GOAWAY is retried there transparently.
     pub fn idle_timeout(mut self, timeout: Duration) -> Self {
         self.config.idle_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a graceful shutdown ([`Server::serve_with_shutdown`]) waits
+    /// for the calls in flight (default 10 s). Calls still running then,
+    /// streams above all, end with `Unavailable` ("server shutting down"),
+    /// as gRPC servers end theirs after a GOAWAY; then the server returns.
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.config.shutdown_grace = grace;
         self
     }
 
@@ -413,7 +426,9 @@ where
 
     /// Serves on `endpoint` until `signal` completes, then shuts down
     /// gracefully: stops accepting, tells every client (GOAWAY), lets in-flight
-    /// calls finish, and returns.
+    /// calls finish for up to [`Server::shutdown_grace`], ends those still
+    /// running with `Unavailable`, and returns. Dropping the future (or
+    /// aborting its task) ends every connection it serves at once.
     pub async fn serve_with_shutdown<E, F>(self, endpoint: E, signal: F) -> Result<(), Error>
     where
         E: TryInto<Endpoint>,
@@ -460,7 +475,9 @@ impl Listening {
         self.serve_with_shutdown(std::future::pending()).await
     }
 
-    /// Serves until `signal` completes, then shuts down gracefully.
+    /// Serves until `signal` completes, then shuts down gracefully (see
+    /// [`Server::serve_with_shutdown`]). Dropping the future ends every
+    /// connection it serves at once.
     pub async fn serve_with_shutdown<F>(self, signal: F) -> Result<(), Error>
     where
         F: Future<Output = ()> + Send,
@@ -475,7 +492,11 @@ impl Listening {
         let scheme: Arc<str> = endpoint.scheme().into();
         tracing::info!(%endpoint, max_connections = config.max_connections, "serving");
         let connections = TaskTracker::new();
-        let shutdown = CancellationToken::new();
+        // Connections run on tasks of their own: they end when this future
+        // is dropped (or its task aborted), not only after a graceful end.
+        let abort = CancellationToken::new();
+        let _abort_when_dropped = abort.clone().drop_guard();
+        let shutdown = abort.child_token();
         let slots = Arc::new(Semaphore::new(config.max_connections));
         let shares = address_share::AddressShares::new(config.max_connections_per_address);
         let lingering_refusals = Arc::new(Semaphore::new(MAX_LINGERING_REFUSALS));
@@ -494,7 +515,10 @@ impl Listening {
                                 connection,
                                 service.clone(),
                                 config.clone(),
-                                shutdown.child_token(),
+                                connection::Shutdown {
+                                    graceful: shutdown.child_token(),
+                                    now: abort.child_token(),
+                                },
                                 stats.inner.clone(),
                                 slot,
                                 scheme.clone(),
@@ -572,7 +596,19 @@ impl Listening {
         tracing::info!(%endpoint, in_flight_connections = connections.len(), "shutting down");
         shutdown.cancel();
         connections.close();
-        connections.wait().await;
+        if tokio::time::timeout(config.shutdown_grace, connections.wait())
+            .await
+            .is_err()
+        {
+            tracing::info!(
+                %endpoint,
+                in_flight_connections = connections.len(),
+                grace = ?config.shutdown_grace,
+                "grace period over: ending the calls still in flight"
+            );
+            abort.cancel();
+            connections.wait().await;
+        }
         Ok(())
     }
 }

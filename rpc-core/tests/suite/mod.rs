@@ -1231,6 +1231,8 @@ macro_rules! transport_suite {
             stream_and_unary_methods_called_the_wrong_way,
             hostile_stream_frames_close_only_that_connection,
             whole_stream_requests_carry_the_clients_messages,
+            graceful_shutdown_ends_open_streams_after_the_grace_period,
+            aborting_the_serve_task_ends_its_connections,
         );
     };
     (@tests $bed:expr; $($name:ident,)*) => {

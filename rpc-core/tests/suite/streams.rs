@@ -809,3 +809,53 @@ pub async fn whole_stream_requests_carry_the_clients_messages(bed: &dyn Bed) {
     let reason = raw_frames_then_expect_close(&server.endpoint, vec![open]).await;
     assert!(reason.contains("END_STREAM"), "{reason}");
 }
+
+/// A graceful shutdown ends a stream that would never end by itself: once
+/// the grace period is over it ends with `Unavailable` ("server shutting
+/// down") and the server returns. Before, the stream flowed on until the
+/// client dropped it, and the server never returned.
+pub async fn graceful_shutdown_ends_open_streams_after_the_grace_period(bed: &dyn Bed) {
+    let grace = Duration::from_millis(300);
+    let server = start_with(bed, |server| server.shutdown_grace(grace)).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let (sender, mut echo) = open_fed(&channel, "Echo").await;
+    sender.send(Payload::from(numbered(1, 8))).unwrap();
+    assert_eq!(number_of(&echo.message().await.unwrap().unwrap()), 1);
+    let started = Instant::now();
+    server.shutdown().await;
+    let took = started.elapsed();
+    assert!(
+        took >= grace,
+        "the server waited for the grace period ({took:?})"
+    );
+    assert!(
+        took < grace + Duration::from_secs(2),
+        "and no longer ({took:?})"
+    );
+    let status = tokio::time::timeout(Duration::from_secs(1), echo.message())
+        .await
+        .expect("the stream ends")
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().contains("server shutting down"),
+        "{status:?}"
+    );
+}
+
+/// Aborting the task that runs `serve()` ends the connections it served:
+/// an open stream ends with `Unavailable` within a second.
+pub async fn aborting_the_serve_task_ends_its_connections(bed: &dyn Bed) {
+    let server = start(bed).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    let (sender, mut echo) = open_fed(&channel, "Echo").await;
+    sender.send(Payload::from(numbered(1, 8))).unwrap();
+    assert_eq!(number_of(&echo.message().await.unwrap().unwrap()), 1);
+    server.task.abort();
+    let status = tokio::time::timeout(Duration::from_secs(1), echo.message())
+        .await
+        .expect("the stream ends within a second of the abort")
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    drop(sender);
+}
