@@ -8,7 +8,7 @@
 //! `cargo test` (or `cargo test -p rdma-rpc-examples`) builds them first;
 //! `cargo test --test help` alone does not, and this test then says so.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const EXAMPLES: [&str; 9] = [
@@ -152,7 +152,20 @@ fn streaming_examples_run_over_every_transport() {
 /// must run where `RDMA_RPC_REQUIRE_PYTHON` is set, as in CI).
 #[test]
 fn grpc_example_is_called_over_rdma_and_grpc_by_rust_and_python() {
-    let output = run("grpc", &[]);
+    // Python's grpcio, installed under target/ where python3 lacks it.
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/python-grpcio");
+    let grpcio = Command::new(&script).output();
+    let output = match &grpcio {
+        Ok(found) if found.status.success() => {
+            let path = text(&found.stdout).trim().to_owned();
+            Command::new(example("grpc"))
+                .env("RUST_BACKTRACE", "1")
+                .envs((!path.is_empty()).then_some(("PYTHONPATH", path)))
+                .output()
+                .expect("start grpc")
+        }
+        _ => run("grpc", &[]),
+    };
     let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
     assert!(output.status.success(), "grpc: {stdout}\n{stderr}");
     for says in [
@@ -170,5 +183,10 @@ fn grpc_example_is_called_over_rdma_and_grpc_by_rust_and_python() {
         std::env::var_os("RDMA_RPC_REQUIRE_PYTHON").is_none(),
         "the Python client did not run: {stdout}"
     );
-    println!("skipped: the grpc example's Python call: {stdout}");
+    let why = match &grpcio {
+        Ok(found) if !found.status.success() => text(&found.stderr),
+        Ok(_) => String::new(),
+        Err(error) => format!("scripts/python-grpcio did not run: {error}"),
+    };
+    println!("skipped: the grpc example's Python call: {why}{stdout}");
 }

@@ -73,7 +73,10 @@ fn place(error: &protox::Error) -> Option<(String, usize)> {
         .nth(contents.line().checked_sub(around.line())?)
         .unwrap_or("");
     let gutter = line.to_string().len();
-    let width = span.len().max(1).min(first_line.len().saturating_sub(column - 1).max(1));
+    let width = span
+        .len()
+        .max(1)
+        .min(first_line.len().saturating_sub(column - 1).max(1));
     let mut out = format!(
         "\n{:gutter$}--> {name}:{line}:{column}\n{:gutter$} |\n{line} | {first_line}\n{:gutter$} | {}{}",
         "",

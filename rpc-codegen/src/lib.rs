@@ -208,7 +208,8 @@ mod tests {
     /// Compiles `main.proto` (with `files` beside it) from a fresh folder;
     /// the error's text.
     fn compile_error(name: &str, files: &[(&str, &str)]) -> String {
-        let dir = std::env::temp_dir().join(format!("rpc-codegen-err-{name}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("rpc-codegen-err-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         for (file, text) in files {
             std::fs::write(dir.join(file), text).unwrap();
@@ -251,9 +252,15 @@ mod tests {
                 "syntax = \"proto3\";\npackage p;\nimport \"common/types.proto\";\nmessage M {}\n",
             )],
         );
-        assert!(text.contains("import 'common/types.proto' not found"), "{text}");
+        assert!(
+            text.contains("import 'common/types.proto' not found"),
+            "{text}"
+        );
         assert!(text.contains("main.proto:3:1"), "{text}");
-        assert!(text.contains("3 | import \"common/types.proto\";"), "{text}");
+        assert!(
+            text.contains("3 | import \"common/types.proto\";"),
+            "{text}"
+        );
         assert!(text.contains("include paths searched: "), "{text}");
         assert!(text.contains("rpc-codegen-err-import"), "{text}");
     }

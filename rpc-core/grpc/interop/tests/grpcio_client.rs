@@ -58,7 +58,7 @@ async fn grpcio_health_and_reflection_clients_against_rdma_rpc_server() {
         .health
         .clone()
         .expect("rdma-rpc's server reports health");
-    let mut child = std::process::Command::new("python3")
+    let mut child = common::python3()
         .arg(python_script("standard_services_client.py"))
         .arg(&server.addr)
         .stdout(std::process::Stdio::piped())

@@ -47,23 +47,39 @@ impl Drop for TestServer {
     }
 }
 
-/// Whether Python's grpcio (and grpcio-tools) can run here. Where they
-/// cannot, a test says why and is skipped, except where
-/// `RDMA_RPC_REQUIRE_PYTHON` is set (CI sets it): there it fails.
+/// The `PYTHONPATH` under which python3 imports Python's grpcio: `""` where
+/// it has it already, else `target/python-grpcio`, which
+/// `scripts/python-grpcio` fills from PyPI on first use; `Err(why)` where
+/// that cannot be done (no python3, no pip, no network).
+fn grpcio_path() -> &'static Result<String, String> {
+    static PATH: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../scripts/python-grpcio");
+        match std::process::Command::new(&script).output() {
+            Ok(output) if output.status.success() => {
+                Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+            }
+            Ok(output) => Err(format!(
+                "python3 cannot import grpcio and scripts/python-grpcio could not install it ({})",
+                String::from_utf8_lossy(&output.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or_default()
+            )),
+            Err(error) => Err(format!("{} did not run ({error})", script.display())),
+        }
+    })
+}
+
+/// Whether Python's grpcio (and grpcio-tools) can run here, installed by
+/// `scripts/python-grpcio` where it is missing. Where it cannot be had, a
+/// test says why and is skipped, except where `RDMA_RPC_REQUIRE_PYTHON` is
+/// set (CI sets it): there it fails.
 pub fn python_ready() -> bool {
-    let probe = std::process::Command::new("python3")
-        .args(["-c", "import grpc, grpc_tools"])
-        .output();
-    let why = match probe {
-        Ok(output) if output.status.success() => return true,
-        Ok(output) => format!(
-            "python3 cannot import grpc and grpc_tools ({}); pip install grpcio grpcio-tools",
-            String::from_utf8_lossy(&output.stderr)
-                .lines()
-                .last()
-                .unwrap_or_default()
-        ),
-        Err(error) => format!("no python3 ({error})"),
+    let why = match grpcio_path() {
+        Ok(_) => return true,
+        Err(why) => why,
     };
     assert!(
         std::env::var_os("RDMA_RPC_REQUIRE_PYTHON").is_none(),
@@ -71,6 +87,17 @@ pub fn python_ready() -> bool {
     );
     println!("skipped: {why}");
     false
+}
+
+/// `python3`, with the `PYTHONPATH` under which it imports grpcio.
+pub fn python3() -> std::process::Command {
+    let mut command = std::process::Command::new("python3");
+    if let Ok(path) = grpcio_path() {
+        if !path.is_empty() {
+            command.env("PYTHONPATH", path);
+        }
+    }
+    command
 }
 
 /// Runs `python/{script}` with `args` (within `limit`) and asserts that it
@@ -84,7 +111,7 @@ pub async fn run_python_scenarios(
 ) -> String {
     let path = python_script(script);
     let run = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("python3")
+        python3()
             .arg(path)
             .args(args)
             .output()
@@ -128,7 +155,7 @@ pub async fn grpcio_server_with_env(env: &[(&str, &str)]) -> Option<TestServer> 
     if !python_ready() {
         return None;
     }
-    let mut child = std::process::Command::new("python3")
+    let mut child = python3()
         .arg(python_script("interop_server.py"))
         .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
