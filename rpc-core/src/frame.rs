@@ -38,6 +38,10 @@ pub const HEADER_LEN: usize = 40;
 /// prefix, which tcp:// framing reads as a frame length): a frame that starts
 /// so is a mix-up of schemes, named as such ([`FrameError::RdmaPeer`]).
 pub const RDMA_HELLO_MAGIC: &[u8; 4] = b"RRPC";
+/// How an HTTP/2 client (a gRPC client) begins a connection: at an
+/// rdma-rpc tcp:// or rdma:// port it is a mix-up, named as such
+/// ([`FrameError::Http2Peer`]).
+pub const HTTP2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Default limit on a whole frame (header + path + metadata + payload): 64 MiB.
 pub const DEFAULT_MAX_FRAME_LEN: usize = 64 << 20;
 /// Longest method path.
@@ -155,6 +159,12 @@ pub enum FrameError {
         "the peer speaks rdma://'s set-up exchange, not tcp:// frames: it is an rdma:// endpoint, use rdma:// for it"
     )]
     RdmaPeer,
+    /// The bytes are HTTP/2's connection preface: a gRPC (HTTP/2) client
+    /// reached a tcp:// endpoint.
+    #[error(
+        "the peer speaks HTTP/2 (a gRPC client?), not tcp:// frames: this is an rdma-rpc tcp:// port, not gRPC: listen on grpc:// for gRPC clients"
+    )]
+    Http2Peer,
     /// The kind byte names no [`FrameKind`].
     #[error("unknown frame kind {0}")]
     UnknownKind(u8),

@@ -89,7 +89,14 @@ pub enum SetupError {
     /// The server refused the set-up and said why (in place of its hello).
     #[error("the server refused the set-up: {0}")]
     Refused(String),
+    /// What arrived is HTTP/2's preface: a gRPC client at an rdma:// port
+    /// (answered by [`answer_http2_client`]).
+    #[error("{HTTP2_AT_RDMA}")]
+    Http2Client,
 }
+
+/// What a gRPC (HTTP/2) client at an rdma:// port is told, and the log says.
+pub const HTTP2_AT_RDMA: &str = "a gRPC (HTTP/2) client reached this rdma-rpc rdma:// port, which is not gRPC: listen on grpc:// for gRPC clients";
 
 /// The set-up version a refusal carries in place of [`SETUP_VERSION`]: the
 /// rest of its body is the reason, UTF-8.
@@ -267,6 +274,9 @@ pub async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, S
         return Err(error.into());
     }
     let len = u32::from_le_bytes(prefix) as usize;
+    if prefix == rpc_core::frame::HTTP2_PREFACE[..4] {
+        return Err(SetupError::Http2Client);
+    }
     if len > MAX_HELLO_LEN {
         match tls_record(&prefix) {
             Some(TLS_HANDSHAKE) => {
@@ -294,6 +304,102 @@ pub async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, S
     let mut body = vec![0u8; len];
     stream.read_exact(&mut body).await?;
     Hello::decode(&body)
+}
+
+/// Answers an HTTP/2 client whose preface began where a hello was expected
+/// (its first 4 bytes read already) as a gRPC server would refuse its
+/// first call: SETTINGS, then that call's end with `UNAVAILABLE` and
+/// [`HTTP2_AT_RDMA`] (a trailers-only response, which grpcio and tonic
+/// report as the call's error), then GOAWAY. Reads at most
+/// [`HTTP2_ANSWER_READ_LIMIT`] bytes of the client's frames, and the caller
+/// bounds the time.
+pub async fn answer_http2_client<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) {
+    let _ = answer_http2(stream).await;
+}
+
+/// Bytes of the client's frames read before its first call's HEADERS.
+pub const HTTP2_ANSWER_READ_LIMIT: usize = 64 << 10;
+
+async fn answer_http2<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) -> std::io::Result<()> {
+    const SETTINGS: u8 = 0x4;
+    const HEADERS: u8 = 0x1;
+    const GOAWAY: u8 = 0x7;
+    const END_STREAM_AND_HEADERS: u8 = 0x5;
+    let preface = rpc_core::frame::HTTP2_PREFACE;
+    let mut rest = [0u8; 20];
+    stream.read_exact(&mut rest).await?;
+    if rest[..] != preface[4..] {
+        return Ok(());
+    }
+    stream.write_all(&http2_frame(SETTINGS, 0, 0, &[])).await?;
+    stream.flush().await?;
+    // The client's frames up to its first HEADERS: its call's stream.
+    let mut read = 0usize;
+    let call = loop {
+        let mut header = [0u8; 9];
+        stream.read_exact(&mut header).await?;
+        let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+        read += header.len() + len;
+        if read > HTTP2_ANSWER_READ_LIMIT {
+            return Ok(());
+        }
+        let mut payload = vec![0u8; len];
+        stream.read_exact(&mut payload).await?;
+        if header[3] == HEADERS {
+            break u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff;
+        }
+    };
+    // A trailers-only response: `:status: 200` (static table entry 8), then
+    // literal fields without indexing.
+    let mut block = vec![0x88];
+    for (name, value) in [
+        ("content-type", "application/grpc"),
+        ("grpc-status", "14"),
+        ("grpc-message", HTTP2_AT_RDMA),
+    ] {
+        block.push(0x00);
+        hpack_string(&mut block, name.as_bytes());
+        hpack_string(&mut block, value.as_bytes());
+    }
+    let mut answer = http2_frame(HEADERS, END_STREAM_AND_HEADERS, call, &block);
+    let mut goaway = call.to_be_bytes().to_vec();
+    goaway.extend_from_slice(&0u32.to_be_bytes());
+    goaway.extend_from_slice(HTTP2_AT_RDMA.as_bytes());
+    answer.extend_from_slice(&http2_frame(GOAWAY, 0, 0, &goaway));
+    stream.write_all(&answer).await?;
+    stream.flush().await?;
+    // Read until the client closes (the caller bounds the time), so it
+    // reads the answer rather than a reset.
+    let mut sink = [0u8; 4096];
+    while stream.read(&mut sink).await? > 0 {}
+    Ok(())
+}
+
+/// An HTTP/2 frame: 24-bit length, type, flags, stream, payload.
+fn http2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = (payload.len() as u32).to_be_bytes();
+    let mut frame = vec![len[1], len[2], len[3], kind, flags];
+    frame.extend_from_slice(&(stream & 0x7fff_ffff).to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// An HPACK string literal, not Huffman-coded: a 7-bit-prefix length, then
+/// the bytes.
+fn hpack_string(block: &mut Vec<u8>, bytes: &[u8]) {
+    let mut len = bytes.len();
+    if len < 0x7f {
+        block.push(len as u8);
+    } else {
+        block.push(0x7f);
+        len -= 0x7f;
+        while len >= 0x80 {
+            block.push((len & 0x7f) as u8 | 0x80);
+            len >>= 7;
+        }
+        block.push(len as u8);
+    }
+    block.extend_from_slice(bytes);
 }
 
 /// A TLS record of type handshake (a ClientHello).

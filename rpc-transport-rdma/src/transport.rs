@@ -123,6 +123,18 @@ impl RdmaTransport {
     }
 }
 
+/// Logs, at WARN and at most once every 5 s (a peer may dial in a loop),
+/// that a gRPC client reached this rdma:// port.
+fn warn_http2_client(peer: &impl std::fmt::Display) {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(|poison| poison.into_inner());
+    let now = std::time::Instant::now();
+    if last.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(5)) {
+        *last = Some(now);
+        tracing::warn!(%peer, "{}", setup::HTTP2_AT_RDMA);
+    }
+}
+
 fn other(error: impl std::error::Error + Send + Sync + 'static) -> TransportError {
     TransportError::Other(Box::new(error))
 }
@@ -326,6 +338,11 @@ async fn accept_loop(
                     let mut socket = transport.accept_setup(socket, &scheme).await?;
                     match setup::read_hello(&mut socket).await {
                         Ok(hello) => Ok::<_, TransportError>((socket, hello)),
+                        Err(SetupError::Http2Client) => {
+                            warn_http2_client(&peer);
+                            setup::answer_http2_client(&mut socket).await;
+                            Err(other(SetupError::Http2Client))
+                        }
                         Err(error) => {
                             if !matches!(error, SetupError::Io(_)) {
                                 setup::refuse_non_hello(&mut socket, Duration::from_millis(100))

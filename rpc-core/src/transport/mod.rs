@@ -229,10 +229,13 @@ pub fn lookup(scheme: &str) -> Result<Arc<dyn Transport>, TransportError> {
         .ok_or_else(|| TransportError::UnknownScheme {
             scheme: scheme.to_owned(),
             registered: registry.keys().cloned().collect::<Vec<_>>().join(", "),
-            hint: if scheme == "rdma" {
-                "; call rpc_transport_rdma::register() once at start-up"
-            } else {
-                ""
+            hint: match scheme {
+                "rdma" => "; call rpc_transport_rdma::register() once at start-up",
+                "grpc" => "; call rpc_grpc::register() once at start-up",
+                "grpcs" => {
+                    "; call rpc_grpc::register_tls(..) once at start-up (rpc-grpc's feature tls)"
+                }
+                _ => "",
             },
         })
 }
@@ -311,6 +314,24 @@ fn in_context(error: TransportError, doing: &str, endpoint: &Endpoint) -> Transp
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unregistered_scheme_says_which_call_registers_it() {
+        for (scheme, call) in [
+            ("rdma", "rpc_transport_rdma::register()"),
+            ("grpc", "rpc_grpc::register()"),
+            ("grpcs", "rpc_grpc::register_tls("),
+        ] {
+            let error = lookup(scheme)
+                .err()
+                .expect("not registered in rpc-core's tests");
+            let text = error.to_string();
+            assert!(text.contains(call), "{scheme}: {text}");
+            assert!(text.contains("registered: "), "{scheme}: {text}");
+        }
+        let other = lookup("carrier-pigeon").err().unwrap().to_string();
+        assert!(!other.contains("; call"), "{other}");
+    }
 
     /// A port where nothing listens (bound, then released).
     fn free_port() -> u16 {

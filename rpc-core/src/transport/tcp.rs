@@ -122,6 +122,9 @@ fn closed_inside_a_frame(received: usize) -> TransportError {
     ))
 }
 
+/// Bytes of HTTP/2's preface that name an HTTP/2 peer ("PRI * HTTP/2.0").
+const PREFACE_CHECKED: usize = 14;
+
 /// Why the first bytes of a frame over the limit (`head`, of a header of
 /// `header_len` bytes) cannot begin a frame: an rdma:// hello, or anything
 /// else (`TooLarge`, its lengths filled in by the caller); `None` while they
@@ -182,6 +185,21 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         loop {
             match &mut self.state {
                 ReadState::Prefix => {
+                    // HTTP/2's preface read as a length is 541,676,112
+                    // bytes ("PRI "): named before any limit is looked at.
+                    let preface = &crate::frame::HTTP2_PREFACE[..PREFACE_CHECKED];
+                    let seen = self.staging.len().min(PREFACE_CHECKED);
+                    if self.staging.len() >= LENGTH_PREFIX_LEN
+                        && self.staging[..seen] == preface[..seen]
+                    {
+                        if seen == PREFACE_CHECKED {
+                            return Poll::Ready(Some(Err(FrameError::Http2Peer.into())));
+                        }
+                        if !self.eof {
+                            ready!(self.poll_fill(cx))?;
+                            continue;
+                        }
+                    }
                     if self.staging.len() >= LENGTH_PREFIX_LEN {
                         let len = self.staging.get_u32_le() as usize;
                         if len > self.max_frame_len {
@@ -590,6 +608,28 @@ mod tests {
         cut.put_u32_le(4);
         cut.put_u8(1);
         assert!(codec.decode_eof(&mut cut).is_err());
+    }
+
+    /// A gRPC client at a tcp:// port is named as such (the server logs it
+    /// at WARN), before its preface is taken for a 516 MiB frame, whatever
+    /// the frame limit.
+    #[tokio::test]
+    async fn an_http2_preface_is_named_as_a_grpc_client() {
+        use futures_util::StreamExt;
+        let mut bytes = crate::frame::HTTP2_PREFACE.to_vec();
+        bytes.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+        for limit in [1 << 20, usize::MAX] {
+            let mut reader = FrameReader::new(&bytes[..], limit, None);
+            let error = reader.next().await.unwrap().unwrap_err();
+            assert!(
+                matches!(error, TransportError::Frame(FrameError::Http2Peer)),
+                "{error}"
+            );
+            assert!(error.to_string().contains("listen on grpc://"), "{error}");
+        }
+        // Part of it, then the end: an ordinary short read.
+        let mut reader = FrameReader::new(&bytes[..8], 1 << 20, None);
+        assert!(reader.next().await.unwrap().is_err());
     }
 
     #[tokio::test]
