@@ -8,7 +8,7 @@
 //!
 //! Checked throughout: nothing panics; every queue stays within its bound
 //! (frames exposed ≤ `max_exposed`, frames queued ≤ `max_queued`, messages
-//! waiting for the application ≤ `max_pending` + the receive slots,
+//! waiting for the application ≤ `max_pending` + the receive slots + DONE credits,
 //! announcements awaiting DONE ≤ `MAX_UNANSWERED`); a `ProtocolError` or a
 //! READ the peer's memory refuses ends the connection (the run), as in the
 //! driver. While nothing was forged, the honest harness also checks what

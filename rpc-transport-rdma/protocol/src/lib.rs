@@ -61,9 +61,11 @@
 //! **Bounds.** Everything the peer can make this side hold is bounded. Its
 //! [`Geometry`] is checked field by field ([`Geometry::validate`]). Received
 //! frames waiting for the application (frames behind a pull, pulls not
-//! done) stop credit grants at [`Limits::max_pending`], so at most that plus
-//! what our receive slots hold wait (a BATCH fills a slot with at most
-//! [`MAX_BATCH_FRAMES`] frames, all slices of that slot's one copy).
+//! done) stop credit grants at [`Limits::max_pending`] (or
+//! [`Limits::max_pending_bytes`]), so at most that plus what our receive
+//! slots hold wait (a BATCH fills a slot with at most [`MAX_BATCH_FRAMES`]
+//! frames, all slices of that slot's one copy), plus one message per frame we
+//! announce meanwhile (its DONE's credit, which a peer may spend on frames).
 //! Announcements awaiting our DONE are at most [`MAX_UNANSWERED`] (an honest
 //! peer has at most [`MAX_EXPOSED`] out), and an announced range must not
 //! wrap around the address space.
@@ -503,8 +505,8 @@ pub struct Protocol {
     /// waits here and free what we hold (see [`Protocol::poll_transmit`]).
     owed_for_control: u32,
     /// Our announcements whose DONE credit the peer may still need: one
-    /// credit each, paid even while we hold credits back (at most one per
-    /// frame we exposed, so a peer cannot turn them into more than that).
+    /// credit each, paid even while we hold credits back (at most as many
+    /// as frames we have exposed).
     done_debt: u32,
     /// DONE credits paid since we last granted in full, less the DONEs that
     /// came back for frames still exposed: at most `max_exposed` while
@@ -965,9 +967,14 @@ impl Protocol {
         if self.free_send_slots == 0 || self.send_credits == 0 {
             return None;
         }
-        // Everything but CREDIT keeps one credit in reserve.
-        let body = if self.send_credits >= 2 {
-            self.control.pop_front().or_else(|| self.queue.pop_front())
+        // Everything but CREDIT keeps one credit in reserve; frames keep
+        // one more while we owe DONEs, so that a DONE can always go (a
+        // holding peer re-grants DONEs, not frames).
+        let frame_reserve = if self.unanswered > 0 { 3 } else { 2 };
+        let body = if self.send_credits >= 2 && !self.control.is_empty() {
+            self.control.pop_front()
+        } else if self.send_credits >= frame_reserve {
+            self.queue.pop_front()
         } else {
             None
         };
@@ -1063,8 +1070,10 @@ impl Protocol {
     /// announced waits for their DONEs before it reads more calls. So
     /// holding never withholds what the peer's DONE and RETURN messages
     /// spent, nor the credit each of our announcements' DONE needs (sent
-    /// alone in a CREDIT once the peer is at its reserve). Once held, the
-    /// peer can add at most the credits it still has plus `max_exposed`.
+    /// alone in a CREDIT once the peer is at its reserve); a side that owes
+    /// DONEs keeps two credits from its frames for them. Once held, the
+    /// peer can add at most the credits it still has, `max_exposed`, and one
+    /// message per frame we announce meanwhile.
     fn holding(&self) -> bool {
         self.hold_credits
             || self.pending.len() >= self.limits.max_pending.max(1) as usize
@@ -1242,8 +1251,8 @@ impl Protocol {
         self.pulls.len()
     }
 
-    /// Received messages not yet handed to the application (at most
-    /// `max_pending` plus our receive slots).
+    /// Received messages not yet handed to the application (see the
+    /// module's bounds).
     pub fn pending(&self) -> usize {
         self.pending.len()
     }
@@ -1256,8 +1265,10 @@ impl Protocol {
 
     /// Messages wait to go out and only the peer's credits hold them back.
     pub fn waits_for_credits(&self) -> bool {
-        let waiting = !self.queue.is_empty() || !self.control.is_empty();
-        waiting && self.send_credits < 2 && self.free_send_slots > 0
+        let frame_reserve = if self.unanswered > 0 { 3 } else { 2 };
+        let waiting = (!self.queue.is_empty() && self.send_credits < frame_reserve)
+            || (!self.control.is_empty() && self.send_credits < 2);
+        waiting && self.free_send_slots > 0
     }
 
     /// Credits we hold for sending.

@@ -55,6 +55,9 @@ struct Side {
     /// The application answers every frame it reads with one of this
     /// length (announced when large).
     answer_len: Option<usize>,
+    /// Its answers go out one step after the read (a handler's latency).
+    delay_answers: bool,
+    delayed: Vec<Bytes>,
 }
 
 impl Side {
@@ -78,6 +81,8 @@ impl Side {
             credit_messages_sent: 0,
             reads_while_exposed_below: usize::MAX,
             answer_len: None,
+            delay_answers: false,
+            delayed: Vec::new(),
         }
     }
 
@@ -196,6 +201,10 @@ impl Pair {
     /// window asks for (as far as the pool has them), releases returned ones.
     fn memory(side: &mut Side, peer: &Side) -> bool {
         let mut progress = false;
+        for answer in std::mem::take(&mut side.delayed) {
+            side.send(answer, Instant::now());
+            progress = true;
+        }
         let wanted = side.protocol.credits_wanted();
         if wanted > 0 {
             let committed = wanted.min(side.pool_spare);
@@ -245,14 +254,19 @@ impl Pair {
             side.max_reads_seen = side.max_reads_seen.max(side.reads_in_flight.len() as u32);
             progress = true;
         }
-        while side.protocol.exposed() < side.reads_while_exposed_below {
+        while side.protocol.exposed() + side.delayed.len() < side.reads_while_exposed_below {
             let Some(inbound) = side.protocol.poll_inbound() else {
                 break;
             };
             match inbound {
                 Inbound::Frame(read) => {
                     if let Some(len) = side.answer_len {
-                        side.send(frame(len, read.len() as u8), Instant::now());
+                        let answer = frame(len, read.len() as u8);
+                        if side.delay_answers {
+                            side.delayed.push(answer);
+                        } else {
+                            side.send(answer, Instant::now());
+                        }
                     }
                     side.delivered.push(read);
                 }
@@ -341,6 +355,79 @@ fn a_side_that_stops_reading_until_its_answers_are_pulled_still_gets_their_dones
     assert!(pair.a.delivered.iter().all(|answer| answer.len() == 20_000));
     assert!(pair.b.released.iter().all(|(_, expired)| !expired));
     assert_eq!(pair.b.protocol.exposed(), 0);
+}
+
+/// One run of a server that reads a call only while fewer than `k` of its
+/// answers await DONE (or wait to be sent), with small windows and pending
+/// bounds: every call read, every answer delivered, or why not.
+#[allow(clippy::too_many_arguments)]
+fn server_waiting_for_dones(
+    windows: (u32, u32),
+    max_exposed: u32,
+    k: usize,
+    max_pending_bytes: usize,
+    call_len: usize,
+    delay_answers: bool,
+) -> Result<(), String> {
+    let limits = Limits {
+        max_pending_bytes,
+        max_exposed,
+        ..Limits::default()
+    };
+    let mut pair = Pair::new(geometry(windows.0, 2048), geometry(windows.1, 2048), limits);
+    pair.b.reads_while_exposed_below = k;
+    pair.b.answer_len = Some(20_000);
+    pair.b.delay_answers = delay_answers;
+    let calls: Vec<Bytes> = (0..300).map(|i| frame(call_len, i as u8)).collect();
+    for call in &calls {
+        pair.a.send(call.clone(), pair.now);
+    }
+    pair.run().map_err(|error| error.to_string())?;
+    if pair.b.delivered.len() != calls.len() || pair.a.delivered.len() != calls.len() {
+        return Err(format!(
+            "stuck: the server read {} calls, the client got {} answers",
+            pair.b.delivered.len(),
+            pair.a.delivered.len()
+        ));
+    }
+    Ok(())
+}
+
+/// A second reader's sweep (session 34): the first fixes deadlocked here
+/// when the server took one call at a time through a long spell of holding
+/// (an honest client spent the credits meant for its DONEs on calls), or
+/// answered a step late.
+#[test]
+fn servers_waiting_for_dones_never_deadlock_across_windows_and_bounds() {
+    let mut failures = Vec::new();
+    for windows in [(3, 3), (3, 4), (4, 3), (4, 4), (8, 8)] {
+        for max_exposed in [1, 2, 16] {
+            // The harness's server exposes up to `k` answers: within the bound.
+            for k in [1, 2, 8].into_iter().filter(|k| *k <= max_exposed as usize) {
+                for max_pending_bytes in [1 << 10, 4 << 10] {
+                    for call_len in [100, 1000] {
+                        for delay in [false, true] {
+                            if let Err(why) = server_waiting_for_dones(
+                                windows,
+                                max_exposed,
+                                k,
+                                max_pending_bytes,
+                                call_len,
+                                delay,
+                            ) {
+                                failures.push(format!(
+                                    "windows {windows:?} max_exposed {max_exposed} k {k} \
+                                     max_pending_bytes {max_pending_bytes} call {call_len} \
+                                     late answers {delay}: {why}"
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
