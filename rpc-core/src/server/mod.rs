@@ -247,7 +247,7 @@ impl<L> Server<L> {
         self
     }
 
-    /// How long a graceful shutdown ([`Server::serve_with_shutdown`]) waits
+    /// How long a graceful shutdown ([`Listening::serve_with_shutdown`]) waits
     /// for the calls in flight (default 10 s). Calls still running then,
     /// streams above all, end with `Unavailable` ("server shutting down"),
     /// as gRPC servers end theirs after a GOAWAY; then the server returns.
@@ -475,9 +475,9 @@ impl Listening {
         self.serve_with_shutdown(std::future::pending()).await
     }
 
-    /// Serves until `signal` completes, then shuts down gracefully (see
-    /// [`Server::serve_with_shutdown`]). Dropping the future ends every
-    /// connection it serves at once.
+    /// Serves until `signal` completes, then shuts down gracefully (as
+    /// `Server::serve_with_shutdown` describes). Dropping the future ends
+    /// every connection it serves at once.
     pub async fn serve_with_shutdown<F>(self, signal: F) -> Result<(), Error>
     where
         F: Future<Output = ()> + Send,
