@@ -1013,7 +1013,9 @@ impl Protocol {
         let credits = if self.holding() {
             // Held back, but for what control messages spent and what our
             // announcements' DONEs need.
-            let credits = self.owed().min(self.owed_for_control + self.payable_debt());
+            let credits = self
+                .owed()
+                .min(self.owed_for_control.saturating_add(self.payable_debt()));
             let from_control = credits.min(self.owed_for_control);
             self.owed_for_control -= from_control;
             self.done_debt = self.done_debt.saturating_sub(credits - from_control);
@@ -1108,7 +1110,8 @@ impl Protocol {
             // reserve: it may have a DONE to send and nothing to send it with.
             // Never for a CREDIT received, and DONE credits are capped per
             // spell, so two holding sides cannot answer each other forever.
-            return self.owed_for_control + self.payable_debt() > 0 && self.peer_credits() <= 1;
+            return self.owed_for_control.saturating_add(self.payable_debt()) > 0
+                && self.peer_credits() <= 1;
         }
         // What the peer can still send as far as it knows (an upper bound:
         // messages in flight make it lower). At its reserve it is blocked.
