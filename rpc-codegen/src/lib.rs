@@ -205,15 +205,13 @@ impl Builder {
 mod tests {
     use super::*;
 
-    /// Compiles `main.proto` (with `files` beside it) from a fresh folder;
-    /// the error's text.
-    fn compile_error(name: &str, files: &[(&str, &str)]) -> String {
+    /// Compiles `main.proto`, which says `text`, from a fresh folder; the
+    /// error's text.
+    fn compile_error(name: &str, text: &str) -> String {
         let dir =
             std::env::temp_dir().join(format!("rpc-codegen-err-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        for (file, text) in files {
-            std::fs::write(dir.join(file), text).unwrap();
-        }
+        std::fs::write(dir.join("main.proto"), text).unwrap();
         let error = configure()
             .out_dir(&dir)
             .emit_rerun_if_changed(false)
@@ -232,10 +230,7 @@ mod tests {
     fn a_syntax_error_names_its_file_line_and_column_with_a_caret() {
         let text = compile_error(
             "syntax",
-            &[(
-                "main.proto",
-                "syntax = \"proto3\";\npackage p;\nmessage M {\n  string name = 1\n}\n",
-            )],
+            "syntax = \"proto3\";\npackage p;\nmessage M {\n  string name = 1\n}\n",
         );
         assert!(text.starts_with("error: expected ';' or '['"), "{text}");
         assert!(text.contains("main.proto:5:1"), "{text}");
@@ -247,10 +242,7 @@ mod tests {
     fn a_missing_import_names_the_line_and_the_include_paths_searched() {
         let text = compile_error(
             "import",
-            &[(
-                "main.proto",
-                "syntax = \"proto3\";\npackage p;\nimport \"common/types.proto\";\nmessage M {}\n",
-            )],
+            "syntax = \"proto3\";\npackage p;\nimport \"common/types.proto\";\nmessage M {}\n",
         );
         assert!(
             text.contains("import 'common/types.proto' not found"),
@@ -269,10 +261,7 @@ mod tests {
     fn an_unknown_type_names_its_place() {
         let text = compile_error(
             "type",
-            &[(
-                "main.proto",
-                "syntax = \"proto3\";\npackage p;\nmessage M {\n  Missing m = 1;\n}\n",
-            )],
+            "syntax = \"proto3\";\npackage p;\nmessage M {\n  Missing m = 1;\n}\n",
         );
         assert!(text.contains("main.proto:4:3"), "{text}");
         assert!(text.contains("4 |   Missing m = 1;"), "{text}");

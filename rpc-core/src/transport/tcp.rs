@@ -78,6 +78,8 @@ pub struct FrameReader<R> {
     state: ReadState,
     eof: bool,
     done: bool,
+    /// No frame read yet: its first bytes may be HTTP/2's preface.
+    first: bool,
 }
 
 enum ReadState {
@@ -166,6 +168,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             state: ReadState::Prefix,
             eof: false,
             done: false,
+            first: true,
         }
     }
 
@@ -187,9 +190,11 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 ReadState::Prefix => {
                     // HTTP/2's preface read as a length is 541,676,112
                     // bytes ("PRI "): named before any limit is looked at.
+                    // Only the connection's first frame: not a cost per frame.
                     let preface = &crate::frame::HTTP2_PREFACE[..PREFACE_CHECKED];
                     let seen = self.staging.len().min(PREFACE_CHECKED);
-                    if self.staging.len() >= LENGTH_PREFIX_LEN
+                    if self.first
+                        && self.staging.len() >= LENGTH_PREFIX_LEN
                         && self.staging[..seen] == preface[..seen]
                     {
                         if seen == PREFACE_CHECKED {
@@ -201,6 +206,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                         }
                     }
                     if self.staging.len() >= LENGTH_PREFIX_LEN {
+                        self.first = false;
                         let len = self.staging.get_u32_le() as usize;
                         if len > self.max_frame_len {
                             self.state = ReadState::Skip {

@@ -970,7 +970,7 @@ impl Protocol {
         // Everything but CREDIT keeps one credit in reserve; frames keep
         // one more while we owe DONEs, so that a DONE can always go (a
         // holding peer re-grants DONEs, not frames).
-        let frame_reserve = if self.unanswered > 0 { 3 } else { 2 };
+        let frame_reserve = self.frame_reserve();
         let body = if self.send_credits >= 2 && !self.control.is_empty() {
             self.control.pop_front()
         } else if self.send_credits >= frame_reserve {
@@ -1080,6 +1080,12 @@ impl Protocol {
         self.hold_credits
             || self.pending.len() >= self.limits.max_pending.max(1) as usize
             || self.pending_bytes >= self.limits.max_pending_bytes.max(1)
+    }
+
+    /// Credits a DATA, BATCH, ANNOUNCE or CLOSE needs: one is kept for a
+    /// CREDIT, and one more for a DONE while we owe any.
+    fn frame_reserve(&self) -> u32 {
+        if self.unanswered > 0 { 3 } else { 2 }
     }
 
     /// DONE credits we may pay now while holding: one per frame announced,
@@ -1268,7 +1274,7 @@ impl Protocol {
 
     /// Messages wait to go out and only the peer's credits hold them back.
     pub fn waits_for_credits(&self) -> bool {
-        let frame_reserve = if self.unanswered > 0 { 3 } else { 2 };
+        let frame_reserve = self.frame_reserve();
         let waiting = (!self.queue.is_empty() && self.send_credits < frame_reserve)
             || (!self.control.is_empty() && self.send_credits < 2);
         waiting && self.free_send_slots > 0
