@@ -530,15 +530,50 @@ impl RawInbound {
 /// On the client, dropping it before its end cancels the call: the server's
 /// handler is aborted.
 pub struct Streaming<T> {
-    inbound: RawInbound,
+    inbound: Inbound,
     decode: Box<dyn FnMut(Bytes) -> Result<T, Status> + Send>,
+}
+
+/// Where a [`Streaming`]'s messages come from.
+enum Inbound {
+    /// A stream of rpc-core's own frames.
+    Frames(RawInbound),
+    /// A front end's messages ([`Streaming::from_messages`]).
+    Messages(Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>>),
+}
+
+impl Inbound {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Status>>> {
+        match self {
+            Inbound::Frames(inbound) => inbound.poll_next(cx),
+            Inbound::Messages(messages) => messages.as_mut().poll_next(cx),
+        }
+    }
 }
 
 impl<T> fmt::Debug for Streaming<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Streaming")
-            .field("call_id", &self.inbound.call_id)
-            .finish_non_exhaustive()
+        let mut debug = f.debug_struct("Streaming");
+        if let Inbound::Frames(inbound) = &self.inbound {
+            debug.field("call_id", &inbound.call_id);
+        }
+        debug.finish_non_exhaustive()
+    }
+}
+
+impl Streaming<Bytes> {
+    /// The messages of a call that a front end (gRPC's HTTP/2, say) brought
+    /// to the server itself ([`crate::server::front_end`]): each item one
+    /// encoded message, an `Err` the end of the stream with that status.
+    /// The front end applies its own flow control: what it has not yielded
+    /// yet is what the client may not send more than its window of.
+    pub fn from_messages(
+        messages: impl Stream<Item = Result<Bytes, Status>> + Send + 'static,
+    ) -> Streaming<Bytes> {
+        Streaming {
+            inbound: Inbound::Messages(Box::pin(messages)),
+            decode: Box::new(Ok),
+        }
     }
 }
 
@@ -548,7 +583,7 @@ impl<T> Streaming<T> {
         decode: impl FnMut(Bytes) -> Result<T, Status> + Send + 'static,
     ) -> Streaming<T> {
         Streaming {
-            inbound,
+            inbound: Inbound::Frames(inbound),
             decode: Box::new(decode),
         }
     }
@@ -565,7 +600,10 @@ impl<T> Streaming<T> {
     /// The trailing metadata the server sent with its final status; `Some`
     /// once the stream has ended well (on the client side).
     pub fn trailers(&self) -> Option<Metadata> {
-        self.inbound.trailers()
+        match &self.inbound {
+            Inbound::Frames(inbound) => inbound.trailers(),
+            Inbound::Messages(_) => None,
+        }
     }
 
     /// The same stream, decoded with `decode`.
@@ -603,6 +641,114 @@ impl<T> Stream for Streaming<T> {
 /// The sending half of a streaming call: a server handler's responses (see
 /// [`ServerStream`]), or, inside the client, its requests.
 pub struct MessageSink {
+    inner: SinkInner,
+}
+
+enum SinkInner {
+    /// rpc-core's own frames, on one of its connections.
+    Frames(FramesSink),
+    /// A front end's writer ([`MessageSink::from_target`]).
+    Target(TargetSink),
+}
+
+impl fmt::Debug for MessageSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut debug = f.debug_struct("MessageSink");
+        if let SinkInner::Frames(sink) = &self.inner {
+            debug.field("call_id", &sink.call_id);
+        }
+        debug.finish_non_exhaustive()
+    }
+}
+
+/// Where a front end's call sends its response metadata and messages
+/// ([`MessageSink::from_target`]): gRPC's gateway writes them into the
+/// HTTP/2 stream under HTTP/2's flow control. The shape is a `Sink` of
+/// messages with the metadata before them.
+pub trait MessageTarget: Send + 'static {
+    /// Sends the response metadata (once, before any message).
+    fn send_headers(&mut self, metadata: Metadata) -> Result<(), Status>;
+    /// Ready when the target takes another message; it should hold few
+    /// (bounded in bytes) before it has pushed the earlier ones out.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>>;
+    /// Takes one encoded message, after `poll_ready` said `Ready(Ok)`.
+    fn start_send(&mut self, message: Payload) -> Result<(), Status>;
+    /// Ready once everything taken has gone to the peer's side (what the
+    /// peer's flow control lets go).
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>>;
+}
+
+/// A [`MessageSink`] over a [`MessageTarget`].
+struct TargetSink {
+    target: Box<dyn MessageTarget>,
+    max_message: usize,
+    headers_sent: bool,
+}
+
+impl TargetSink {
+    fn start(&mut self) -> Result<(), Status> {
+        if !self.headers_sent {
+            self.headers_sent = true;
+            self.target.send_headers(Metadata::new())?;
+        }
+        Ok(())
+    }
+
+    async fn put(&mut self, message: Payload) -> Result<(), Status> {
+        if message.len() > self.max_message {
+            return Err(Status::resource_exhausted(format!(
+                "stream message of {} bytes exceeds the limit of {} bytes",
+                message.len(),
+                self.max_message
+            )));
+        }
+        self.start()?;
+        std::future::poll_fn(|cx| self.target.poll_ready(cx)).await?;
+        self.target.start_send(message)
+    }
+
+    async fn flush(&mut self) -> Result<(), Status> {
+        std::future::poll_fn(|cx| self.target.poll_flush(cx)).await
+    }
+
+    async fn send_encoded<C, S>(&mut self, messages: S, mut codec: C) -> Result<(), Status>
+    where
+        C: Codec,
+        S: Stream<Item = Result<C::Encode, Status>>,
+    {
+        let mut messages = std::pin::pin!(messages);
+        loop {
+            // What is ready goes together; the target flushes only when
+            // the producer has nothing more at once.
+            let next = match messages.next().now_or_never() {
+                Some(next) => next,
+                None => {
+                    self.flush().await?;
+                    messages.next().await
+                }
+            };
+            match next {
+                None => break,
+                Some(Err(status)) => {
+                    self.flush().await?;
+                    return Err(status);
+                }
+                Some(Ok(item)) => {
+                    // A producer that never waits gives its worker back now
+                    // and then (the front end's connection shares its task).
+                    tokio::task::consume_budget().await;
+                    let message = codec.encode_payload(item)?;
+                    self.put(message).await?;
+                }
+            }
+        }
+        self.start()?;
+        self.flush().await
+    }
+}
+
+/// A [`MessageSink`] over rpc-core's frames.
+struct FramesSink {
     call_id: u64,
     outbound: OutboundQueue,
     credits: Arc<SendCredits>,
@@ -610,14 +756,6 @@ pub struct MessageSink {
     /// Server side: whether the response metadata went out.
     headers_sent: bool,
     server: bool,
-}
-
-impl fmt::Debug for MessageSink {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MessageSink")
-            .field("call_id", &self.call_id)
-            .finish_non_exhaustive()
-    }
 }
 
 /// A message ready to go into a batch: its length is known.
@@ -673,15 +811,105 @@ impl MessageSink {
         server: bool,
     ) -> MessageSink {
         MessageSink {
-            call_id,
-            outbound,
-            credits,
-            max_frame_len,
-            headers_sent: !server,
-            server,
+            inner: SinkInner::Frames(FramesSink {
+                call_id,
+                outbound,
+                credits,
+                max_frame_len,
+                headers_sent: !server,
+                server,
+            }),
         }
     }
 
+    /// A server handler's sink whose messages go to a front end's `target`
+    /// (see [`crate::server::front_end`]); a message over `max_message`
+    /// bytes fails with `ResourceExhausted`, unsent.
+    pub fn from_target(target: impl MessageTarget, max_message: usize) -> MessageSink {
+        MessageSink {
+            inner: SinkInner::Target(TargetSink {
+                target: Box::new(target),
+                max_message,
+                headers_sent: false,
+            }),
+        }
+    }
+
+    /// Sends the response metadata (server side, before any message; a
+    /// message sent first sends empty metadata). Sending it again does nothing.
+    pub async fn send_headers(&mut self, metadata: Metadata) -> Result<(), Status> {
+        match &mut self.inner {
+            SinkInner::Frames(sink) => sink.send_headers(metadata).await,
+            SinkInner::Target(sink) if !sink.headers_sent => {
+                sink.headers_sent = true;
+                sink.target.send_headers(metadata)
+            }
+            SinkInner::Target(_) => Ok(()),
+        }
+    }
+
+    /// Sends one encoded message once the peer's window allows it. Fails
+    /// when the call has ended (the status says how), or when the message
+    /// is over the frame limit (`ResourceExhausted`).
+    pub async fn send(&mut self, message: impl Into<Payload>) -> Result<(), Status> {
+        match &mut self.inner {
+            SinkInner::Frames(sink) => sink.send_one(message.into(), false).await,
+            SinkInner::Target(sink) => {
+                sink.put(message.into()).await?;
+                sink.flush().await
+            }
+        }
+    }
+
+    /// Sends every encoded message of `messages` in order, the ones that are
+    /// ready together in one frame (up to [`BATCH_BYTES`]): a fast producer
+    /// pays per frame, not per message, and a lone message is not held
+    /// back. An error the stream yields ends the sending with it, after the
+    /// messages before it. Generated servers send a handler's stream so.
+    pub async fn send_all<S>(&mut self, messages: S) -> Result<(), Status>
+    where
+        S: Stream<Item = Result<Payload, Status>>,
+    {
+        self.send_encoded(messages, RawCodec, false).await
+    }
+
+    /// Sends the last message of the client's stream.
+    pub(crate) async fn send_last(&mut self, message: Payload) -> Result<(), Status> {
+        match &mut self.inner {
+            SinkInner::Frames(sink) => sink.send_one(message, true).await,
+            SinkInner::Target(_) => self.send(message).await,
+        }
+    }
+
+    /// Sends every message of `messages`, encoded with `codec` (see
+    /// [`FramesSink::send_encoded`]).
+    pub(crate) async fn send_encoded<C, S>(
+        &mut self,
+        messages: S,
+        codec: C,
+        half_close: bool,
+    ) -> Result<(), Status>
+    where
+        C: Codec,
+        S: Stream<Item = Result<C::Encode, Status>>,
+    {
+        match &mut self.inner {
+            SinkInner::Frames(sink) => sink.send_encoded(messages, codec, half_close).await,
+            SinkInner::Target(sink) => sink.send_encoded(messages, codec).await,
+        }
+    }
+
+    /// The reason the call ended, if it has (client side: whether a failure
+    /// to send still needs telling).
+    pub(crate) fn call_ended(&self) -> Option<Status> {
+        match &self.inner {
+            SinkInner::Frames(sink) => sink.credits.closed(),
+            SinkInner::Target(_) => None,
+        }
+    }
+}
+
+impl FramesSink {
     /// Queues `frame` once there is room for it in the connection's queue.
     async fn queue(&self, frame: Frame) -> Result<(), Status> {
         let encoded = frame.encode_parts();
@@ -740,39 +968,13 @@ impl MessageSink {
         Ok(())
     }
 
-    /// Sends the response metadata (server side, before any message; a
-    /// message sent first sends empty metadata). Sending it again does nothing.
-    pub async fn send_headers(&mut self, metadata: Metadata) -> Result<(), Status> {
+    async fn send_headers(&mut self, metadata: Metadata) -> Result<(), Status> {
         if self.headers_sent {
             return Ok(());
         }
         self.queue(Frame::headers(self.call_id, metadata)).await?;
         self.headers_sent = true;
         Ok(())
-    }
-
-    /// Sends one encoded message once the peer's window allows it. Fails
-    /// when the call has ended (the status says how), or when the message
-    /// is over the frame limit (`ResourceExhausted`).
-    pub async fn send(&mut self, message: impl Into<Payload>) -> Result<(), Status> {
-        self.send_one(message.into(), false).await
-    }
-
-    /// Sends every encoded message of `messages` in order, the ones that are
-    /// ready together in one frame (up to [`BATCH_BYTES`]): a fast producer
-    /// pays per frame, not per message, and a lone message is not held
-    /// back. An error the stream yields ends the sending with it, after the
-    /// messages before it. Generated servers send a handler's stream so.
-    pub async fn send_all<S>(&mut self, messages: S) -> Result<(), Status>
-    where
-        S: Stream<Item = Result<Payload, Status>>,
-    {
-        self.send_encoded(messages, RawCodec, false).await
-    }
-
-    /// Sends the last message of the client's stream.
-    pub(crate) async fn send_last(&mut self, message: Payload) -> Result<(), Status> {
-        self.send_one(message, true).await
     }
 
     async fn send_one(&mut self, message: Payload, last: bool) -> Result<(), Status> {
@@ -789,7 +991,7 @@ impl MessageSink {
     /// An error the stream yields ends the sending with it, after the
     /// messages before it. With `half_close`, the client's direction ends
     /// with the stream.
-    pub(crate) async fn send_encoded<C, S>(
+    async fn send_encoded<C, S>(
         &mut self,
         messages: S,
         mut codec: C,
@@ -852,12 +1054,6 @@ impl MessageSink {
             self.queue(Frame::half_close(self.call_id)).await?;
         }
         Ok(())
-    }
-
-    /// The reason the call ended, if it has (client side: whether a failure
-    /// to send still needs telling).
-    pub(crate) fn call_ended(&self) -> Option<Status> {
-        self.credits.closed()
     }
 }
 

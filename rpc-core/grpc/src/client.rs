@@ -28,6 +28,11 @@ use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, To
 use crate::wire::{self, Deframer, Encoding};
 use crate::{H2Settings, data};
 
+/// Window given back to rpc-core once this much is owed: less than
+/// rpc-core's `GRANT_AT` outstanding never holds a sender back.
+const GRANT_BATCH: u64 = 64 << 10;
+const _: () = assert!(GRANT_BATCH < rpc_core::stream::GRANT_AT as u64);
+
 /// Opens an HTTP/2 connection to the gRPC server at `endpoint` (inside TLS
 /// when `settings` carry it).
 pub(crate) async fn connect(
@@ -64,8 +69,7 @@ where
         .handshake::<_, Bytes>(io)
         .await
         .map_err(|error| TransportError::Other(Box::new(error)))?;
-    let (core_connection, to_core, from_core, ended) =
-        link::new_connection(endpoint.to_string(), None);
+    let (core_connection, to_core, from_core, ended) = link::new_connection(endpoint.to_string());
     let authority = endpoint.authority().to_owned();
     tokio::spawn(async move {
         drive(
@@ -289,7 +293,7 @@ async fn write_requests(
                         // HTTP/2 took the bytes: rpc-core may send as many
                         // more (in batches: see GRANT_BATCH).
                         ungranted += cost;
-                        if ungranted >= crate::server::GRANT_BATCH {
+                        if ungranted >= GRANT_BATCH {
                             let grant = ungranted.min(u64::from(u32::MAX)) as u32;
                             ungranted -= u64::from(grant);
                             if to_core.send(Frame::window(call_id, grant)).await.is_err() {

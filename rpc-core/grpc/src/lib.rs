@@ -77,6 +77,7 @@ use std::sync::Arc;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
+use rpc_core::server::front_end::{FrontEnd, FrontEndListener};
 use rpc_core::transport::{
     Connection, Endpoint, Listener, Transport, TransportConfig, TransportError,
 };
@@ -204,12 +205,29 @@ impl Transport for GrpcTransport {
     fn bind(
         &self,
         endpoint: &Endpoint,
-        config: &TransportConfig,
+        _config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>> {
+        let refusal = format!(
+            "{}:// is served by rpc_core::Server (a front end that calls the server's routes), not bound as a transport",
+            endpoint.scheme()
+        );
+        async move { Err(TransportError::Other(refusal.into())) }.boxed()
+    }
+
+    fn front_end(&self) -> Option<&dyn FrontEnd> {
+        Some(self)
+    }
+}
+
+impl FrontEnd for GrpcTransport {
+    fn bind(
+        &self,
+        endpoint: &Endpoint,
+        config: &TransportConfig,
+    ) -> BoxFuture<'static, Result<Box<dyn FrontEndListener>, TransportError>> {
         let endpoint = endpoint.clone();
-        let max_frame_len = config.max_frame_len;
         let budget = config.receive_budget.clone();
-        let settings = H2Settings::for_frame_limit(max_frame_len, self);
+        let settings = H2Settings::for_frame_limit(config.max_frame_len, self);
         async move {
             #[cfg(feature = "tls")]
             if settings.tls.as_ref().is_some_and(|tls| !tls.has_server()) {
@@ -222,7 +240,7 @@ impl Transport for GrpcTransport {
                 ));
             }
             let listener = server::bind(&endpoint, settings, budget).await?;
-            Ok(Box::new(listener) as Box<dyn Listener>)
+            Ok(Box::new(listener) as Box<dyn FrontEndListener>)
         }
         .boxed()
     }
@@ -247,7 +265,7 @@ const CONNECTION_WINDOW: u32 = 8 << 20;
 /// Largest header block taken (metadata included).
 const MAX_HEADER_LIST: u32 = 16 << 10;
 /// Streams a client may open at once on one connection.
-const MAX_CONCURRENT_STREAMS: u32 = 1024;
+pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 1024;
 /// Bytes h2 buffers per stream beyond what the peer's window let go.
 const SEND_BUFFER: usize = 64 << 10;
 /// Largest DATA frame.

@@ -1,5 +1,7 @@
-//! The rdma-rpc side of a translated connection: the [`Connection`] rpc-core
-//! reads frames from and writes frames to, and the gateway's handles on it.
+//! The rdma-rpc side of a `grpc://` channel's connection: the
+//! [`Connection`] rpc-core's client reads frames from and writes frames to,
+//! and the client gateway's handles on it. (The server side has no such
+//! link: it is a front end that calls the server's routes, `server.rs`.)
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -13,7 +15,7 @@ use futures_util::task::AtomicWaker;
 use rpc_core::Payload;
 use rpc_core::frame::{EncodedFrame, Frame, FrameError, FrameFlags, FrameKind};
 use rpc_core::stream::{BATCH_BYTES, SendWindow};
-use rpc_core::transport::{Connection, ConnectionBudget, Reservation, TransportError};
+use rpc_core::transport::{Connection, TransportError};
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::{CancellationToken, PollSender};
 
@@ -32,12 +34,10 @@ const FROM_CORE_QUEUE: usize = 16;
 const FROM_CORE_BYTES: usize = 4 << 20;
 
 /// Where the gateway hands frames to rpc-core. Cloned into every call's
-/// tasks; a frame reserves its bytes in the server's receive budget (when
-/// there is one) before it is queued, as every transport's frames do.
+/// tasks.
 #[derive(Clone)]
 pub(crate) struct ToCore {
     frames: mpsc::Sender<Result<Bytes, TransportError>>,
-    budget: Option<Arc<tokio::sync::Mutex<ConnectionBudget>>>,
 }
 
 /// rpc-core no longer reads this connection.
@@ -45,27 +45,9 @@ pub(crate) struct ToCore {
 pub(crate) struct CoreGone;
 
 impl ToCore {
-    /// Hands `frame` to rpc-core, waiting while its queue or the receive
-    /// budget is full.
+    /// Hands `frame` to rpc-core, waiting while its queue is full.
     pub(crate) async fn send(&self, frame: Frame) -> Result<(), CoreGone> {
-        let mut bytes = frame.encode();
-        if let Some(budget) = &self.budget {
-            // Mostly the budget has room and no other sender holds it: then
-            // this takes it without waiting (and without a future's cost).
-            let at_once = budget.try_lock().ok().and_then(|mut budget| {
-                let mut cx = std::task::Context::from_waker(Waker::noop());
-                match budget.poll_reserve(&mut cx, bytes.len()) {
-                    Poll::Ready(reserved) => Some(reserved),
-                    Poll::Pending => None,
-                }
-            });
-            let reservation = match at_once {
-                Some(reserved) => reserved,
-                None => budget.lock().await.reserve(bytes.len()).await,
-            }
-            .map_err(|_| CoreGone)?;
-            bytes = reservation.attach(bytes);
-        }
+        let bytes = frame.encode();
         match self.frames.try_send(Ok(bytes)) {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full(frame)) => {
@@ -76,46 +58,10 @@ impl ToCore {
     }
 }
 
-impl ToCore {
-    /// Hands `frame` to rpc-core with `reservation` (from
-    /// [`ToCore::reserve`], covering the frame's encoded length) instead of
-    /// reserving its bytes again; waits only while rpc-core's queue is full.
-    pub(crate) async fn send_reserved(
-        &self,
-        frame: Frame,
-        reservation: Option<Reservation>,
-    ) -> Result<(), CoreGone> {
-        let mut bytes = frame.encode();
-        if let Some(reservation) = reservation {
-            bytes = reservation.attach(bytes);
-        }
-        self.frames.send(Ok(bytes)).await.map_err(|_| CoreGone)
-    }
-
-    /// Reserves `len` bytes of the server's receive budget (none on a
-    /// client) for a message the gateway is assembling: what a peer makes
-    /// the gateway hold stays within the budget, as on every transport.
-    pub(crate) async fn reserve(&self, len: usize) -> Result<Option<Reservation>, CoreGone> {
-        match &self.budget {
-            None => Ok(None),
-            Some(budget) => budget
-                .lock()
-                .await
-                .reserve(len)
-                .await
-                .map(Some)
-                .map_err(|_| CoreGone),
-        }
-    }
-}
-
 /// A new translated connection: what rpc-core gets, where the gateway puts
 /// frames for it, where it takes rpc-core's frames from, and the token that
 /// ends rpc-core's frame stream once the gateway's connection is over.
-pub(crate) fn new_connection(
-    peer: String,
-    budget: Option<ConnectionBudget>,
-) -> (Connection, ToCore, FromCore, CancellationToken) {
+pub(crate) fn new_connection(peer: String) -> (Connection, ToCore, FromCore, CancellationToken) {
     let (to_core, mut core_reads) = mpsc::channel(TO_CORE_QUEUE);
     let (core_writes, frames_from_core) = mpsc::channel(FROM_CORE_QUEUE);
     let queued = Arc::new(QueuedBytes::default());
@@ -140,10 +86,7 @@ pub(crate) fn new_connection(
         stream: Box::pin(stream),
         peer,
     };
-    let to_core = ToCore {
-        frames: to_core,
-        budget: budget.map(|budget| Arc::new(tokio::sync::Mutex::new(budget))),
-    };
+    let to_core = ToCore { frames: to_core };
     (connection, to_core, from_core, ended)
 }
 
@@ -251,16 +194,6 @@ impl MessageBatch {
             return Ok(());
         }
         to_core.send(self.take_frame(call_id, false)).await
-    }
-
-    /// The encoded length of a MESSAGE frame holding one message of `len` bytes.
-    pub(crate) fn frame_len_for(len: usize) -> usize {
-        rpc_core::frame::HEADER_LEN + 4 + len
-    }
-
-    /// The batch's payload (messages in a message frame's encoding), leaving it empty.
-    pub(crate) fn take(&mut self) -> Bytes {
-        self.payload.split().freeze()
     }
 
     /// The batch as a MESSAGE frame (`last`: the sender's last), leaving it empty.
@@ -467,7 +400,7 @@ mod tests {
     /// at most [`FROM_CORE_QUEUE`] frames however small.
     #[tokio::test]
     async fn what_rpc_core_hands_the_gateway_is_bounded_in_bytes_and_in_frames() {
-        let (mut connection, _to_core, mut from_core, _ended) = new_connection("test".into(), None);
+        let (mut connection, _to_core, mut from_core, _ended) = new_connection("test".into());
         let answer = |len: usize| EncodedFrame {
             head: Bytes::from(vec![0u8; 16]),
             payload: Payload::from(Bytes::from(vec![7u8; len])),

@@ -1,46 +1,47 @@
-//! The listening side: standard gRPC clients over HTTP/2 in, rdma-rpc calls
-//! out to the [`rpc_core::Server`] that bound the endpoint.
+//! The listening side: a front end ([`rpc_core::server::front_end`]) that
+//! brings standard gRPC clients' calls straight to the server's routes.
 //!
-//! Each HTTP/2 connection becomes one rpc-core [`Connection`]; each HTTP/2
-//! stream becomes one call, opened as a stream of unknown kind
-//! ([`FrameFlags::KIND_UNKNOWN`]) because gRPC's wire does not say whether a
-//! method is unary. Per call, one future reads and writes: the request body
-//! into MESSAGE frames under the call's window, and rpc-core's HEADERS,
-//! MESSAGE and RESPONSE frames into the HTTP/2 response, granting window
-//! back as HTTP/2's own flow control takes the bytes. A request whose body
-//! came whole with its headers (a unary call from most clients) opens its
-//! call with one frame that carries its messages and half-close too.
+//! One task per HTTP/2 connection (the server's): it drives h2's connection
+//! and the connection's calls, each a future in the same task, as h2's
+//! streams share its connection anyway. A call's request body becomes the
+//! messages its handler reads (slices of the received DATA: a message that
+//! arrived in one frame is never copied), and the handler's messages go
+//! into DATA frames as HTTP/2's flow control lets them (a large one after
+//! its own prefix, not copied). No rpc-core frame is made on the way: the
+//! server runs each call with [`Calls::call`], which does what it does for
+//! every call (deadline, panics, metrics, access log, shutdown).
 //!
-//! The calls' futures run in the connection's task, beside h2's connection
-//! (whose streams share it anyway), so a call costs no task of its own; and
-//! that loop never waits on rpc-core itself (the calls do), since rpc-core
-//! may be waiting for the calls.
+//! gRPC's wire does not say a method's kind, so every call is opened as a
+//! stream of unknown kind: a unary method takes the one message and
+//! answers with one ([`CallEnd::Answer`]).
 
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use futures_util::FutureExt;
-use futures_util::StreamExt;
+use bytes::{Bytes, BytesMut};
+use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
-use rpc_core::frame::{Frame, FrameFlags, FrameKind, HEADER_LEN};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use rpc_core::frame::HEADER_LEN;
 use rpc_core::metadata::Metadata;
-use rpc_core::stream::SendWindow;
-use rpc_core::transport::{Connection, Endpoint, Listener, TransportError};
+use rpc_core::server::front_end::{CallEnd, Calls, FrontEndConnection, FrontEndListener};
+use rpc_core::stream::{MessageSink, MessageTarget, ServerStream, Streaming};
+use rpc_core::transport::{ConnectionBudget, Endpoint, ReceiveBudget, TransportError};
 use rpc_core::wake_gate::WakeGate;
-use rpc_core::{Code, Status};
+use rpc_core::{Code, Payload, Request, Status};
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{mpsc, oneshot};
 
-use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, ToCore};
-use crate::wire::{self, Deframed, Deframer, Encoding};
-use crate::{H2Settings, data};
+use crate::H2Settings;
+use crate::wire::{self, Deframed, Deframer, Encoding, MESSAGE_PREFIX};
 
 /// Accepted connections waiting for the server to take them.
 const ACCEPT_QUEUE: usize = 64;
@@ -48,24 +49,24 @@ const ACCEPT_QUEUE: usize = 64;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a closing connection waits for its streams to finish.
 const CLOSE_LINGER: Duration = Duration::from_secs(1);
-/// Bytes of rpc-core's messages a connection's writers hold at once, not
-/// yet taken by HTTP/2 (whose peer may not read): beyond it, the gateway
-/// takes no more frames from rpc-core, whose own outbound queue then fills
-/// and holds the handlers back, as on every transport.
+/// Bytes of answers a connection holds that HTTP/2 has not taken yet (its
+/// peer may not read): while they are over it, the connection starts no
+/// new call, so a peer that lets nothing through (a zero HTTP/2 window)
+/// holds about this much, whatever it asks for.
 const QUEUED_BYTES: usize = 8 << 20;
-
+/// Bytes of a stream's messages its writer holds before it pushes them
+/// into HTTP/2 and waits for the window.
+const PENDING_BYTES: usize = 64 << 10;
+/// A message at least this long goes after its own prefix rather than
+/// copied behind it.
+const COPY_BELOW: usize = 16 << 10;
 /// A compressed request message that inflates to this much or more is
 /// inflated on a blocking thread, not on a runtime worker.
 const INFLATE_OFF_THREAD: usize = 1 << 20;
 
-/// Window given back to rpc-core once this much is owed: less than
-/// rpc-core's `GRANT_AT` outstanding never holds a sender back.
-pub(crate) const GRANT_BATCH: u64 = 64 << 10;
-const _: () = assert!(GRANT_BATCH < rpc_core::stream::GRANT_AT as u64);
-
 /// A bound `grpc://` endpoint.
 pub(crate) struct GrpcListener {
-    accepted: mpsc::Receiver<Result<Connection, TransportError>>,
+    accepted: mpsc::Receiver<Result<Box<dyn FrontEndConnection>, TransportError>>,
     local: Endpoint,
     accept_task: tokio::task::JoinHandle<()>,
 }
@@ -77,17 +78,14 @@ impl Drop for GrpcListener {
 }
 
 impl futures_core::Stream for GrpcListener {
-    type Item = Result<Connection, TransportError>;
+    type Item = Result<Box<dyn FrontEndConnection>, TransportError>;
 
-    fn poll_next(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         self.accepted.poll_recv(cx)
     }
 }
 
-impl Listener for GrpcListener {
+impl FrontEndListener for GrpcListener {
     fn local_endpoint(&self) -> Endpoint {
         self.local.clone()
     }
@@ -97,7 +95,7 @@ impl Listener for GrpcListener {
 pub(crate) async fn bind(
     endpoint: &Endpoint,
     settings: H2Settings,
-    budget: Option<rpc_core::transport::ReceiveBudget>,
+    budget: Option<ReceiveBudget>,
 ) -> Result<GrpcListener, TransportError> {
     let listener =
         tokio::net::TcpListener::bind((endpoint.host(), endpoint.port().unwrap_or(0))).await?;
@@ -106,20 +104,15 @@ pub(crate) async fn bind(
     let (queue, accepted) = mpsc::channel(ACCEPT_QUEUE);
     let accept_task = tokio::spawn(async move {
         loop {
-            let accepted = listener.accept().await;
-            let item = match accepted {
+            let item = match listener.accept().await {
                 Ok((socket, peer)) => {
                     let _ = socket.set_nodelay(true);
-                    let (connection, to_core, from_core, ended) = link::new_connection(
-                        format!("grpc://{peer}"),
-                        budget.as_ref().map(|budget| budget.connection()),
-                    );
-                    let settings = settings.clone();
-                    tokio::spawn(async move {
-                        serve_socket(socket, settings, to_core, from_core).await;
-                        ended.cancel();
-                    });
-                    Ok(connection)
+                    Ok(Box::new(GrpcConnection {
+                        socket,
+                        peer: format!("grpc://{peer}"),
+                        settings: settings.clone(),
+                        budget: budget.clone(),
+                    }) as Box<dyn FrontEndConnection>)
                 }
                 Err(error) => Err(TransportError::Io(error)),
             };
@@ -135,69 +128,78 @@ pub(crate) async fn bind(
     })
 }
 
-/// What the gateway keeps of one call in flight.
-struct Call {
-    /// The client's messages towards rpc-core wait on this window (none
-    /// when the request came whole: no message follows it).
-    window: Option<Arc<StreamWindow>>,
-    /// rpc-core's frames for the call, to its future.
-    out: CallSender<Out>,
+/// An accepted TCP connection, before its (TLS and) HTTP/2 handshake.
+struct GrpcConnection {
+    socket: TcpStream,
+    peer: String,
+    settings: H2Settings,
+    budget: Option<ReceiveBudget>,
 }
 
-/// The calls of one connection, each a future that ends with its call id.
-/// They run in the connection's task (as h2's streams share its
-/// connection anyway): a call costs no task of its own.
-type CallFutures = FuturesUnordered<Pin<Box<dyn Future<Output = u64> + Send>>>;
-
-/// What a call's future writes to the client.
-enum Out {
-    Headers(Metadata),
-    /// Messages, and their bytes of the connection's queue (see [`QUEUED_BYTES`]).
-    Messages(Bytes, OwnedSemaphorePermit),
-    /// The call's final frame, and the room in the connection's queue of
-    /// the answer it carries (a unary method's message).
-    End(Frame, Option<OwnedSemaphorePermit>),
-    /// The gateway ends the call itself (the client broke a rule).
-    Fail(Status),
+/// What a connection is accepted for.
+enum Role {
+    Serve(Calls),
+    /// Every call it opens gets this status, then GOAWAY.
+    Refuse(Status),
 }
 
-/// A frame from rpc-core waiting for room in the connection's queue.
-enum Stashed {
-    /// A MESSAGE frame's payload, for its call.
-    Messages(u64, Bytes),
-    /// A final frame that carries an answer.
-    End(Frame),
+impl FrontEndConnection for GrpcConnection {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn serve(self: Box<Self>, calls: Calls) -> BoxFuture<'static, ()> {
+        serve_socket(*self, Role::Serve(calls)).boxed()
+    }
+
+    fn refuse(self: Box<Self>, reason: String) -> BoxFuture<'static, ()> {
+        serve_socket(*self, Role::Refuse(Status::resource_exhausted(reason))).boxed()
+    }
 }
 
 /// Serves an accepted socket: its TLS handshake first on `grpcs://`.
-async fn serve_socket(
-    socket: TcpStream,
-    settings: H2Settings,
-    to_core: ToCore,
-    from_core: link::FromCore,
-) {
+async fn serve_socket(connection: GrpcConnection, role: Role) {
+    let GrpcConnection {
+        socket,
+        settings,
+        budget,
+        ..
+    } = connection;
     #[cfg(feature = "tls")]
     if let Some(tls) = settings.tls.clone() {
         match tls.server_handshake(socket, crate::TLS_SCHEME).await {
-            Ok(stream) => serve_connection(stream, settings, to_core, from_core).await,
+            Ok(stream) => serve_h2(stream, settings, budget, role).await,
             Err(error) => tracing::debug!(%error, "grpcs: TLS handshake failed"),
         }
         return;
     }
-    serve_connection(socket, settings, to_core, from_core).await;
+    serve_h2(socket, settings, budget, role).await;
 }
 
-/// Serves one HTTP/2 connection until the client or rpc-core ends it.
-async fn serve_connection<T>(
-    socket: T,
-    settings: H2Settings,
-    to_core: ToCore,
-    mut from_core: link::FromCore,
-) where
+/// What every call of one connection shares.
+struct Shared {
+    max_message: usize,
+    options: Arc<crate::GrpcOptions>,
+    /// This server's `grpc-accept-encoding`.
+    accept: HeaderValue,
+    /// Where assembled and inflated request messages reserve their bytes.
+    budget: Option<tokio::sync::Mutex<ConnectionBudget>>,
+    /// Bytes of answers not yet taken by HTTP/2 (see [`QUEUED_BYTES`]).
+    queued: AtomicUsize,
+}
+
+/// The HTTP/2 connection and its calls, in one task.
+async fn serve_h2<T>(socket: T, settings: H2Settings, budget: Option<ReceiveBudget>, role: Role)
+where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let handshake = settings.server().handshake::<_, Bytes>(socket);
-    let mut h2 = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+    let mut builder = settings.server();
+    if let Role::Serve(calls) = &role {
+        let most = u32::try_from(calls.max_concurrent_calls()).unwrap_or(u32::MAX);
+        builder.max_concurrent_streams(most.min(crate::MAX_CONCURRENT_STREAMS));
+    }
+    let handshake = builder.handshake::<_, Bytes>(socket);
+    let h2 = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
         Ok(Ok(h2)) => h2,
         Ok(Err(error)) => {
             tracing::debug!(%error, "grpc: HTTP/2 handshake failed");
@@ -208,189 +210,210 @@ async fn serve_connection<T>(
             return;
         }
     };
-    let accept = wire::accept_encoding_value(&settings.options.accept_compressed);
-    let mut calls: HashMap<u64, Call> = HashMap::new();
+    let shared = Arc::new(Shared {
+        max_message: settings.max_message,
+        accept: wire::accept_encoding_value(&settings.options.accept_compressed),
+        options: settings.options.clone(),
+        budget: budget.map(|budget| tokio::sync::Mutex::new(budget.connection())),
+        queued: AtomicUsize::new(0),
+    });
+    match role {
+        Role::Serve(calls) => serve_calls(h2, calls, shared).await,
+        Role::Refuse(status) => refuse_calls(h2, &status, &shared.accept).await,
+    }
+}
+
+type H2Connection<T> = h2::server::Connection<T, Bytes>;
+
+/// Answers every call of a refused connection with `status`, says GOAWAY,
+/// and closes once its streams are done (or after [`CLOSE_LINGER`]).
+async fn refuse_calls<T>(mut h2: H2Connection<T>, status: &Status, accept: &HeaderValue)
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    h2.graceful_shutdown();
+    let _ = tokio::time::timeout(CLOSE_LINGER, async {
+        while let Some(Ok((_, mut respond))) = h2.accept().await {
+            refuse(&mut respond, status, accept);
+        }
+    })
+    .await;
+}
+
+/// The calls in flight on one connection, each a future that sends its
+/// own response.
+type CallFutures = FuturesUnordered<Pin<Box<dyn Future<Output = ()> + Send>>>;
+
+/// Serves one HTTP/2 connection's calls until the client or the server ends it.
+async fn serve_calls<T>(mut h2: H2Connection<T>, calls: Calls, shared: Arc<Shared>)
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let mut running = CallFutures::new();
-    let mut next_call_id = 1u64;
-    let mut going_away = false;
     // h2's connection is polled only when it asked to be (it does much
-    // work per poll), not on every wake-up of this loop (a frame from
-    // rpc-core, a call's progress).
+    // work per poll), not on every wake-up of this task (a call's progress).
     let h2_woke = WakeGate::new();
-    let queued = Arc::new(Semaphore::new(QUEUED_BYTES));
-    // A frame that carries messages, waiting for room in the queue.
-    let mut stashed: Option<(Stashed, u32)> = None;
+    let idle_timeout = calls.idle_timeout();
+    let mut idle = std::pin::pin!(tokio::time::sleep(idle_timeout));
+    let mut shutting_down = std::pin::pin!(calls.shutting_down());
+    let mut ending_now = std::pin::pin!(calls.ending_now());
+    let mut going_away = false;
+    let mut ended_at: Option<tokio::time::Instant> = None;
     loop {
+        // New calls wait (in h2, under its stream limit) while answers
+        // HTTP/2 has not taken are over the bound.
+        let accepting = shared.queued.load(Ordering::Relaxed) < QUEUED_BYTES;
         tokio::select! {
-            room = queued.clone().acquire_many_owned(stashed.as_ref().map_or(0, |s| s.1)), if stashed.is_some() => {
-                let (waiting, _) = stashed.take().expect("checked");
-                let Ok(room) = room else { break };
-                match waiting {
-                    Stashed::Messages(call_id, payload) => {
-                        route(&calls, call_id, Out::Messages(payload, room));
-                    }
-                    Stashed::End(frame) => {
-                        if let Some(call) = calls.remove(&frame.call_id) {
-                            call.out.send(Out::End(frame, Some(room)));
-                        }
+            event = std::future::poll_fn(|cx| h2_woke.poll(cx, |cx| poll_h2(&mut h2, cx, accepting))) => match event {
+                H2Event::Call(request, respond) => {
+                    let mut call = Box::pin(serve_call(request, respond, calls.clone(), shared.clone()));
+                    // Its first poll now, in this task: a handler that
+                    // answers at once answers before the next call is taken
+                    // (and counts its answer against QUEUED_BYTES first).
+                    if std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await.is_pending() {
+                        running.push(call);
                     }
                 }
-            }
-            accepted = std::future::poll_fn(|cx| h2_woke.poll(cx, |cx| h2.poll_accept(cx))) => match accepted {
-                Some(Ok((request, mut respond))) => {
-                    let call_id = next_call_id;
-                    next_call_id += 1;
-                    let Some((mut opening, request_encoding)) = open_call(call_id, &request, &mut respond, &settings.options, &accept) else {
-                        continue;
-                    };
-                    let coding = CallCoding {
-                        accept: accept.clone(),
-                        send: settings.options.send_compressed,
-                        client_accepts: wire::EncodingSet::accepted_by(request.headers()),
-                        response: None,
-                    };
-                    let mut body = request.into_body();
-                    let (out, out_rx) = link::call_queue();
-                    // The call's future sends its opening itself: this loop
-                    // never waits on rpc-core, which may wait on the calls.
-                    // A compressed body is read by `read_requests`, which
-                    // reserves what each message declares before inflating it.
-                    let whole = if request_encoding.is_some() {
-                        Whole::NotYet(None)
-                    } else {
-                        read_whole(&mut body, settings.max_message)
-                    };
-                    let call: Pin<Box<dyn Future<Output = ()> + Send>> = match whole {
-                        Whole::Stream { messages, taken } => {
-                            // One frame for the whole call, and nothing to read.
-                            opening.flags = opening.flags | FrameFlags::END_STREAM;
-                            opening.payload = messages.into();
-                            calls.insert(call_id, Call { window: None, out });
-                            let to_core = to_core.clone();
-                            Box::pin(async move {
-                                if to_core.send(opening).await.is_ok() {
-                                    // Accounted for in the frame: the window may go back.
-                                    let _ = body.flow_control().release_capacity(taken);
-                                    drop(body);
-                                    write_responses(respond, out_rx, to_core, call_id, coding).await;
-                                }
-                            })
-                        }
-                        Whole::Broken(status) => {
-                            refuse(&mut respond, &status, &accept);
-                            continue;
-                        }
-                        Whole::Reset => continue,
-                        Whole::NotYet(first) => {
-                            let window = Arc::new(StreamWindow::default());
-                            let reading = read_requests(body, first, to_core.clone(), window.clone(), out.clone(), call_id, Deframer::with_encoding(settings.max_message, request_encoding));
-                            calls.insert(call_id, Call { window: Some(window), out });
-                            let to_core = to_core.clone();
-                            Box::pin(async move {
-                                if to_core.send(opening).await.is_ok() {
-                                    serve_call(reading, respond, out_rx, to_core, call_id, coding).await;
-                                }
-                            })
-                        }
-                    };
-                    running.push(Box::pin(async move {
-                        call.await;
-                        call_id
-                    }));
-                }
-                Some(Err(error)) => {
+                H2Event::Closed => break,
+                H2Event::Failed(error) => {
                     tracing::debug!(%error, "grpc: HTTP/2 connection failed");
                     break;
                 }
-                None => break,
             },
-            frame = from_core.recv(), if stashed.is_none() => {
-                let Some(frame) = frame else {
-                    // rpc-core closed the connection: let streams finish, briefly.
-                    h2.graceful_shutdown();
-                    let _ = tokio::time::timeout(CLOSE_LINGER, async {
-                        while let Some(Ok(_)) = h2.accept().await {}
-                    }).await;
-                    break;
-                };
-                let frame = match link::decode(frame) {
-                    Ok(frame) => frame,
-                    Err(error) => {
-                        tracing::error!(%error, "grpc: rpc-core sent a frame it could not decode");
-                        break;
-                    }
-                };
-                match frame.kind {
-                    FrameKind::Headers => route(&calls, frame.call_id, Out::Headers(frame.metadata)),
-                    FrameKind::Message => {
-                        let payload = frame.payload.into_contiguous();
-                        let needed = payload.len().clamp(1, QUEUED_BYTES) as u32;
-                        match queued.clone().try_acquire_many_owned(needed) {
-                            Ok(room) => route(&calls, frame.call_id, Out::Messages(payload, room)),
-                            Err(_) => stashed = Some((Stashed::Messages(frame.call_id, payload), needed)),
-                        }
-                    }
-                    // A unary method's answer rides in its final frame: it
-                    // takes room in the queue as messages do, so answers a
-                    // peer does not read (a zero HTTP/2 window) hold the
-                    // gateway to QUEUED_BYTES, and rpc-core's own queue
-                    // then holds the handlers back.
-                    FrameKind::Response if !frame.payload.is_empty() => {
-                        let needed = frame.payload.len().clamp(1, QUEUED_BYTES) as u32;
-                        match queued.clone().try_acquire_many_owned(needed) {
-                            Ok(room) => {
-                                if let Some(call) = calls.remove(&frame.call_id) {
-                                    call.out.send(Out::End(frame, Some(room)));
-                                }
-                            }
-                            Err(_) => stashed = Some((Stashed::End(frame), needed)),
-                        }
-                    }
-                    FrameKind::Response => {
-                        if let Some(call) = calls.remove(&frame.call_id) {
-                            call.out.send(Out::End(frame, None));
-                        }
-                    }
-                    FrameKind::Window => {
-                        let window = calls.get(&frame.call_id).and_then(|call| call.window.as_ref());
-                        if let (Some(window), Some(grant)) = (window, frame.window_grant()) {
-                            window.grant(grant);
-                        }
-                    }
-                    FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
-                        let pong = Frame::control(FrameKind::Ping, FrameFlags::ACK, frame.call_id);
-                        let to_core = to_core.clone();
-                        // Beside the calls, for the reason above (0 is no call's id).
-                        running.push(Box::pin(async move {
-                            let _ = to_core.send(pong).await;
-                            0
-                        }));
-                    }
-                    FrameKind::GoAway if !going_away => {
-                        going_away = true;
-                        h2.graceful_shutdown();
-                        h2_woke.open();
-                    }
-                    _ => {}
+            Some(()) = running.next(), if !running.is_empty() => {
+                // Its answer may have freed room for new calls.
+                h2_woke.open();
+                if running.is_empty() {
+                    idle.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
                 }
             }
-            Some(call_id) = running.next(), if !running.is_empty() => {
-                calls.remove(&call_id);
+            () = &mut idle, if running.is_empty() && !going_away => {
+                tracing::debug!(peer = %calls.peer(), "grpc: connection idle, closing");
+                going_away = true;
+                h2.graceful_shutdown();
+                h2_woke.open();
+                ended_at = Some(tokio::time::Instant::now() + CLOSE_LINGER);
             }
+            () = &mut shutting_down, if !going_away => {
+                going_away = true;
+                h2.graceful_shutdown();
+                h2_woke.open();
+            }
+            // The calls end themselves (Unavailable); their streams are
+            // given a moment to say so.
+            () = &mut ending_now, if ended_at.is_none() => {
+                ended_at = Some(tokio::time::Instant::now() + CLOSE_LINGER);
+                if !going_away {
+                    going_away = true;
+                    h2.graceful_shutdown();
+                    h2_woke.open();
+                }
+            }
+            () = sleep_until(ended_at) => break,
         }
     }
-    // Dropping the calls' futures ends every call's reader and writer.
+    // Dropping the calls' futures cancels their handlers.
     drop(running);
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+// A transient return value, moved once: not worth a box.
+#[allow(clippy::large_enum_variant)]
+enum H2Event {
+    Call(http::Request<RecvStream>, SendResponse<Bytes>),
+    Closed,
+    Failed(h2::Error),
+}
+
+/// Drives h2's connection: taking its new streams while `accepting`, else
+/// only its I/O (new streams wait in h2).
+fn poll_h2<T>(h2: &mut H2Connection<T>, cx: &mut Context<'_>, accepting: bool) -> Poll<H2Event>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    if accepting {
+        h2.poll_accept(cx).map(|accepted| match accepted {
+            Some(Ok((request, respond))) => H2Event::Call(request, respond),
+            Some(Err(error)) => H2Event::Failed(error),
+            None => H2Event::Closed,
+        })
+    } else {
+        h2.poll_closed(cx).map(|closed| match closed {
+            Ok(()) => H2Event::Closed,
+            Err(error) => H2Event::Failed(error),
+        })
+    }
+}
+
+/// One call, from its request headers to its trailers.
+async fn serve_call(
+    request: http::Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+    calls: Calls,
+    shared: Arc<Shared>,
+) {
+    let Some((call, encoding)) = open_call(&request, &mut respond, &shared) else {
+        return;
+    };
+    let coding = CallCoding {
+        send: shared.options.send_compressed,
+        client_accepts: wire::EncodingSet::accepted_by(request.headers()),
+        response: None,
+    };
+    let mut body = request.into_body();
+    // Told when the client broke gRPC's framing: its call ends so.
+    let (failed, failure) = oneshot::channel();
+    let messages = match encoding {
+        // A compressed body is read message by message: each reserves
+        // what it declares before it is inflated.
+        Some(_) => request_messages(body, None, encoding, shared.clone(), failed),
+        None => match read_whole(&mut body, shared.max_message) {
+            Whole::Messages(messages) => {
+                drop(body);
+                Streaming::from_messages(futures_util::stream::iter(messages.into_iter().map(Ok)))
+            }
+            Whole::Broken(status) => return refuse(&mut respond, &status, &shared.accept),
+            Whole::Reset => return,
+            Whole::NotYet(first) => request_messages(body, first, None, shared.clone(), failed),
+        },
+    };
+    let writer = Arc::new(Mutex::new(Writer {
+        respond,
+        body: None,
+        pending: VecDeque::new(),
+        pending_len: 0,
+        batch: BytesMut::new(),
+        coding,
+        shared: shared.clone(),
+        ended: false,
+    }));
+    let sink = MessageSink::from_target(Target(writer.clone()), shared.max_message);
+    let running = calls.call(call, ServerStream { messages, sink });
+    let end = tokio::select! {
+        end = running => end,
+        Ok(status) = failure => CallEnd::Ended(status),
+        reason = std::future::poll_fn(|cx| lock(&writer).poll_reset(cx)) => {
+            // Dropping the call cancels its handler.
+            tracing::debug!(?reason, "grpc: the client reset a stream");
+            lock(&writer).ended = true;
+            return;
+        }
+    };
+    finish(&writer, end).await;
 }
 
 /// What a new call's request body holds already (h2 has read it with the
 /// headers), without waiting for more.
 enum Whole {
-    /// The whole body has arrived: its messages, for the opening frame (a
-    /// unary call's request, mostly, sent with its headers in one write),
-    /// and the bytes taken from the body, whose window goes back once that
-    /// frame has reserved its own.
-    Stream { messages: Bytes, taken: usize },
+    /// The whole body has arrived (a unary call's request, mostly, sent
+    /// with its headers in one write): its messages, slices of its DATA.
+    Messages(Vec<Bytes>),
     /// More is to come (or might be): the data read so far, if any.
     NotYet(Option<Bytes>),
     /// The body breaks gRPC's framing (the call's answer).
@@ -399,85 +422,207 @@ enum Whole {
     Reset,
 }
 
-// A whole stream is the messages of one DATA frame (at most
-// MAX_FRAME_SIZE bytes, at least 5 a message), sent to rpc-core without
-// waiting for window: their cost there (each message's bytes plus
-// MESSAGE_CHARGE) must fit a stream's initial window, or rpc-core would take
-// a client's many tiny messages for a peer over its window.
-const _: () = assert!(
-    crate::MAX_FRAME_SIZE as u64
-        + (crate::MAX_FRAME_SIZE as u64 / 5) * rpc_core::stream::MESSAGE_CHARGE as u64
-        <= rpc_core::stream::INITIAL_WINDOW as u64
-);
-
 /// Takes what `body` holds now: its whole stream when it has ended with
-/// the first piece of data (or with none).
+/// the first piece of data (or with none). Its window goes back at once:
+/// what it holds is one DATA frame.
 fn read_whole(body: &mut RecvStream, max_message: usize) -> Whole {
     let chunk = match body.data().now_or_never() {
         None => return Whole::NotYet(None),
-        Some(None) => {
-            return Whole::Stream {
-                messages: Bytes::new(),
-                taken: 0,
-            };
-        }
+        Some(None) => return Whole::Messages(Vec::new()),
         Some(Some(Err(_))) => return Whole::Reset,
         Some(Some(Ok(chunk))) => chunk,
     };
     if !body.is_end_stream() {
         return Whole::NotYet(Some(chunk));
     }
-    let taken = chunk.len();
+    let _ = body.flow_control().release_capacity(chunk.len());
     let mut deframer = Deframer::new(max_message);
     deframer.push(chunk);
-    let mut batch = MessageBatch::default();
-    let broken = |body: &mut RecvStream, error| {
-        // Nothing of it is kept.
-        let _ = body.flow_control().release_capacity(taken);
-        Whole::Broken(deframe_status(error))
-    };
+    let mut messages = Vec::new();
     loop {
         match deframer.next_message() {
-            Ok(Some(message)) => batch.push(&message),
+            Ok(Some(message)) => messages.push(message),
             Ok(None) => break,
-            Err(error) => return broken(body, error),
+            Err(error) => return Whole::Broken(deframe_status(error)),
         }
     }
     match deframer.finish() {
-        Ok(()) => Whole::Stream {
-            messages: batch.take(),
-            taken,
+        Ok(()) => Whole::Messages(messages),
+        Err(error) => Whole::Broken(deframe_status(error)),
+    }
+}
+
+/// The client's messages as its handler reads them: the body's DATA is
+/// taken (and its HTTP/2 window given back) only as the handler asks for
+/// the next message, so a handler that stops reading holds the client to
+/// its window. A message that comes in pieces reserves its announced
+/// length from the server's receive budget before more of it is taken
+/// (the window does not bound it: a client may open many streams, each
+/// with most of a message). A body that breaks gRPC's framing ends the
+/// call with the reason (`failed`).
+fn request_messages(
+    body: RecvStream,
+    first: Option<Bytes>,
+    encoding: Option<Encoding>,
+    shared: Arc<Shared>,
+    failed: oneshot::Sender<Status>,
+) -> Streaming<Bytes> {
+    let mut reader = RequestReader {
+        body,
+        deframer: Deframer::with_encoding(shared.max_message, encoding),
+        shared,
+        assembling: None,
+        failed: Some(failed),
+        ended: false,
+    };
+    if let Some(chunk) = first {
+        reader.take(chunk);
+    }
+    Streaming::from_messages(futures_util::stream::unfold(
+        reader,
+        |mut reader| async move {
+            let item = reader.next().await?;
+            Some((item, reader))
         },
-        Err(error) => broken(body, error),
+    ))
+}
+
+struct RequestReader {
+    body: RecvStream,
+    deframer: Deframer,
+    shared: Arc<Shared>,
+    /// The announced length of the message being assembled, and its bytes
+    /// of the receive budget.
+    assembling: Option<(usize, Option<rpc_core::transport::Reservation>)>,
+    failed: Option<oneshot::Sender<Status>>,
+    ended: bool,
+}
+
+impl RequestReader {
+    fn take(&mut self, chunk: Bytes) {
+        let _ = self.body.flow_control().release_capacity(chunk.len());
+        self.deframer.push(chunk);
+    }
+
+    fn fail(&mut self, status: Status) -> Option<Result<Bytes, Status>> {
+        self.ended = true;
+        if let Some(failed) = self.failed.take() {
+            let _ = failed.send(status.clone());
+        }
+        Some(Err(status))
+    }
+
+    async fn next(&mut self) -> Option<Result<Bytes, Status>> {
+        if self.ended {
+            return None;
+        }
+        loop {
+            match self.deframer.next() {
+                Ok(Some(Deframed::Plain(message))) => {
+                    // Assembled under a reservation: the message holds it.
+                    let message = match self.assembling.take() {
+                        Some((_, Some(reservation))) => reservation.attach(message),
+                        _ => message,
+                    };
+                    return Some(Ok(message));
+                }
+                Ok(Some(Deframed::Compressed(encoding, compressed))) => {
+                    self.assembling = None;
+                    return match self.inflate(encoding, compressed).await {
+                        Ok(message) => Some(Ok(message)),
+                        Err(status) => self.fail(status),
+                    };
+                }
+                Ok(None) => {}
+                Err(error) => return self.fail(deframe_status(error)),
+            }
+            // What is left is part of a message: its announced length
+            // comes out of the budget (once) before more of it is taken.
+            if let Some(len) = self.deframer.pending_len() {
+                if self
+                    .assembling
+                    .as_ref()
+                    .is_none_or(|(held, _)| *held != len)
+                {
+                    let reservation = match &self.shared.budget {
+                        Some(budget) => Some(budget.lock().await.reserve(len).await),
+                        None => None,
+                    };
+                    let reservation = match reservation.transpose() {
+                        Ok(reservation) => reservation,
+                        Err(_) => return self.fail(Status::unavailable("server shutting down")),
+                    };
+                    self.assembling = Some((len, reservation));
+                }
+            }
+            match self.body.data().await {
+                Some(Ok(chunk)) => self.take(chunk),
+                Some(Err(error)) => {
+                    tracing::debug!(%error, "grpc: request stream ended by an error");
+                    self.ended = true;
+                    return Some(Err(Status::cancelled(format!(
+                        "the client's request stream failed: {error}"
+                    ))));
+                }
+                None => {
+                    self.ended = true;
+                    return match self.deframer.finish() {
+                        Ok(()) => None,
+                        Err(error) => self.fail(deframe_status(error)),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Inflates one compressed request message: it reserves the length its
+    /// trailer declares (within the message limit) from the receive budget
+    /// first, and the message holds that reservation; one that inflates
+    /// past what it declared fails. A large one is inflated off the
+    /// runtime's worker threads.
+    async fn inflate(&mut self, encoding: Encoding, compressed: Bytes) -> Result<Bytes, Status> {
+        let max_message = self.shared.max_message;
+        let declared = wire::declared_len(encoding, &compressed).map_err(deframe_status)?;
+        if declared > max_message {
+            return Err(deframe_status(wire::DeframeError::TooLarge {
+                len: declared,
+                max: max_message,
+            }));
+        }
+        let reservation = match &self.shared.budget {
+            Some(budget) => Some(
+                budget
+                    .lock()
+                    .await
+                    .reserve(declared)
+                    .await
+                    .map_err(|_| Status::unavailable("server shutting down"))?,
+            ),
+            None => None,
+        };
+        let message = if declared >= INFLATE_OFF_THREAD {
+            tokio::task::spawn_blocking(move || wire::decompress(encoding, &compressed, declared))
+                .await
+                .map_err(|_| Status::internal("inflating a request message failed"))?
+        } else {
+            wire::decompress(encoding, &compressed, declared)
+        }
+        .map_err(deframe_status)?;
+        Ok(match reservation {
+            Some(reservation) => reservation.attach(message),
+            None => message,
+        })
     }
 }
 
-/// One call's two directions in one future: `reading` (the request body
-/// towards rpc-core) and rpc-core's answer towards the client. The call is
-/// over when its answer is: a request body the client has not ended by then
-/// is dropped, and h2 resets it with `NO_ERROR`, as HTTP/2 asks of a server
-/// that answers before it read the whole request.
-///
-/// Both are pinned here, in the future's own state.
-async fn serve_call(
-    reading: impl Future<Output = ()>,
-    respond: SendResponse<Bytes>,
-    out: CallReceiver<Out>,
-    to_core: ToCore,
-    call_id: u64,
-    coding: CallCoding,
-) {
-    let writing = write_responses(respond, out, to_core, call_id, coding);
-    let (mut reading, mut writing) = (std::pin::pin!(reading), std::pin::pin!(writing));
-    tokio::select! {
-        () = &mut writing => {}
-        () = &mut reading => writing.await,
-    }
-}
-
-fn route(calls: &HashMap<u64, Call>, call_id: u64, out: Out) {
-    if let Some(call) = calls.get(&call_id) {
-        call.out.send(out);
+fn deframe_status(error: wire::DeframeError) -> Status {
+    match error {
+        wire::DeframeError::TooLarge { .. } => {
+            Status::resource_exhausted(format!("request {error} (the server's max_frame_len)"))
+        }
+        wire::DeframeError::Compressed => Status::unimplemented(error.to_string()),
+        wire::DeframeError::Decompress(_) => Status::internal(error.to_string()),
+        _ => Status::internal(error.to_string()),
     }
 }
 
@@ -494,15 +639,15 @@ fn refuse_http(respond: &mut SendResponse<Bytes>, status: StatusCode) {
     let _ = respond.send_response(response, true);
 }
 
-/// Checks a new HTTP/2 request and makes the frame that opens its call in
-/// rpc-core; answers it here (and returns `None`) when it cannot be one.
+/// Checks a new HTTP/2 request and makes the call's request (method,
+/// metadata, timeout) and its messages' encoding; answers it here (and
+/// returns `None`) when it cannot be a call.
 fn open_call(
-    call_id: u64,
-    request: &Request<RecvStream>,
+    request: &http::Request<RecvStream>,
     respond: &mut SendResponse<Bytes>,
-    options: &crate::GrpcOptions,
-    accept: &HeaderValue,
-) -> Option<(Frame, Option<Encoding>)> {
+    shared: &Shared,
+) -> Option<(Request<()>, Option<Encoding>)> {
+    let accept = &shared.accept;
     if request.method() != http::Method::POST {
         refuse_http(respond, StatusCode::METHOD_NOT_ALLOWED);
         return None;
@@ -512,7 +657,7 @@ fn open_call(
         refuse_http(respond, StatusCode::UNSUPPORTED_MEDIA_TYPE);
         return None;
     }
-    let encoding = match wire::message_encoding(headers, &options.accept_compressed) {
+    let encoding = match wire::message_encoding(headers, &shared.options.accept_compressed) {
         Ok(encoding) => encoding,
         Err(name) => {
             refuse(
@@ -537,10 +682,10 @@ fn open_call(
         );
         return None;
     }
-    let deadline = match headers.get("grpc-timeout") {
-        None => None,
-        Some(value) => match wire::parse_timeout(value) {
-            Some(timeout) => Some(timeout),
+    let mut call = Request::new(());
+    if let Some(value) = headers.get("grpc-timeout") {
+        match wire::parse_timeout(value) {
+            Some(timeout) => call.set_timeout(timeout),
             None => {
                 refuse(
                     respond,
@@ -551,12 +696,11 @@ fn open_call(
                 );
                 return None;
             }
-        },
-    };
-    let metadata = wire::metadata_from_headers(headers);
-    let mut opening = Frame::stream_request(call_id, path, deadline, metadata);
-    opening.flags = FrameFlags::STREAMING | FrameFlags::KIND_UNKNOWN;
-    Some((opening, encoding))
+        }
+    }
+    *call.metadata_mut() = wire::metadata_from_headers(headers);
+    call.set_method(path.to_owned());
+    Some((call, encoding))
 }
 
 /// `/service/method`, both non-empty, within rpc-core's path limit.
@@ -571,319 +715,10 @@ fn is_method_path(path: &str) -> bool {
     !service.is_empty() && !method.is_empty() && path.len() <= rpc_core::frame::MAX_PATH_LEN
 }
 
-/// The client's request body → MESSAGE frames (the messages ready together
-/// in one), under the call's window; the end of the body → the half-close
-/// (on the last message frame when it came with it); a reset → a cancel.
-async fn read_requests(
-    mut body: RecvStream,
-    mut first: Option<Bytes>,
-    to_core: ToCore,
-    window: Arc<StreamWindow>,
-    fail: CallSender<Out>,
-    call_id: u64,
-    mut deframer: Deframer,
-) {
-    let max_message = deframer.max();
-    let mut batch = MessageBatch::default();
-    // Held while a message that came in pieces is assembled: its announced
-    // bytes, from the server's receive budget. HTTP/2's window is given
-    // back as each piece is taken, so the window does not bound what the
-    // gateway holds (a client may open a thousand streams, each with most
-    // of a message): the budget does.
-    let mut assembling: Option<(usize, Option<rpc_core::transport::Reservation>)> = None;
-    loop {
-        let next = match first.take() {
-            Some(chunk) => Some(Ok(chunk)),
-            None => body.data().await,
-        };
-        match next {
-            Some(Ok(chunk)) => {
-                let chunk_len = chunk.len();
-                deframer.push(chunk);
-                loop {
-                    let message = match deframer.next() {
-                        Ok(Some(Deframed::Plain(message))) => message,
-                        Ok(Some(Deframed::Compressed(encoding, compressed))) => {
-                            assembling = None;
-                            // What came before goes first, in order.
-                            if batch.flush(&to_core, call_id).await.is_err() {
-                                return;
-                            }
-                            let sent = send_decompressed(
-                                &to_core,
-                                &window,
-                                call_id,
-                                encoding,
-                                compressed,
-                                max_message,
-                            )
-                            .await;
-                            match sent {
-                                Ok(true) => continue,
-                                Ok(false) => return,
-                                Err(status) => {
-                                    fail.send(Out::Fail(status));
-                                    return;
-                                }
-                            }
-                        }
-                        Ok(None) => break,
-                        Err(error) => {
-                            fail.send(Out::Fail(deframe_status(error)));
-                            return;
-                        }
-                    };
-                    // Whole: its frame reserves its own bytes on the way in.
-                    assembling = None;
-                    if !batch.has_room_for(&message) || !window.try_acquire(message.len()) {
-                        if batch.flush(&to_core, call_id).await.is_err() {
-                            return;
-                        }
-                        window.acquire(message.len()).await;
-                    }
-                    batch.push(&message);
-                }
-                // The body's end came with this data: it rides on the batch.
-                let ended = body.is_end_stream();
-                if ended && deframer.finish().is_err() {
-                    continue;
-                }
-                if !batch.is_empty() {
-                    if to_core
-                        .send(batch.take_frame(call_id, ended))
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                    if ended {
-                        return;
-                    }
-                }
-                // The whole messages went in frames, which reserved their
-                // bytes. What is left is one message being assembled: its
-                // announced length comes out of the budget (once) before
-                // the peer may send more of it.
-                if let Some(len) = deframer.pending_len() {
-                    if assembling.as_ref().is_none_or(|(held, _)| *held != len) {
-                        match to_core.reserve(len).await {
-                            Ok(reservation) => assembling = Some((len, reservation)),
-                            Err(_) => return,
-                        }
-                    }
-                }
-                let _ = body.flow_control().release_capacity(chunk_len);
-            }
-            Some(Err(error)) => {
-                tracing::debug!(call_id, %error, "grpc: request stream ended by an error");
-                let _ = to_core
-                    .send(Frame::control(
-                        FrameKind::Cancel,
-                        FrameFlags::EMPTY,
-                        call_id,
-                    ))
-                    .await;
-                return;
-            }
-            None => {
-                if let Err(error) = deframer.finish() {
-                    fail.send(Out::Fail(deframe_status(error)));
-                    return;
-                }
-                let _ = to_core.send(Frame::half_close(call_id)).await;
-                return;
-            }
-        }
-    }
-}
-
-/// Inflates one compressed request message and hands it to rpc-core as a
-/// frame of its own. It waits for the call's window first (holding nothing
-/// of the budget meanwhile, as a plain message does), then reserves the
-/// length its trailer declares (within `max_message`) from the receive
-/// budget, and the frame carries that reservation: a small message that
-/// would inflate to a large one makes the gateway hold no more than the
-/// budget allows, and one that inflates past what it declared fails. A
-/// large one is inflated off the runtime's worker threads.
-/// `Ok(false)`: rpc-core is gone.
-async fn send_decompressed(
-    to_core: &ToCore,
-    window: &StreamWindow,
-    call_id: u64,
-    encoding: Encoding,
-    compressed: Bytes,
-    max_message: usize,
-) -> Result<bool, Status> {
-    let declared = wire::declared_len(encoding, &compressed).map_err(deframe_status)?;
-    if declared > max_message {
-        return Err(deframe_status(wire::DeframeError::TooLarge {
-            len: declared,
-            max: max_message,
-        }));
-    }
-    window.acquire(declared).await;
-    let mut batch = MessageBatch::default();
-    let frame_len = MessageBatch::frame_len_for(declared);
-    let Ok(reservation) = to_core.reserve(frame_len).await else {
-        return Ok(false);
-    };
-    let message = if declared >= INFLATE_OFF_THREAD {
-        let inflating =
-            tokio::task::spawn_blocking(move || wire::decompress(encoding, &compressed, declared));
-        inflating
-            .await
-            .map_err(|_| Status::internal("inflating a request message failed"))?
-    } else {
-        let inflated = wire::decompress(encoding, &compressed, declared);
-        drop(compressed);
-        inflated
-    }
-    .map_err(deframe_status)?;
-    batch.push(&message);
-    drop(message);
-    Ok(to_core
-        .send_reserved(batch.take_frame(call_id, false), reservation)
-        .await
-        .is_ok())
-}
-
-fn deframe_status(error: wire::DeframeError) -> Status {
-    match error {
-        wire::DeframeError::TooLarge { .. } => {
-            Status::resource_exhausted(format!("request {error} (the server's max_frame_len)"))
-        }
-        wire::DeframeError::Compressed => Status::unimplemented(error.to_string()),
-        wire::DeframeError::Decompress(_) => Status::internal(error.to_string()),
-        _ => Status::internal(error.to_string()),
-    }
-}
-
-/// rpc-core's frames for one call → its HTTP/2 response. A reset from the
-/// client cancels the call in rpc-core.
-async fn write_responses(
-    mut respond: SendResponse<Bytes>,
-    mut out: CallReceiver<Out>,
-    to_core: ToCore,
-    call_id: u64,
-    mut coding: CallCoding,
-) {
-    let cancel = || Frame::control(FrameKind::Cancel, FrameFlags::EMPTY, call_id);
-    let mut body: Option<SendStream<Bytes>> = None;
-    let mut ungranted = 0u64;
-    loop {
-        let next = tokio::select! {
-            next = out.recv() => next,
-            reset = reset_of(&mut respond, &mut body) => {
-                tracing::debug!(call_id, ?reset, "grpc: client reset the stream");
-                let _ = to_core.send(cancel()).await;
-                return;
-            }
-        };
-        let result = match next {
-            // rpc-core dropped the call without an end: its connection ended.
-            None => {
-                send_reset(&mut respond, &mut body, h2::Reason::INTERNAL_ERROR);
-                return;
-            }
-            Some(Out::Headers(metadata)) => {
-                start_body(&mut respond, &mut body, &metadata, &mut coding)
-            }
-            Some(Out::Messages(payload, room)) => {
-                let messages = link::split_messages(payload);
-                let cost: u64 = messages.iter().map(|m| SendWindow::cost(m.len())).sum();
-                let sent = send_messages(
-                    &mut respond,
-                    &mut body,
-                    &Metadata::new(),
-                    &messages,
-                    &mut coding,
-                )
-                .await;
-                // HTTP/2 took them (or the stream failed): their room is free.
-                drop(room);
-                ungranted += cost;
-                // Less than rpc-core's GRANT_AT ungranted never holds its
-                // sender back, so grants go in batches (none for a unary call).
-                if sent.is_ok() && ungranted >= GRANT_BATCH {
-                    let grant = ungranted.min(u64::from(u32::MAX)) as u32;
-                    ungranted -= u64::from(grant);
-                    if grant > 0 && to_core.send(Frame::window(call_id, grant)).await.is_err() {
-                        return;
-                    }
-                }
-                sent
-            }
-            Some(Out::End(frame, room)) => {
-                finish(&mut respond, &mut body, frame, &mut coding).await;
-                // HTTP/2 took the answer (or the stream failed).
-                drop(room);
-                return;
-            }
-            Some(Out::Fail(status)) => {
-                let _ = to_core.send(cancel()).await;
-                finish_with(&mut respond, &mut body, &status, &coding.accept);
-                return;
-            }
-        };
-        if let Err(error) = result {
-            tracing::debug!(call_id, %error, "grpc: response stream failed");
-            let _ = to_core.send(cancel()).await;
-            return;
-        }
-    }
-}
-
-/// Waits for the client to reset the stream.
-async fn reset_of(
-    respond: &mut SendResponse<Bytes>,
-    body: &mut Option<SendStream<Bytes>>,
-) -> Result<h2::Reason, h2::Error> {
-    std::future::poll_fn(|cx| match body {
-        Some(stream) => stream.poll_reset(cx),
-        None => respond.poll_reset(cx),
-    })
-    .await
-}
-
-fn send_reset(
-    respond: &mut SendResponse<Bytes>,
-    body: &mut Option<SendStream<Bytes>>,
-    reason: h2::Reason,
-) {
-    match body {
-        Some(stream) => stream.send_reset(reason),
-        None => respond.send_reset(reason),
-    }
-}
-
-/// Sends the response headers (with `metadata`) unless they went already.
-fn start_body(
-    respond: &mut SendResponse<Bytes>,
-    body: &mut Option<SendStream<Bytes>>,
-    metadata: &Metadata,
-    coding: &mut CallCoding,
-) -> Result<(), h2::Error> {
-    if body.is_none() {
-        let mut response = Response::new(());
-        grpc_headers(response.headers_mut(), &coding.accept);
-        coding.response = coding.choose(metadata);
-        if let Some(encoding) = coding.response {
-            response
-                .headers_mut()
-                .insert("grpc-encoding", HeaderValue::from_static(encoding.name()));
-        }
-        wire::metadata_into_headers(metadata, response.headers_mut());
-        *body = Some(respond.send_response(response, false)?);
-    }
-    Ok(())
-}
-
-/// How one call's messages are encoded: what this server accepts, what it
-/// would send, what the client accepts, and (once the response headers
-/// went) what the response uses.
+/// How one call's messages are encoded: what this server would send,
+/// what the client accepts, and (once the response headers went) what the
+/// response uses.
 struct CallCoding {
-    /// This server's `grpc-accept-encoding`.
-    accept: HeaderValue,
     /// The server's encoding for responses ([`crate::GrpcOptions::send_compressed`]).
     send: Option<Encoding>,
     /// What the client's `grpc-accept-encoding` lists.
@@ -902,19 +737,247 @@ impl CallCoding {
     }
 }
 
-/// Sends the response headers (with `metadata`) unless they went already,
-/// then `messages`, as HTTP/2's flow control lets them go.
-async fn send_messages(
-    respond: &mut SendResponse<Bytes>,
-    body: &mut Option<SendStream<Bytes>>,
-    metadata: &Metadata,
-    messages: &[Bytes],
-    coding: &mut CallCoding,
-) -> Result<(), h2::Error> {
-    start_body(respond, body, metadata, coding)?;
-    match body.as_mut() {
-        Some(stream) => data::write_messages(stream, messages, coding.response).await,
-        None => Ok(()),
+/// One call's HTTP/2 response: its headers, its messages under HTTP/2's
+/// flow control, its trailers. The handler's sink ([`Target`]) writes the
+/// messages; the call's future the rest. Both run in the connection's
+/// task, one after the other, so the lock is never contended.
+struct Writer {
+    respond: SendResponse<Bytes>,
+    /// Once the response headers went.
+    body: Option<SendStream<Bytes>>,
+    /// Framed messages HTTP/2 has not taken yet.
+    pending: VecDeque<Bytes>,
+    pending_len: usize,
+    /// Small messages framed together, not yet in `pending`.
+    batch: BytesMut,
+    coding: CallCoding,
+    shared: Arc<Shared>,
+    /// The call is over: a handler that kept its sink sends no more.
+    ended: bool,
+}
+
+fn lock(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
+    writer.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let held = self.pending_len + self.batch.len();
+        self.shared.queued.fetch_sub(held, Ordering::Relaxed);
+    }
+}
+
+impl Writer {
+    /// Sends the response headers (with `metadata`) unless they went already.
+    fn start(&mut self, metadata: &Metadata) -> Result<(), Status> {
+        if self.body.is_some() {
+            return Ok(());
+        }
+        let mut response = Response::new(());
+        grpc_headers(response.headers_mut(), &self.shared.accept);
+        self.coding.response = self.coding.choose(metadata);
+        if let Some(encoding) = self.coding.response {
+            response
+                .headers_mut()
+                .insert("grpc-encoding", HeaderValue::from_static(encoding.name()));
+        }
+        wire::metadata_into_headers(metadata, response.headers_mut());
+        let body = self
+            .respond
+            .send_response(response, false)
+            .map_err(h2_status)?;
+        self.body = Some(body);
+        Ok(())
+    }
+
+    /// Frames `message` behind what is pending (compressed if the response is).
+    fn push(&mut self, message: Payload) {
+        let before = self.pending_len + self.batch.len();
+        let encoding = self.coding.response;
+        let message = match encoding {
+            Some(encoding) => Payload::from(wire::compress(encoding, &message.into_contiguous())),
+            None => message,
+        };
+        if message.len() < COPY_BELOW {
+            self.batch.reserve(MESSAGE_PREFIX + message.len());
+            self.batch
+                .extend_from_slice(&[u8::from(encoding.is_some())]);
+            self.batch
+                .extend_from_slice(&(message.len() as u32).to_be_bytes());
+            for part in message.parts() {
+                self.batch.extend_from_slice(part);
+            }
+        } else {
+            self.batch
+                .extend_from_slice(&[u8::from(encoding.is_some())]);
+            self.batch
+                .extend_from_slice(&(message.len() as u32).to_be_bytes());
+            self.move_batch();
+            for part in message.parts() {
+                self.pending_len += part.len();
+                self.pending.push_back(part.clone());
+            }
+        }
+        let after = self.pending_len + self.batch.len();
+        self.shared
+            .queued
+            .fetch_add(after - before, Ordering::Relaxed);
+    }
+
+    fn move_batch(&mut self) {
+        if !self.batch.is_empty() {
+            let batch = self.batch.split().freeze();
+            self.pending_len += batch.len();
+            self.pending.push_back(batch);
+        }
+    }
+
+    /// Hands what is pending to HTTP/2 as its window allows.
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        self.move_batch();
+        let Some(body) = self.body.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        while let Some(front) = self.pending.front_mut() {
+            body.reserve_capacity(front.len());
+            let capacity = match body.poll_capacity(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => {
+                    return Poll::Ready(Err(Status::cancelled("the stream closed")));
+                }
+                Poll::Ready(Some(Err(error))) => return Poll::Ready(Err(h2_status(error))),
+                Poll::Ready(Some(Ok(capacity))) => capacity,
+            };
+            if capacity == 0 {
+                continue;
+            }
+            let piece = front.split_to(capacity.min(front.len()));
+            if front.is_empty() {
+                self.pending.pop_front();
+            }
+            let len = piece.len();
+            self.pending_len -= len;
+            self.shared.queued.fetch_sub(len, Ordering::Relaxed);
+            body.send_data(piece, false).map_err(h2_status)?;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_reset(&mut self, cx: &mut Context<'_>) -> Poll<h2::Reason> {
+        let reset = match self.body.as_mut() {
+            Some(body) => body.poll_reset(cx),
+            None => self.respond.poll_reset(cx),
+        };
+        reset.map(|reset| reset.unwrap_or(h2::Reason::CANCEL))
+    }
+
+    /// Ends the response with `status` (its metadata the trailers): in the
+    /// headers when none went (trailers-only), else as trailers.
+    fn end(&mut self, status: &Status) {
+        self.ended = true;
+        let result = match self.body.as_mut() {
+            Some(body) => body.send_trailers(wire::trailers(
+                status.code(),
+                status.message(),
+                status.metadata(),
+            )),
+            None => self
+                .respond
+                .send_response(
+                    trailers_only(
+                        status.code(),
+                        status.message(),
+                        status.metadata(),
+                        &self.shared.accept,
+                    ),
+                    true,
+                )
+                .map(drop),
+        };
+        if let Err(error) = result {
+            tracing::debug!(%error, "grpc: could not end the response");
+        }
+    }
+}
+
+/// Ends a call's response: a unary method's answer (headers, message,
+/// trailers), or the trailers after what the handler sent.
+async fn finish(writer: &Mutex<Writer>, end: CallEnd) {
+    let status = match end {
+        CallEnd::Answer(response) => {
+            let (metadata, message) = response.into_parts();
+            let started = {
+                let mut writer = lock(writer);
+                writer.start(&metadata).map(|()| writer.push(message))
+            };
+            match started {
+                Ok(()) => Status::new(Code::Ok, ""),
+                Err(status) => status,
+            }
+        }
+        CallEnd::Ended(status) => status,
+    };
+    // What the handler (or the answer) left goes before the trailers.
+    if status.code() == Code::Ok || lock(writer).body.is_some() {
+        let flushed = std::future::poll_fn(|cx| lock(writer).poll_flush(cx)).await;
+        if let Err(error) = flushed {
+            tracing::debug!(%error, "grpc: response stream failed");
+            return;
+        }
+    }
+    lock(writer).end(&status);
+}
+
+/// The handler's sink on a call's [`Writer`].
+struct Target(Arc<Mutex<Writer>>);
+
+fn ended() -> Status {
+    Status::cancelled("the call has ended")
+}
+
+impl MessageTarget for Target {
+    fn send_headers(&mut self, metadata: Metadata) -> Result<(), Status> {
+        let mut writer = lock(&self.0);
+        if writer.ended {
+            return Err(ended());
+        }
+        writer.start(&metadata)
+    }
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        let mut writer = lock(&self.0);
+        if writer.ended {
+            return Poll::Ready(Err(ended()));
+        }
+        if writer.pending_len + writer.batch.len() >= PENDING_BYTES {
+            return writer.poll_flush(cx);
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn start_send(&mut self, message: Payload) -> Result<(), Status> {
+        let mut writer = lock(&self.0);
+        if writer.ended {
+            return Err(ended());
+        }
+        writer.push(message);
+        Ok(())
+    }
+
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        let mut writer = lock(&self.0);
+        if writer.ended {
+            return Poll::Ready(Err(ended()));
+        }
+        writer.poll_flush(cx)
+    }
+}
+
+/// The status a call gets when HTTP/2 failed it.
+fn h2_status(error: h2::Error) -> Status {
+    match error.reason() {
+        Some(reason) if error.is_reset() => wire::status_from_reset(reason),
+        _ => Status::unavailable(format!("the HTTP/2 connection failed: {error}")),
     }
 }
 
@@ -924,61 +987,6 @@ fn grpc_headers(headers: &mut HeaderMap, accept: &HeaderValue) {
         HeaderValue::from_static(wire::CONTENT_TYPE),
     );
     headers.insert("grpc-accept-encoding", accept.clone());
-}
-
-/// Ends the response with rpc-core's final frame for the call. An OK end
-/// with no headers before it is a unary method's answer (every call here is
-/// of unknown kind): its metadata and message, then the trailers.
-async fn finish(
-    respond: &mut SendResponse<Bytes>,
-    body: &mut Option<SendStream<Bytes>>,
-    frame: Frame,
-    coding: &mut CallCoding,
-) {
-    if frame.status != Code::Ok {
-        let message = String::from_utf8_lossy(&frame.payload.into_contiguous()).into_owned();
-        let status = Status::with_metadata(frame.status, message, frame.metadata);
-        return finish_with(respond, body, &status, &coding.accept);
-    }
-    if body.is_none() {
-        let message = frame.payload.into_contiguous();
-        if let Err(error) = send_messages(respond, body, &frame.metadata, &[message], coding).await
-        {
-            tracing::debug!(%error, "grpc: could not send the answer");
-            return;
-        }
-        return finish_with(respond, body, &Status::new(Code::Ok, ""), &coding.accept);
-    }
-    finish_with(
-        respond,
-        body,
-        &Status::with_metadata(Code::Ok, "", frame.metadata),
-        &coding.accept,
-    );
-}
-
-fn finish_with(
-    respond: &mut SendResponse<Bytes>,
-    body: &mut Option<SendStream<Bytes>>,
-    status: &Status,
-    accept: &HeaderValue,
-) {
-    let result = match body {
-        Some(stream) => stream.send_trailers(wire::trailers(
-            status.code(),
-            status.message(),
-            status.metadata(),
-        )),
-        None => respond
-            .send_response(
-                trailers_only(status.code(), status.message(), status.metadata(), accept),
-                true,
-            )
-            .map(drop),
-    };
-    if let Err(error) = result {
-        tracing::debug!(%error, "grpc: could not end the response");
-    }
 }
 
 /// A response that is only headers, with the status in them.

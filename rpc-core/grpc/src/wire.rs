@@ -497,11 +497,6 @@ impl Deframer {
         }
     }
 
-    /// The largest message it takes.
-    pub(crate) fn max(&self) -> usize {
-        self.max
-    }
-
     /// The next whole message, compressed or not.
     pub(crate) fn next(&mut self) -> Result<Option<Deframed>, DeframeError> {
         let compressed = self.buffer.first() == Some(&1);

@@ -541,6 +541,128 @@ fn status_frame(call_id: u64, status: Status) -> Frame {
     Frame::response(call_id, code, status.metadata().clone(), message)
 }
 
+/// What the server does around every call, whoever brought it (a
+/// connection of rpc-core's frames, or a front end): metrics, the span and
+/// the access log.
+pub(crate) struct CallLog {
+    record: Option<CallRecord>,
+    access: Option<(String, String)>,
+    span: tracing::Span,
+    started: Option<Instant>,
+    request_len: usize,
+}
+
+impl CallLog {
+    pub(crate) fn start(
+        method: &str,
+        call_id: u64,
+        peer: &str,
+        request_len: usize,
+        access_log: bool,
+    ) -> CallLog {
+        let span = tracing::debug_span!("rpc.server", method = %method, call_id, %peer);
+        // Only a call someone traces or logs reads the clock for its duration.
+        let started = (!span.is_disabled() || access_log).then(Instant::now);
+        CallLog {
+            record: CallRecord::start(Side::Server, method, request_len),
+            access: access_log.then(|| (method.to_owned(), peer.to_owned())),
+            span,
+            started,
+            request_len,
+        }
+    }
+
+    pub(crate) fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    pub(crate) fn finish(self, code: Code, response_len: usize) {
+        let CallLog {
+            record,
+            access,
+            span,
+            started,
+            request_len,
+        } = self;
+        if let Some(record) = record {
+            record.finish(code, response_len);
+        }
+        let elapsed_us = started.map_or(0, |started| started.elapsed().as_micros() as u64);
+        if let Some((method, peer)) = access {
+            tracing::info!(
+                target: "rpc_core::access",
+                %method,
+                %peer,
+                code = %code,
+                latency_us = elapsed_us,
+                request_bytes = request_len,
+                response_bytes = response_len,
+                "call"
+            );
+        }
+        tracing::debug!(parent: &span, code = ?code, elapsed_us, "call finished");
+    }
+}
+
+/// Runs the server's service for one call: under its deadline
+/// (`DeadlineExceeded` when it passes), a panic caught as `Internal` for
+/// that call alone; then, for a streaming call, checks that the service
+/// took the stream (or answered as a unary method does a call of unknown
+/// kind).
+pub(crate) async fn run_service(
+    service: ServerService,
+    request: Request<Bytes>,
+    stream: Option<&ServerStreamSlot>,
+    span: &tracing::Span,
+) -> Result<Response<Payload>, Status> {
+    let deadline = request.timeout();
+    // Named in the refusal of a streaming call no service took.
+    let method = stream.map(|_| request.method().unwrap_or_default().to_owned());
+    let handler = AssertUnwindSafe(service.oneshot(request)).catch_unwind();
+    let outcome = match deadline {
+        Some(deadline) => tokio::time::timeout(deadline, handler)
+            .instrument(span.clone())
+            .await
+            .unwrap_or_else(|_| {
+                Ok(Err(Status::deadline_exceeded(
+                    "deadline exceeded on the server",
+                )))
+            }),
+        None => handler.instrument(span.clone()).await,
+    };
+    match outcome {
+        // A service that took no stream from a streaming call cannot serve it.
+        Ok(Ok(response))
+            if stream.is_some_and(|slot| !slot.0.is_taken())
+                && response.extensions().get::<UnaryAnswer>().is_none() =>
+        {
+            Err(Status::unimplemented(format!(
+                "{} is not a streaming method: call it as a unary one",
+                method.as_deref().unwrap_or_default()
+            )))
+        }
+        Ok(result) => result,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(parent: span, panic = %what, "handler panicked");
+            Err(Status::internal("handler panicked"))
+        }
+    }
+}
+
+/// A response over the frame limit, as the status the call gets instead.
+pub(crate) fn over_frame_limit(len: usize, max_frame_len: usize) -> Option<Status> {
+    (len > max_frame_len).then(|| {
+        Status::resource_exhausted(format!(
+            "response of {len} bytes exceeds the frame limit of {max_frame_len} bytes"
+        ))
+    })
+}
+
 async fn run_call(
     frame: Frame,
     stream: Option<ServerStreamSlot>,
@@ -551,12 +673,7 @@ async fn run_call(
     access_log: bool,
 ) -> u64 {
     let call_id = frame.call_id;
-    let request_len = frame.payload.len();
-    let record = CallRecord::start(Side::Server, &frame.path, request_len);
-    let access = access_log.then(|| (frame.path.clone(), peer.clone()));
-    let span = tracing::debug_span!("rpc.server", method = %frame.path, call_id, %peer);
-    // Only a call someone traces or logs reads the clock for its duration.
-    let started = (!span.is_disabled() || access_log).then(Instant::now);
+    let log = CallLog::start(&frame.path, call_id, &peer, frame.payload.len(), access_log);
     let deadline = frame.deadline;
     let kind_unknown = frame.is_kind_unknown();
     let payload = frame.payload.into_contiguous();
@@ -574,8 +691,6 @@ async fn run_call(
     if let Some(deadline) = deadline {
         request.set_timeout(deadline);
     }
-    // Named in the refusal of a streaming call no service took.
-    let method = stream.as_ref().map(|_| frame.path.clone());
     if kind_unknown {
         request.extensions_mut().insert(KindUnknown);
     }
@@ -588,33 +703,8 @@ async fn run_call(
         request.extensions_mut().insert(stream.clone());
     }
 
-    let handler = AssertUnwindSafe(service.oneshot(request)).catch_unwind();
-    let outcome = match deadline {
-        Some(deadline) => tokio::time::timeout(deadline, handler)
-            .instrument(span.clone())
-            .await
-            .unwrap_or_else(|_| {
-                Ok(Err(Status::deadline_exceeded(
-                    "deadline exceeded on the server",
-                )))
-            }),
-        None => handler.instrument(span.clone()).await,
-    };
-    let response = match outcome {
-        // A service that took no stream from a streaming call cannot serve it.
-        Ok(Ok(response))
-            if stream.as_ref().is_some_and(|slot| !slot.0.is_taken())
-                && response.extensions().get::<UnaryAnswer>().is_none() =>
-        {
-            status_frame(
-                call_id,
-                Status::unimplemented(format!(
-                    "{} is not a streaming method: call it as a unary one",
-                    method.as_deref().unwrap_or_default()
-                )),
-            )
-        }
-        Ok(Ok(response)) => {
+    let response = match run_service(service, request, stream.as_ref(), log.span()).await {
+        Ok(response) => {
             let unary_answer = kind_unknown && response.extensions().get::<UnaryAnswer>().is_some();
             let (metadata, payload): (Metadata, Payload) = response.into_parts();
             // A stream's messages went before; its end carries none (but a
@@ -626,42 +716,13 @@ async fn run_call(
             };
             Frame::response(call_id, Code::Ok, metadata, payload)
         }
-        Ok(Err(status)) => status_frame(call_id, status),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            tracing::error!(parent: &span, panic = %what, "handler panicked");
-            status_frame(call_id, Status::internal("handler panicked"))
-        }
+        Err(status) => status_frame(call_id, status),
     };
-    let response = if response.encoded_len() > max_frame_len {
-        let status = Status::resource_exhausted(format!(
-            "response of {} bytes exceeds the frame limit of {max_frame_len} bytes",
-            response.encoded_len()
-        ));
-        status_frame(call_id, status)
-    } else {
-        response
+    let response = match over_frame_limit(response.encoded_len(), max_frame_len) {
+        Some(status) => status_frame(call_id, status),
+        None => response,
     };
-    if let Some(record) = record {
-        record.finish(response.status, response.payload.len());
-    }
-    if let Some((method, peer)) = access {
-        tracing::info!(
-            target: "rpc_core::access",
-            %method,
-            %peer,
-            code = %response.status,
-            latency_us = started.map_or(0, |started| started.elapsed().as_micros() as u64),
-            request_bytes = request_len,
-            response_bytes = response.payload.len(),
-            "call"
-        );
-    }
-    tracing::debug!(parent: &span, code = ?response.status, elapsed_us = started.map_or(0, |started| started.elapsed().as_micros() as u64), "call finished");
+    log.finish(response.status, response.payload.len());
     // Waits for room in the queue; if the writer is gone there is no one to tell.
     let response = response.encode_parts();
     match outbound.try_reserve(response.len()) {

@@ -54,6 +54,7 @@
 
 mod address_share;
 mod connection;
+pub mod front_end;
 mod routes;
 mod stats;
 pub mod streaming;
@@ -75,6 +76,7 @@ use tower_service::Service;
 
 use crate::error::Error;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame, FrameFlags, FrameKind};
+use crate::metrics::{ConnectionRecord, Side};
 use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{BoxError, Code, Status};
@@ -383,8 +385,18 @@ where
             max_frame_len: self.server.config.max_frame_len,
             receive_budget: Some(budget.clone()),
         };
-        let listener = transport::bind_with(&*transport, &endpoint, &transport_config).await?;
-        Ok(self.listening(listener, budget))
+        let incoming = match transport.front_end() {
+            Some(front_end) => Incoming::Calls(
+                front_end
+                    .bind(&endpoint, &transport_config)
+                    .await
+                    .map_err(|error| transport::in_context(error, "cannot listen on", &endpoint))?,
+            ),
+            None => Incoming::Frames(
+                transport::bind_with(&*transport, &endpoint, &transport_config).await?,
+            ),
+        };
+        Ok(self.listening(incoming, budget))
     }
 
     /// Serves connections from `incoming`, any [`Listener`]
@@ -396,10 +408,10 @@ where
     /// limits apply as everywhere.
     pub fn listen_on(self, incoming: Box<dyn transport::Listener>) -> Listening {
         let budget = ReceiveBudget::new(self.server.config.receive_budget());
-        self.listening(incoming, budget)
+        self.listening(Incoming::Frames(incoming), budget)
     }
 
-    fn listening(self, listener: Box<dyn transport::Listener>, budget: ReceiveBudget) -> Listening {
+    fn listening(self, listener: Incoming, budget: ReceiveBudget) -> Listening {
         let service = self.server.layer.layer(self.routes);
         let service = tower::ServiceExt::map_err(
             service,
@@ -444,7 +456,7 @@ where
 
 /// A bound server that has not started serving yet.
 pub struct Listening {
-    listener: Box<dyn Listener>,
+    listener: Incoming,
     service: connection::ServerService,
     config: ServerConfig,
     stats: ServerStats,
@@ -507,26 +519,49 @@ impl Listening {
             tokio::select! {
                 () = &mut signal => break,
                 accepted = listener.next() => match accepted {
-                    Some(Ok(connection)) => match (slots.clone().try_acquire_owned(), shares.take(&connection.peer)) {
+                    Some(Ok(connection)) => match (slots.clone().try_acquire_owned(), shares.take(connection.peer())) {
                         (Ok(slot), Ok(share)) => {
-                            tracing::debug!(peer = %connection.peer, "accepted connection");
+                            tracing::debug!(peer = %connection.peer(), "accepted connection");
                             let slot = stats.inner.connection_slot(slot);
-                            let served = connection::serve_connection(
-                                connection,
-                                service.clone(),
-                                config.clone(),
-                                connection::Shutdown {
-                                    graceful: shutdown.child_token(),
-                                    now: abort.child_token(),
-                                },
-                                stats.inner.clone(),
-                                slot,
-                                scheme.clone(),
-                            );
-                            connections.spawn(async move {
-                                let _share = share;
-                                served.await
-                            });
+                            let shutdown = connection::Shutdown {
+                                graceful: shutdown.child_token(),
+                                now: abort.child_token(),
+                            };
+                            match connection {
+                                Accepted::Frames(connection) => {
+                                    let served = connection::serve_connection(
+                                        connection,
+                                        service.clone(),
+                                        config.clone(),
+                                        shutdown,
+                                        stats.inner.clone(),
+                                        slot,
+                                        scheme.clone(),
+                                    );
+                                    connections.spawn(async move {
+                                        let _share = share;
+                                        served.await
+                                    });
+                                }
+                                Accepted::Calls(connection) => {
+                                    let calls = front_end::Calls::new(
+                                        service.clone(),
+                                        connection.peer().to_owned(),
+                                        config.max_frame_len,
+                                        config.max_concurrent_calls_per_connection,
+                                        config.idle_timeout,
+                                        config.access_log,
+                                        shutdown.graceful,
+                                        shutdown.now,
+                                    );
+                                    let served = connection.serve(calls);
+                                    let counted = ConnectionRecord::open(Side::Server, &scheme);
+                                    connections.spawn(async move {
+                                        let (_share, _slot, _counted) = (share, slot, counted);
+                                        served.await
+                                    });
+                                }
+                            }
                         }
                         (slot, share) => {
                             // Per address first: it names who is refused.
@@ -551,19 +586,37 @@ impl Listening {
                             if let Some(suppressed) = refusal_warnings.allow() {
                                 tracing::warn!(
                                     %endpoint,
-                                    peer = %connection.peer,
+                                    peer = %connection.peer(),
                                     limit,
                                     suppressed,
                                     %reason,
                                     "refusing a connection"
                                 );
                             }
-                            connections.spawn(refuse(
-                                connection,
-                                reason,
-                                lingering_refusals.clone().try_acquire_owned().ok(),
-                                shutdown.child_token(),
-                            ));
+                            let linger = lingering_refusals.clone().try_acquire_owned().ok();
+                            match connection {
+                                Accepted::Frames(connection) => {
+                                    connections.spawn(refuse(
+                                        connection,
+                                        reason,
+                                        linger,
+                                        shutdown.child_token(),
+                                    ));
+                                }
+                                // Only while few refusals linger; others are dropped at once.
+                                Accepted::Calls(connection) => if let Some(linger) = linger {
+                                    let refusal = connection.refuse(reason);
+                                    let shutdown = shutdown.child_token();
+                                    connections.spawn(async move {
+                                        let _linger = linger;
+                                        tokio::select! {
+                                            () = refusal => {}
+                                            () = tokio::time::sleep(FRONT_END_REFUSAL) => {}
+                                            () = shutdown.cancelled() => {}
+                                        }
+                                    });
+                                },
+                            }
                         }
                     },
                     Some(Err(error)) => {
@@ -674,6 +727,47 @@ impl RateLimit {
 /// `reason`, then the close. With a `linger` slot it reads and discards what
 /// the peer sends meanwhile (at most [`CLOSE_LINGER`]), so that the peer sees
 /// the GOAWAY rather than a reset; without one it closes at once.
+/// How long a front end's connection may take to say it is refused.
+const FRONT_END_REFUSAL: Duration = Duration::from_secs(3);
+
+/// What a server listens with.
+enum Incoming {
+    /// A transport's connections of rpc-core's frames.
+    Frames(Box<dyn Listener>),
+    /// A front end's connections, which bring their calls themselves.
+    Calls(Box<dyn front_end::FrontEndListener>),
+}
+
+enum Accepted {
+    Frames(Connection),
+    Calls(Box<dyn front_end::FrontEndConnection>),
+}
+
+impl Accepted {
+    fn peer(&self) -> &str {
+        match self {
+            Accepted::Frames(connection) => &connection.peer,
+            Accepted::Calls(connection) => connection.peer(),
+        }
+    }
+}
+
+impl Incoming {
+    fn local_endpoint(&self) -> Endpoint {
+        match self {
+            Incoming::Frames(listener) => listener.local_endpoint(),
+            Incoming::Calls(listener) => listener.local_endpoint(),
+        }
+    }
+
+    async fn next(&mut self) -> Option<Result<Accepted, TransportError>> {
+        match self {
+            Incoming::Frames(listener) => Some(listener.next().await?.map(Accepted::Frames)),
+            Incoming::Calls(listener) => Some(listener.next().await?.map(Accepted::Calls)),
+        }
+    }
+}
+
 async fn refuse(
     connection: Connection,
     reason: String,

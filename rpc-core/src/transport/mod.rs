@@ -143,6 +143,14 @@ pub trait Transport: Send + Sync + 'static {
         endpoint: &Endpoint,
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Box<dyn Listener>, TransportError>>;
+
+    /// The transport's listening side when it is a front end, one that
+    /// brings its calls to the server's routes itself rather than as
+    /// rpc-core's frames (gRPC's HTTP/2: see [`crate::server::front_end`]).
+    /// A [`crate::Server`] binds through it instead of [`Transport::bind`].
+    fn front_end(&self) -> Option<&dyn crate::server::front_end::FrontEnd> {
+        None
+    }
 }
 
 /// What can go wrong below the RPC layer.
@@ -284,7 +292,11 @@ pub async fn bind_with(
 
 /// An I/O error of a connect or bind, with the endpoint and a hint; its kind
 /// stays (callers match on it).
-fn in_context(error: TransportError, doing: &str, endpoint: &Endpoint) -> TransportError {
+pub(crate) fn in_context(
+    error: TransportError,
+    doing: &str,
+    endpoint: &Endpoint,
+) -> TransportError {
     let TransportError::Io(io) = error else {
         return error;
     };
