@@ -571,7 +571,7 @@ impl Streaming<Bytes> {
         messages: impl Stream<Item = Result<Bytes, Status>> + Send + 'static,
     ) -> Streaming<Bytes> {
         Streaming {
-            inbound: Inbound::Messages(Box::pin(messages)),
+            inbound: Inbound::Messages(Box::pin(messages.fuse())),
             decode: Box::new(Ok),
         }
     }
@@ -676,7 +676,30 @@ pub trait MessageTarget: Send + 'static {
     /// Ready once everything taken has gone to the peer's side (what the
     /// peer's flow control lets go).
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>>;
+
+    /// How the target frames a message, when it takes messages framed by
+    /// the sink ([`MessageTarget::start_send_framed`]): a function that
+    /// writes the prefix of a message of the given length. The sink then
+    /// encodes the messages that are ready together straight into one
+    /// buffer behind their prefixes (one hand-over, no copy per message).
+    /// `None` (the default; also for a target that must see each message
+    /// alone, to compress it): one [`MessageTarget::start_send`] each.
+    fn framing(&mut self) -> Option<fn(usize, &mut PayloadBuf)> {
+        None
+    }
+
+    /// Takes messages framed as [`MessageTarget::framing`] said, after
+    /// `poll_ready` said `Ready(Ok)`.
+    fn start_send_framed(&mut self, framed: Payload) -> Result<(), Status> {
+        let _ = framed;
+        Err(Status::internal(
+            "this message target frames its messages itself",
+        ))
+    }
 }
+
+/// Bytes of ready messages a [`MessageTarget`] gets framed together.
+const FRAMED_BATCH: usize = 32 << 10;
 
 /// A [`MessageSink`] over a [`MessageTarget`].
 struct TargetSink {
@@ -711,35 +734,91 @@ impl TargetSink {
         std::future::poll_fn(|cx| self.target.poll_flush(cx)).await
     }
 
+    fn check_len(&self, len: usize) -> Result<(), Status> {
+        if len > self.max_message {
+            return Err(Status::resource_exhausted(format!(
+                "stream message of {len} bytes exceeds the limit of {} bytes",
+                self.max_message
+            )));
+        }
+        Ok(())
+    }
+
     async fn send_encoded<C, S>(&mut self, messages: S, mut codec: C) -> Result<(), Status>
     where
         C: Codec,
         S: Stream<Item = Result<C::Encode, Status>>,
     {
         let mut messages = std::pin::pin!(messages);
-        loop {
+        let mut held: Option<Prepared<C::Encode>> = None;
+        let mut ended = false;
+        while !ended {
             // What is ready goes together; the target flushes only when
             // the producer has nothing more at once.
-            let next = match messages.next().now_or_never() {
-                Some(next) => next,
+            let first = match held.take() {
+                Some(first) => first,
                 None => {
-                    self.flush().await?;
-                    messages.next().await
+                    let next = match messages.next().now_or_never() {
+                        Some(next) => next,
+                        None => {
+                            self.flush().await?;
+                            messages.next().await
+                        }
+                    };
+                    match next {
+                        None => break,
+                        Some(Err(status)) => {
+                            self.flush().await?;
+                            return Err(status);
+                        }
+                        Some(Ok(item)) => Prepared::new(&mut codec, item)?,
+                    }
                 }
             };
-            match next {
-                None => break,
-                Some(Err(status)) => {
-                    self.flush().await?;
-                    return Err(status);
+            // A producer that never waits gives its worker back now and
+            // then (a front end's connection shares its task).
+            tokio::task::consume_budget().await;
+            self.check_len(first.len())?;
+            self.start()?;
+            std::future::poll_fn(|cx| self.target.poll_ready(cx)).await?;
+            let Some(prefix) = self.target.framing() else {
+                let message = match first {
+                    Prepared::Typed(item, _) => codec.encode_payload(item)?,
+                    Prepared::Encoded(payload) => payload,
+                };
+                self.target.start_send(message)?;
+                continue;
+            };
+            let mut bytes = first.len();
+            let mut batch = PayloadBuf::with_len_hint(bytes.min(FRAMED_BATCH) + 16);
+            first.write_with(&mut codec, &mut batch, prefix)?;
+            let mut failure = None;
+            // More that are ready now, as far as the batch goes.
+            while bytes < FRAMED_BATCH {
+                let item = match messages.next().now_or_never() {
+                    None => break,
+                    Some(None) => {
+                        ended = true;
+                        break;
+                    }
+                    Some(Some(Err(status))) => {
+                        failure = Some(status);
+                        break;
+                    }
+                    Some(Some(Ok(item))) => Prepared::new(&mut codec, item)?,
+                };
+                if bytes + item.len() > FRAMED_BATCH {
+                    held = Some(item);
+                    break;
                 }
-                Some(Ok(item)) => {
-                    // A producer that never waits gives its worker back now
-                    // and then (the front end's connection shares its task).
-                    tokio::task::consume_budget().await;
-                    let message = codec.encode_payload(item)?;
-                    self.put(message).await?;
-                }
+                self.check_len(item.len())?;
+                bytes += item.len();
+                item.write_with(&mut codec, &mut batch, prefix)?;
+            }
+            self.target.start_send_framed(batch.finish())?;
+            if let Some(status) = failure {
+                self.flush().await?;
+                return Err(status);
             }
         }
         self.start()?;
@@ -790,6 +869,28 @@ impl<T> Prepared<T> {
         let len = u32::try_from(self.len())
             .map_err(|_| Status::resource_exhausted("stream message over 4 GiB"))?;
         batch.put_u32_le(len);
+        self.write_body(codec, batch)
+    }
+
+    /// Appends `prefix` (for the message's length) and the message to `batch`.
+    fn write_with<C: Codec<Encode = T>>(
+        self,
+        codec: &mut C,
+        batch: &mut PayloadBuf,
+        prefix: fn(usize, &mut PayloadBuf),
+    ) -> Result<(), Status> {
+        if u32::try_from(self.len()).is_err() {
+            return Err(Status::resource_exhausted("stream message over 4 GiB"));
+        }
+        prefix(self.len(), batch);
+        self.write_body(codec, batch)
+    }
+
+    fn write_body<C: Codec<Encode = T>>(
+        self,
+        codec: &mut C,
+        batch: &mut PayloadBuf,
+    ) -> Result<(), Status> {
         match self {
             Prepared::Typed(item, _) => codec.encode_into(item, batch),
             Prepared::Encoded(payload) => {

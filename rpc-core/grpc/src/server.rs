@@ -23,13 +23,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use rpc_core::codec::PayloadBuf;
 use rpc_core::frame::HEADER_LEN;
 use rpc_core::metadata::Metadata;
 use rpc_core::server::front_end::{CallEnd, Calls, FrontEndConnection, FrontEndListener};
@@ -259,6 +260,8 @@ where
     let mut ending_now = std::pin::pin!(calls.ending_now());
     let mut going_away = false;
     let mut ended_at: Option<tokio::time::Instant> = None;
+    // Calls taken, and how many the idle timer saw last (no clock read per call).
+    let (mut taken, mut taken_at_idle_check) = (0u64, 0u64);
     loop {
         // New calls wait (in h2, under its stream limit) while answers
         // HTTP/2 has not taken are over the bound.
@@ -266,6 +269,7 @@ where
         tokio::select! {
             event = std::future::poll_fn(|cx| h2_woke.poll(cx, |cx| poll_h2(&mut h2, cx, accepting))) => match event {
                 H2Event::Call(request, respond) => {
+                    taken += 1;
                     let mut call = Box::pin(serve_call(request, respond, calls.clone(), shared.clone()));
                     // Its first poll now, in this task: a handler that
                     // answers at once answers before the next call is taken
@@ -288,6 +292,12 @@ where
                 }
             }
             () = &mut idle, if running.is_empty() && !going_away => {
+                if taken != taken_at_idle_check {
+                    // Calls came (and went) since: idle from now on.
+                    taken_at_idle_check = taken;
+                    idle.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
+                    continue;
+                }
                 tracing::debug!(peer = %calls.peer(), "grpc: connection idle, closing");
                 going_away = true;
                 h2.graceful_shutdown();
@@ -824,6 +834,16 @@ impl Writer {
             .fetch_add(after - before, Ordering::Relaxed);
     }
 
+    /// Takes messages the sink framed already (see [`plain_prefix`]).
+    fn push_framed(&mut self, framed: Payload) {
+        self.move_batch();
+        for part in framed.parts() {
+            self.pending_len += part.len();
+            self.shared.queued.fetch_add(part.len(), Ordering::Relaxed);
+            self.pending.push_back(part.clone());
+        }
+    }
+
     fn move_batch(&mut self) {
         if !self.batch.is_empty() {
             let batch = self.batch.split().freeze();
@@ -971,6 +991,27 @@ impl MessageTarget for Target {
         }
         writer.poll_flush(cx)
     }
+
+    fn framing(&mut self) -> Option<fn(usize, &mut PayloadBuf)> {
+        // A compressed response compresses each message alone.
+        let uncompressed = lock(&self.0).coding.response.is_none();
+        uncompressed.then_some(plain_prefix as fn(usize, &mut PayloadBuf))
+    }
+
+    fn start_send_framed(&mut self, framed: Payload) -> Result<(), Status> {
+        let mut writer = lock(&self.0);
+        if writer.ended {
+            return Err(ended());
+        }
+        writer.push_framed(framed);
+        Ok(())
+    }
+}
+
+/// gRPC's prefix of an uncompressed message of `len` bytes.
+fn plain_prefix(len: usize, batch: &mut PayloadBuf) {
+    batch.put_u8(0);
+    batch.put_u32(len as u32);
 }
 
 /// The status a call gets when HTTP/2 failed it.
