@@ -468,12 +468,17 @@ pub(crate) enum DeframeError {
     Truncated(usize),
 }
 
-/// Splits the DATA of one HTTP/2 stream into gRPC messages. It holds at
-/// most one message being assembled (up to `max` bytes) and never copies
-/// a message that arrives in one piece.
+/// Splits the DATA of one HTTP/2 stream into gRPC messages. A message
+/// that lies within one pushed chunk is a slice of it (never copied); only
+/// one that comes in pieces is assembled, in a buffer of its announced
+/// length (at most `max` bytes), the only message it holds.
 #[derive(Debug)]
 pub(crate) struct Deframer {
-    buffer: BytesMut,
+    /// What is left of the chunks pushed, while no message is assembled.
+    head: Bytes,
+    /// A message that came in pieces (its prefix first), once `head` ran
+    /// out inside it.
+    assembling: BytesMut,
     max: usize,
     /// The stream's `grpc-encoding` (`None`: identity).
     encoding: Option<Encoding>,
@@ -483,7 +488,8 @@ impl Deframer {
     /// A deframer that refuses messages over `max` bytes.
     pub(crate) fn new(max: usize) -> Deframer {
         Deframer {
-            buffer: BytesMut::new(),
+            head: Bytes::new(),
+            assembling: BytesMut::new(),
             max,
             encoding: None,
         }
@@ -499,7 +505,7 @@ impl Deframer {
 
     /// The next whole message, compressed or not.
     pub(crate) fn next(&mut self) -> Result<Option<Deframed>, DeframeError> {
-        let compressed = self.buffer.first() == Some(&1);
+        let compressed = self.first_byte() == Some(1);
         let Some(message) = self.take(compressed)? else {
             return Ok(None);
         };
@@ -530,35 +536,76 @@ impl Deframer {
     }
 
     /// Adds bytes the peer sent.
-    pub(crate) fn push(&mut self, data: Bytes) {
-        if self.buffer.is_empty() {
-            // `BytesMut::from(Bytes)` reuses the allocation when it is unique.
-            self.buffer = BytesMut::from(data);
+    pub(crate) fn push(&mut self, mut data: Bytes) {
+        if !self.assembling.is_empty() {
+            // Only what the message being assembled still needs is copied;
+            // the rest stays a chunk (its messages slices of it).
+            if self.assembling.len() < MESSAGE_PREFIX {
+                let needed = (MESSAGE_PREFIX - self.assembling.len()).min(data.len());
+                self.assembling.extend_from_slice(&data.split_to(needed));
+            }
+            if let Some((_, len)) = self.prefix() {
+                let needed = (MESSAGE_PREFIX + len)
+                    .saturating_sub(self.assembling.len())
+                    .min(data.len());
+                self.assembling.extend_from_slice(&data.split_to(needed));
+            }
+            if data.is_empty() {
+                return;
+            }
+            // The head is empty while a message is assembled.
+            debug_assert!(self.head.is_empty());
+            self.head = data;
+        } else if self.head.is_empty() {
+            self.head = data;
         } else {
-            self.buffer.extend_from_slice(&data);
+            // Two chunks with no message taken between them (a caller that
+            // pushes before it takes): the rest of the first goes first.
+            let mut joined = BytesMut::with_capacity(self.head.len() + data.len());
+            joined.extend_from_slice(&self.head);
+            joined.extend_from_slice(&data);
+            self.head = joined.freeze();
         }
     }
 
     /// The next whole message, if one is buffered: only on a stream whose
     /// encoding is identity (a compressed one is an error).
     pub(crate) fn next_message(&mut self) -> Result<Option<Bytes>, DeframeError> {
-        if self.buffer.first() == Some(&1) {
+        if self.first_byte() == Some(1) {
             return Err(DeframeError::Compressed);
         }
         self.take(false)
     }
 
-    fn take(&mut self, compressed_allowed: bool) -> Result<Option<Bytes>, DeframeError> {
-        if self.buffer.len() < MESSAGE_PREFIX {
-            return Ok(None);
+    fn buffered(&self) -> &[u8] {
+        if self.assembling.is_empty() {
+            &self.head
+        } else {
+            &self.assembling
         }
-        let flag = self.buffer[0];
-        let len = u32::from_be_bytes([
-            self.buffer[1],
-            self.buffer[2],
-            self.buffer[3],
-            self.buffer[4],
-        ]) as usize;
+    }
+
+    fn first_byte(&self) -> Option<u8> {
+        self.buffered().first().copied()
+    }
+
+    /// The flag and length of the message at the front, once its prefix is in.
+    fn prefix(&self) -> Option<(u8, usize)> {
+        let buffered = self.buffered();
+        let prefix = buffered.get(..MESSAGE_PREFIX)?;
+        let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+        Some((prefix[0], len))
+    }
+
+    fn take(&mut self, compressed_allowed: bool) -> Result<Option<Bytes>, DeframeError> {
+        let Some((flag, len)) = self.prefix() else {
+            // A prefix cut between chunks: the few bytes go to assembling.
+            if !self.head.is_empty() && self.assembling.is_empty() {
+                self.assembling.extend_from_slice(&self.head);
+                self.head = Bytes::new();
+            }
+            return Ok(None);
+        };
         match flag {
             0 => {}
             1 if compressed_allowed && self.encoding.is_some() => {}
@@ -568,36 +615,45 @@ impl Deframer {
         if len > self.max {
             return Err(DeframeError::TooLarge { len, max: self.max });
         }
-        if self.buffer.len() < MESSAGE_PREFIX + len {
-            self.buffer
-                .reserve(MESSAGE_PREFIX + len - self.buffer.len());
+        let whole = MESSAGE_PREFIX + len;
+        if self.assembling.is_empty() {
+            if self.head.len() >= whole {
+                // Within the chunk: a slice of it.
+                let message = self.head.slice(MESSAGE_PREFIX..whole);
+                self.head.advance(whole);
+                return Ok(Some(message));
+            }
+            // It comes in pieces: assemble it in a buffer of its length.
+            self.assembling.reserve(whole);
+            self.assembling.extend_from_slice(&self.head);
+            self.head = Bytes::new();
             return Ok(None);
         }
-        self.buffer.advance(MESSAGE_PREFIX);
-        Ok(Some(self.buffer.split_to(len).freeze()))
+        if self.assembling.len() < whole {
+            self.assembling.reserve(whole - self.assembling.len());
+            return Ok(None);
+        }
+        self.assembling.advance(MESSAGE_PREFIX);
+        let message = self.assembling.split_to(len).freeze();
+        debug_assert!(
+            self.assembling.is_empty(),
+            "push copies no more than the message"
+        );
+        Ok(Some(message))
     }
 
     /// The length the message being assembled announced, once its prefix
     /// is in (and it is incomplete): what the receiver is about to hold.
     pub(crate) fn pending_len(&self) -> Option<usize> {
-        if self.buffer.len() < MESSAGE_PREFIX {
-            return None;
-        }
-        let len = u32::from_be_bytes([
-            self.buffer[1],
-            self.buffer[2],
-            self.buffer[3],
-            self.buffer[4],
-        ]) as usize;
-        (self.buffer.len() < MESSAGE_PREFIX + len).then_some(len)
+        let (_, len) = self.prefix()?;
+        (self.buffered().len() < MESSAGE_PREFIX + len).then_some(len)
     }
 
     /// The stream ended: `Err` when a message was cut short.
     pub(crate) fn finish(&self) -> Result<(), DeframeError> {
-        if self.buffer.is_empty() {
-            Ok(())
-        } else {
-            Err(DeframeError::Truncated(self.buffer.len()))
+        match self.buffered().len() {
+            0 => Ok(()),
+            left => Err(DeframeError::Truncated(left)),
         }
     }
 }
@@ -839,6 +895,46 @@ mod tests {
         // Garbage is no gzip.
         assert!(declared_len(Encoding::Gzip, b"short").is_err());
         assert!(decompress(Encoding::Gzip, &[0u8; 40], 0).is_err());
+    }
+
+    #[test]
+    fn a_message_within_one_chunk_is_a_slice_of_it_and_one_in_pieces_copies_only_itself() {
+        let mut wire = BytesMut::new();
+        for message in [&b"first"[..], &[7u8; 3000][..], b"third", b"fourth"] {
+            frame_message(message, &mut wire);
+        }
+        let wire = wire.freeze();
+        let within = |message: &Bytes, chunk: &Bytes| {
+            let range = chunk.as_ptr_range();
+            range.contains(&message.as_ptr()) && message.len() <= chunk.len()
+        };
+        // The first message and a part of the second in one chunk; the
+        // rest of the second, the third and the fourth in another.
+        let (one, two) = (wire.slice(..100), wire.slice(100..));
+        let mut deframer = Deframer::new(4096);
+        deframer.push(one.clone());
+        let first = deframer.next_message().unwrap().unwrap();
+        assert_eq!(&first[..], b"first");
+        assert!(within(&first, &one), "not copied");
+        assert_eq!(deframer.next_message().unwrap(), None);
+        assert_eq!(deframer.pending_len(), Some(3000));
+        deframer.push(two.clone());
+        let second = deframer.next_message().unwrap().unwrap();
+        assert_eq!(second.len(), 3000);
+        assert!(
+            !within(&second, &one) && !within(&second, &two),
+            "assembled"
+        );
+        for expected in [&b"third"[..], b"fourth"] {
+            let message = deframer.next_message().unwrap().unwrap();
+            assert_eq!(&message[..], expected);
+            assert!(
+                within(&message, &two),
+                "after an assembled message, still a slice"
+            );
+        }
+        assert_eq!(deframer.next_message().unwrap(), None);
+        deframer.finish().unwrap();
     }
 
     #[test]
