@@ -13,23 +13,27 @@
 //! # let _ = channel; Ok(()) }
 //! ```
 //!
-//! It is a transport like `tcp://` or `rdma://`, registered under the
-//! scheme `grpc`: the same [`rpc_core::Server`] (with its layers, limits and
-//! generated services) serves it, and the same [`rpc_core::Channel`] and
-//! generated clients call through it. Underneath, each connection is
-//! HTTP/2 (cleartext, with prior knowledge, as gRPC's `insecure` channels
-//! speak it) through the `h2` crate, and a gateway translates between gRPC's
-//! HTTP/2 streams and rdma-rpc's frames:
+//! Registered under the scheme `grpc`, it works with the same
+//! [`rpc_core::Server`] (its layers, limits and generated services) and the
+//! same [`rpc_core::Channel`] and generated clients as `tcp://` or
+//! `rdma://`. Each connection is HTTP/2 (cleartext, with prior knowledge, as
+//! gRPC's `insecure` channels speak it) through the `h2` crate.
 //!
-//! | gRPC over HTTP/2 | rdma-rpc frames |
-//! |---|---|
-//! | request headers: `:path`, metadata, `grpc-timeout` | REQUEST: path, metadata, deadline |
-//! | length-prefixed messages in DATA | MESSAGE frames (a body that came whole with the headers: in the REQUEST, with the half-close) |
-//! | END_STREAM from the client | half-close |
-//! | response headers | HEADERS (unary: the response's metadata) |
-//! | trailers: `grpc-status`, `grpc-message`, metadata | RESPONSE: status, message, trailers |
-//! | RST_STREAM from the client | CANCEL |
-//! | HTTP/2 flow control | each stream's window ([`rpc_core::stream::SendWindow`]) |
+//! **The server side is a front end** ([`rpc_core::server::front_end`]):
+//! each HTTP/2 stream becomes a call of the server's routed tower stack
+//! directly, as tonic's server calls its routes, in the connection's task:
+//! the request body's messages are what the handler reads (a message that
+//! arrived in one DATA frame is a slice of it, not a copy), the handler's
+//! messages go into DATA frames under HTTP/2's flow control (a large field
+//! as its own), the status into the trailers. Request headers give the
+//! method (`:path`), the metadata and the deadline (`grpc-timeout`); an
+//! RST_STREAM from the client cancels the handler.
+//!
+//! **The client side is a transport**: a [`rpc_core::Channel`] to
+//! `grpc://` writes rdma-rpc frames that a task turns into HTTP/2 streams
+//! (REQUEST → headers, MESSAGE ↔ DATA, half-close → END_STREAM, RESPONSE ←
+//! trailers, CANCEL → RST_STREAM, each stream's window ↔ HTTP/2's flow
+//! control).
 //!
 //! `-bin` metadata travels base64-encoded on HTTP/2 and as bytes in
 //! rdma-rpc; `grpc-message` is percent-encoded. A message over the frame
@@ -37,10 +41,10 @@
 //! `RESOURCE_EXHAUSTED`, as gRPC's message size limits do.
 //!
 //! gRPC's wire does not say whether a method is unary or streaming, so the
-//! server side opens every call as a stream of unknown kind
-//! ([`rpc_core::frame::FrameFlags::KIND_UNKNOWN`]); generated servers serve a
-//! unary method's call as one message each way. A hand-written service
-//! sees it as a streaming call ([`rpc_core::stream::ServerStream::take`]).
+//! server runs every call as a stream of unknown kind
+//! ([`rpc_core::stream::KindUnknown`]); generated servers serve a unary
+//! method's call as one message each way. A hand-written service sees it as
+//! a streaming call ([`rpc_core::stream::ServerStream::take`]).
 //!
 //! **Compression** (gzip) is off by default, as in tonic: a call compressed
 //! with an encoding this side does not accept gets `UNIMPLEMENTED`, and
