@@ -142,10 +142,17 @@ impl Default for RdmaConfig {
     }
 }
 
-/// A setting that cannot work.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// A setting that cannot work. Its `Debug` is its message, so that `main`
+/// returning it (boxed) prints the reason, not the struct.
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid RDMA transport setting: {0}")]
 pub struct ConfigError(pub String);
+
+impl std::fmt::Debug for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
 
 impl RdmaConfig {
     /// The defaults with `RDMA_PROVIDER`, `RDMA_DEVICE`, `RDMA_POLL`

@@ -153,8 +153,9 @@ pub trait Transport: Send + Sync + 'static {
     }
 }
 
-/// What can go wrong below the RPC layer.
-#[derive(Debug, thiserror::Error)]
+/// What can go wrong below the RPC layer. Its `Debug` is its message and
+/// causes (see [`crate::Error`]).
+#[derive(thiserror::Error)]
 pub enum TransportError {
     /// The endpoint string is not `scheme://authority`.
     #[error("invalid endpoint {endpoint:?}: {reason}")]
@@ -210,6 +211,12 @@ pub enum TransportError {
     /// A transport-specific error (e.g. from the RDMA provider).
     #[error("{0}")]
     Other(BoxError),
+}
+
+impl fmt::Debug for TransportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        crate::error::write_chain(self, f)
+    }
 }
 
 static REGISTRY: LazyLock<RwLock<BTreeMap<String, Arc<dyn Transport>>>> = LazyLock::new(|| {
