@@ -1,6 +1,69 @@
 //! rpc-core: the transport-agnostic heart of rdma-rpc.
 //!
-//! A guide in the order a call travels:
+//! # Start here: a `.proto`, generated code, a server and a client
+//!
+//! Most users never touch this crate's traits directly. They write a
+//! `.proto`, let `rpc-codegen` generate a typed client and server from
+//! `build.rs` (no `protoc` needed), implement the service trait, and pick a
+//! transport by the endpoint's scheme:
+//!
+//! ```text
+//! // proto/echo.proto
+//! syntax = "proto3";
+//! package echo.v1;
+//! service Echo { rpc Say(EchoRequest) returns (EchoReply); }
+//! message EchoRequest { string message = 1; bytes payload = 2; }
+//! message EchoReply { string message = 1; bytes payload = 2; }
+//!
+//! // build.rs
+//! fn main() -> std::io::Result<()> {
+//!     rpc_codegen::compile_protos("proto/echo.proto")
+//! }
+//! ```
+//!
+//! ```text
+//! // src/main.rs (the same as the README's; it needs the generated code, so it is not a doctest here)
+//! mod echo { include!(concat!(env!("OUT_DIR"), "/echo.v1.rs")); }
+//! use echo::{EchoReply, EchoRequest, echo_client::EchoClient, echo_server::{Echo, EchoServer}};
+//! use rpc_core::{Request, Response, Server, Status};
+//!
+//! struct MyEcho;
+//! impl Echo for MyEcho {
+//!     async fn say(&self, request: Request<EchoRequest>) -> Result<Response<EchoReply>, Status> {
+//!         let EchoRequest { message, payload } = request.into_inner();
+//!         Ok(Response::new(EchoReply { message, payload }))
+//!     }
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     rpc_transport_rdma::register()?; // rdma:// (the soft provider where there is no device)
+//!     let server = Server::builder().add_service(EchoServer::new(MyEcho));
+//!     tokio::spawn(server.listen("rdma://127.0.0.1:50051").await?.serve());
+//!     let mut client = EchoClient::connect("rdma://127.0.0.1:50051").await?;
+//!     let reply = client.say(EchoRequest { message: "hi".into(), payload: Default::default() }).await?;
+//!     println!("{}", reply.into_inner().message);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! The same code runs over `tcp://`, `mem://` (in process), `grpc://`
+//! (standard gRPC clients and servers, crate `rpc-grpc`) and `rdma://`
+//! (crate `rpc-transport-rdma`). The repository's README is the guide; its
+//! sections, and where each lives in code:
+//!
+//! | topic | README section | here |
+//! |---|---|---|
+//! | the four rpc kinds, streams | Streaming | [`stream`], [`server::streaming`] |
+//! | gRPC: `grpc://`, tonic's code, health, reflection, gzip | Using it with gRPC and tonic | crate `rpc-grpc`, [`server::front_end`] |
+//! | TLS on `tcp://`, `rdma://`'s set-up, `grpcs://` | TLS | `transport::tls` (feature `tls`) |
+//! | several servers: balancing, discovery, retries | Several servers | [`client`] |
+//! | interceptors, tower layers | Interceptors; A service in five minutes | [`Interceptor`], [`Server::layer`] |
+//! | metrics and the access log | Metrics and access log | [`metrics`] |
+//! | RDMA providers (soft, rxe, siw, hardware) | Testing on real RDMA | crate `rpc-transport-rdma` |
+//! | limits and what a hostile peer cannot do | Security and limits | [`server`] (its Limits table) |
+//!
+//! # How a call travels
 //!
 //! - A generated client (see `rpc-codegen`) wraps an [`RpcClient`] around a
 //!   tower service, usually a [`Channel`]. It encodes the message with a
@@ -12,8 +75,13 @@
 //!   is one request [`frame::Frame`] and one response frame.
 //! - The [`Server`] accepts connections, decodes frames, and runs the layered
 //!   [`server::Routes`], which dispatch by `/package.Service/Method` to
-//!   generated servers; they decode, call the user's trait, and encode.
+//!   generated servers; they decode, call the user's trait, and encode. A
+//!   front end ([`server::front_end`], gRPC's HTTP/2) brings its calls to
+//!   the same routes without frames.
 //! - Failures are a [`Status`] with a gRPC [`Code`]; set-up failures are an [`Error`].
+//!
+//! Underneath the generated code is a tower service of encoded messages;
+//! one can be written by hand:
 //!
 //! ```
 //! // A complete round trip over the in-memory transport with a hand-written service.
