@@ -259,16 +259,38 @@ pub async fn refuse<S: AsyncWrite + Unpin>(
     .await;
 }
 
+/// Who sent the hello being read: what its silence can mean differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HelloFrom {
+    /// The side that dialed: a listener reads its hello first.
+    Dialer,
+    /// The side that listens: a dialer reads its hello after sending its own.
+    Listener,
+}
+
 /// Reads the peer's hello (what an accepting side does first, before it
 /// builds anything for the peer: [`establish_with`]'s `peer`).
-pub async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, SetupError> {
+pub async fn read_hello<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    from: HelloFrom,
+) -> Result<Hello, SetupError> {
     let mut prefix = [0u8; 4];
     if let Err(error) = stream.read_exact(&mut prefix).await {
         if error.kind() == std::io::ErrorKind::UnexpectedEof {
             return Err(SetupError::Protocol(
-                "the peer closed the set-up connection before its hello: it refused this one \
-                 (see its log), or it expects TLS here (an rdma+tls:// endpoint)"
-                    .into(),
+                match from {
+                    // Only a dialer's guess: the listener refused it, or
+                    // wanted a TLS handshake it did not get.
+                    HelloFrom::Listener => {
+                        "the peer closed the set-up connection before its hello: it refused this one \
+                         (see its log), or it expects TLS here (an rdma+tls:// endpoint)"
+                    }
+                    HelloFrom::Dialer => {
+                        "the peer closed the set-up connection before sending a hello (a port probe, \
+                         or a client that gave up)"
+                    }
+                }
+                .into(),
             ));
         }
         return Err(error.into());
@@ -494,7 +516,7 @@ where
     stream.flush().await?;
     let peer = match peer {
         Some(peer) => peer,
-        None => read_hello(stream).await?,
+        None => read_hello(stream, HelloFrom::Listener).await?,
     };
     if peer.provider != provider {
         return Err(SetupError::ProviderMismatch {
@@ -648,23 +670,41 @@ mod tests {
     async fn a_tls_client_or_a_silent_close_is_named_when_a_hello_is_expected() {
         // The start of a TLS 1.2/1.3 ClientHello record.
         let mut tls: &[u8] = &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc];
-        let error = read_hello(&mut tls).await.unwrap_err().to_string();
+        let error = read_hello(&mut tls, HelloFrom::Dialer)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("rdma+tls:// client"), "{error}");
         // The alert a TLS server sends when a plain hello reached it.
         let mut alert: &[u8] = &[0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x32];
-        let error = read_hello(&mut alert).await.unwrap_err().to_string();
+        let error = read_hello(&mut alert, HelloFrom::Listener)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("expects TLS"), "{error}");
         let mut closed: &[u8] = &[];
-        let error = read_hello(&mut closed).await.unwrap_err().to_string();
+        let error = read_hello(&mut closed, HelloFrom::Listener)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("before its hello"), "{error}");
         assert!(error.contains("expects TLS"), "{error}");
+        // A dialer that closed without a hello: the listener does not
+        // guess at TLS (it is the side that would want it).
+        let mut closed: &[u8] = &[];
+        let error = read_hello(&mut closed, HelloFrom::Dialer)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("before sending a hello"), "{error}");
+        assert!(!error.contains("TLS"), "{error}");
         // A hello whose length happens to start like a record is still a hello.
         let mut good = hello().encode();
         let len = u32::from_le_bytes(good[..4].try_into().unwrap());
         assert!(len < 0x0316, "the test hello is short");
         good.truncate(4);
         good[..4].copy_from_slice(&0x0316u32.to_le_bytes());
-        let error = read_hello(&mut good.as_slice())
+        let error = read_hello(&mut good.as_slice(), HelloFrom::Dialer)
             .await
             .unwrap_err()
             .to_string();

@@ -336,7 +336,7 @@ async fn accept_loop(
                 // The peer's hello first, before anything is built for it.
                 let said_hello = async {
                     let mut socket = transport.accept_setup(socket, &scheme).await?;
-                    match setup::read_hello(&mut socket).await {
+                    match setup::read_hello(&mut socket, setup::HelloFrom::Dialer).await {
                         Ok(hello) => Ok::<_, TransportError>((socket, hello)),
                         Err(SetupError::Http2Client) => {
                             warn_http2_client(&peer);
