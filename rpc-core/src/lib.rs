@@ -140,6 +140,8 @@ mod send_buffer;
 pub mod server;
 mod status;
 pub mod stream;
+#[cfg(feature = "tonic")]
+pub mod tonic_compat;
 pub mod transport;
 pub mod wake_gate;
 

@@ -263,7 +263,7 @@ where
                     let response = inner
                         .call(http_request)
                         .await
-                        .map_err(|never| match never {})?;
+                        .map_err(|never: Infallible| -> Status { match never {} })?;
                     unary_response(response).await
                 }
                 Some(ServerStream { messages, mut sink }) => {
@@ -274,14 +274,14 @@ where
                                 wire::frame_message(&message, &mut data);
                                 BodyFrame::data(data.freeze())
                             })
-                            .map_err(to_tonic)
+                            .map_err(tonic::Status::from)
                     }))
                     .boxed_unsync();
                     let http_request = http_request.map(|_| body);
                     let response = inner
                         .call(http_request)
                         .await
-                        .map_err(|never| match never {})?;
+                        .map_err(|never: Infallible| -> Status { match never {} })?;
                     let (parts, mut body) = response.into_parts();
                     check_http(&parts)?;
                     if let Some(status) = wire::status_from_trailers(&parts.headers) {
@@ -291,7 +291,7 @@ where
                         .await?;
                     let mut deframer = Deframer::new(usize::MAX);
                     while let Some(frame) = body.frame().await {
-                        let frame = frame.map_err(from_tonic)?;
+                        let frame = frame.map_err(Status::from)?;
                         match frame.into_data() {
                             Ok(data) => {
                                 deframer.push(data);
@@ -356,7 +356,7 @@ async fn unary_response(
     let mut deframer = Deframer::new(usize::MAX);
     let mut message = None;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(from_tonic)?;
+        let frame = frame.map_err(Status::from)?;
         match frame.into_data() {
             Ok(data) => {
                 deframer.push(data);
@@ -414,14 +414,4 @@ fn status_result(status: Status) -> Result<Response<Payload>, Status> {
 
 fn bad_body(error: wire::DeframeError) -> Status {
     Status::internal(format!("the tonic service's response is not gRPC: {error}"))
-}
-
-/// tonic's status as rdma-rpc's (the codes are gRPC's in both).
-fn from_tonic(status: tonic::Status) -> Status {
-    Status::new(Code::from(status.code() as i32), status.message())
-}
-
-/// rdma-rpc's status as tonic's.
-fn to_tonic(status: Status) -> tonic::Status {
-    tonic::Status::new(tonic::Code::from(status.code() as i32), status.message())
 }
