@@ -111,7 +111,10 @@ pub struct RdmaConfig {
     pub inbound_backlog: usize,
     /// How drivers wait.
     pub poll_mode: PollMode,
-    /// The rendezvous buffer pool of each device.
+    /// The rendezvous buffer pool of each device, and the device-wide bound
+    /// on rendezvous memory in use (`max_in_use_bytes`, 128 MiB; see
+    /// [`crate::rendezvous_budget`]). Part of the device's identity: a
+    /// different setting opens a device of its own.
     pub large_pool: LargePoolConfig,
     /// QP reliability settings.
     pub connect: ConnectOptions,
@@ -221,6 +224,9 @@ impl RdmaConfig {
         }
         if self.limits.max_active_pulls == 0 || self.limits.max_exposed == 0 {
             return fail("max_active_pulls and max_exposed must be above 0");
+        }
+        if self.large_pool.max_in_use_bytes == 0 {
+            return fail("large_pool.max_in_use_bytes must be above 0");
         }
         if self.limits.max_exposed > MAX_EXPOSED {
             return fail("max_exposed must be at most 1024 (peers refuse more unanswered frames)");

@@ -1,10 +1,13 @@
 //! Opened devices, shared by every connection of the process that uses them.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::config::RdmaConfig;
 use crate::pool::{LargePool, LargePoolConfig};
+use crate::rendezvous_budget::RendezvousBudget;
 pub use crate::verbs::shared::{PoolCaps, SharedPools};
 use crate::verbs::{self, Context, ProtectionDomain, VerbsError};
 
@@ -20,9 +23,19 @@ pub struct Device {
     pub pd: Arc<dyn ProtectionDomain>,
     /// Rendezvous buffers.
     pub large: Arc<LargePool>,
+    /// The bound on rendezvous memory in use, all connections together
+    /// ([`LargePoolConfig::max_in_use_bytes`]).
+    pub rendezvous: RendezvousBudget,
     /// Shared receive and send slots, by slot length.
     shared: Mutex<HashMap<usize, Arc<SharedPools>>>,
+    /// A timer trims [`Device::large`]'s idle buffers (on the runtime of a
+    /// connection; started again by the next connection if that runtime
+    /// ended).
+    trimming: AtomicBool,
 }
+
+/// The longest the pool's trimming timer sleeps.
+const MAX_TRIM_PERIOD: Duration = Duration::from_secs(3600);
 
 impl Device {
     /// The shared pools for slots of `slot_len` bytes, created by the first
@@ -53,6 +66,42 @@ impl Device {
         let pools = Arc::new(SharedPools::with_caps(&self.pd, slot_len, caps)?);
         shared.insert(slot_len, pools.clone());
         Ok(pools)
+    }
+}
+
+impl Device {
+    /// Starts (if none runs) the timer that gives the rendezvous pool's idle
+    /// buffers back ([`LargePool::trim_idle`]) every half
+    /// [`LargePoolConfig::trim_idle_after`] (at least a second): a task on
+    /// the current tokio runtime, not a thread. Each connection calls it as
+    /// it starts.
+    pub(crate) fn keep_pool_trimmed(self: &Arc<Self>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.trimming.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        /// Lets the next connection start the timer again once this one's
+        /// runtime dropped it.
+        struct Trimming(Arc<Device>);
+        impl Drop for Trimming {
+            fn drop(&mut self) {
+                self.0.trimming.store(false, Ordering::Release);
+            }
+        }
+        let trimming = Trimming(self.clone());
+        let period = (self.large.config().trim_idle_after / 2)
+            .clamp(Duration::from_secs(1), MAX_TRIM_PERIOD);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(period).await;
+                let freed = trimming.0.large.trim_idle(Instant::now());
+                if freed > 0 {
+                    tracing::debug!(freed, "idle rendezvous buffers deregistered");
+                }
+            }
+        });
     }
 }
 
@@ -149,8 +198,10 @@ pub fn open(config: &RdmaConfig) -> Result<Arc<Device>, VerbsError> {
         name,
         context,
         pd,
+        rendezvous: RendezvousBudget::new(config.large_pool.max_in_use_bytes),
         large,
         shared: Mutex::default(),
+        trimming: AtomicBool::new(false),
     });
     devices.insert(key, device.clone());
     Ok(device)

@@ -40,6 +40,7 @@ mod admission;
 pub mod config;
 pub mod device;
 mod link;
+pub mod rendezvous_budget;
 pub mod setup;
 mod setup_socket;
 mod spin;

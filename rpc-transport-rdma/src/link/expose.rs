@@ -61,8 +61,8 @@ impl LinkState {
     /// where it lies, with everything before it (the frame's head, the start
     /// of the message) and after it (the message's end) inline in the
     /// announcement when they fit there; else a copy of the frame in a
-    /// pooled buffer.
-    pub(super) fn expose(&mut self, frame: EncodedFrame) -> Result<(), String> {
+    /// pooled buffer. Returns the announcement's token.
+    pub(super) fn expose(&mut self, frame: EncodedFrame) -> Result<u64, String> {
         let Some((head, remote, tail)) =
             split_for_announce(&frame, self.protocol.max_announce_inline())
         else {
@@ -85,11 +85,12 @@ impl LinkState {
         // Its time-out is the housekeeper's.
         self.keeper_due = true;
         rendezvous_gauge(OUT, 1.0);
-        Ok(())
+        Ok(token)
     }
 
-    /// Copies a large frame into a pooled buffer and exposes exactly its bytes.
-    fn expose_copy(&mut self, frame: Bytes) -> Result<(), String> {
+    /// Copies a large frame into a pooled buffer and exposes exactly its
+    /// bytes; returns the announcement's token.
+    fn expose_copy(&mut self, frame: Bytes) -> Result<u64, String> {
         let mut buffer = self
             .device
             .large
@@ -117,7 +118,7 @@ impl LinkState {
         self.exposed.insert(token, Exposed::Pooled { window, pool });
         self.keeper_due = true;
         rendezvous_gauge(OUT, 1.0);
-        Ok(())
+        Ok(token)
     }
 
     /// What the announcement says about a window: the truth, unless a test

@@ -8,7 +8,8 @@
 //! - the set-up socket, the liveness signal: EOF means the peer is gone.
 //!   Before closing on an error a side writes the reason there (a `u32 LE`
 //!   length and UTF-8 text), so the peer's calls fail with that reason;
-//! - the server's receive budget, when a pull waits for it;
+//! - the server's receive budget, when a pull waits for it, and the
+//!   device's bound on rendezvous memory, when a pull or a frame waits;
 //! - turning the connection while the application no longer does (it left);
 //! - the end: the QP goes to ERROR and its CQ is drained (every shared slot
 //!   the device consumed comes back to the pools), then the stream learns how
@@ -144,6 +145,13 @@ impl Keeper {
                         }
                         Poll::Pending => {}
                     }
+                }
+                // The device's bound on rendezvous memory had room for a
+                // pull or a frame of ours (its waker woke us): whoever turns
+                // takes it, and the application may not be turning now.
+                if state.waits_for_rendezvous_budget && state.turn() {
+                    link.wake_others(state, Poller::Keeper);
+                    continue;
                 }
                 // Rendezvous time-outs (the turn handles those due).
                 let rendezvous = state.protocol.poll_timeout();

@@ -77,6 +77,23 @@ impl Wake for Wakers {
     }
 }
 
+/// Wakes every task of a connection, the housekeeper included: what the
+/// device's bound on rendezvous memory wakes once it has room for a pull or
+/// a frame of ours that waits (whoever turns next takes it).
+struct EveryTask(Arc<Wakers>);
+
+impl Wake for EveryTask {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.reader.wake();
+        self.0.writer.wake();
+        self.0.keeper.wake();
+    }
+}
+
 /// Which task turned the connection (so it wakes the others, not itself).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Poller {
@@ -183,8 +200,10 @@ pub(crate) fn start(
         channel,
         commitment,
     } = endpoint;
-    let state = LinkState::new(queue, commitment, cm, device, protocol, config, budget);
+    device.keep_pool_trimmed();
+    let mut state = LinkState::new(queue, commitment, cm, device, protocol, config, budget);
     let wakers = Arc::new(Wakers::default());
+    state.budget_waker = Waker::from(Arc::new(EveryTask(wakers.clone())));
     let link = Arc::new(Link {
         _alive: Alive::new(),
         state: Mutex::new(state),

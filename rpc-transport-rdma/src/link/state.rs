@@ -17,6 +17,7 @@ use crate::config::Fault;
 use crate::config::RdmaConfig;
 use crate::device::{Device, SharedPools};
 use crate::protocol::{Event, Inbound, Protocol, Route};
+use crate::rendezvous_budget::{BudgetWaiter, Charge};
 use crate::verbs::pooled::{POLL_BATCH, Polled, PolledCompletion, PooledQp, SendSlot};
 use crate::verbs::{AsyncCompletionChannel, CmConnection, WcOpcode, WcStatus, WorkCompletion};
 
@@ -139,6 +140,20 @@ pub(crate) struct LinkState {
     pub(super) budget_ready: Option<(u64, Reservation)>,
     /// Reservations of pulls in progress, attached to their frames when handed up.
     reservations: HashMap<u64, Reservation>,
+    /// Our places in the queue of the device's bound on rendezvous memory
+    /// (`Device::rendezvous`): for a pull's destination, and for a frame
+    /// to expose.
+    pull_budget: BudgetWaiter,
+    exposure_budget: BudgetWaiter,
+    /// What the pulls not handed up yet hold of that bound, by token.
+    pull_charges: HashMap<u64, Charge>,
+    /// What our exposed frames hold of it, by token.
+    exposure_charges: HashMap<u64, Charge>,
+    /// A pull's destination or the stashed frame waits for that bound.
+    pub(super) waits_for_rendezvous_budget: bool,
+    /// Wakes the reader, the writer and the housekeeper once the bound has
+    /// room for what waits (set by `link::start`).
+    pub(super) budget_waker: std::task::Waker,
     /// The failure was a flush or unanswered retries: our QP broke, maybe
     /// because the peer (or its process) is gone.
     pub(super) flushed: bool,
@@ -182,6 +197,8 @@ impl LinkState {
         budget: Option<ConnectionBudget>,
     ) -> LinkState {
         let solicited_events = device.context.caps().solicited_events;
+        let (pull_budget, exposure_budget) =
+            (device.rendezvous.waiter(), device.rendezvous.waiter());
         LinkState {
             commitment,
             spare_send: None,
@@ -197,6 +214,12 @@ impl LinkState {
             stream_dropped: false,
             inbound_limit: config.inbound_backlog,
             inbound_closed: false,
+            pull_budget,
+            exposure_budget,
+            pull_charges: HashMap::new(),
+            exposure_charges: HashMap::new(),
+            waits_for_rendezvous_budget: false,
+            budget_waker: std::task::Waker::noop().clone(),
             budget,
             budget_wait: None,
             budget_ready: None,
@@ -248,14 +271,31 @@ impl LinkState {
         let mut progressed = false;
         if let Some(frame) = self.stashed.take() {
             let route = self.protocol.route(frame.len());
-            if self.protocol.can_send(route) {
-                progressed = true;
-                match route {
-                    Route::Eager => self.protocol.send_eager(frame.into_contiguous()),
-                    Route::Rendezvous => self.expose(frame)?,
-                }
-            } else {
+            if !self.protocol.can_send(route) {
                 self.stashed = Some(frame);
+            } else if route == Route::Eager {
+                progressed = true;
+                self.protocol.send_eager(frame.into_contiguous());
+            } else {
+                // The device's bound on rendezvous memory: a frame waits
+                // (with the sink) while it is spent, unless none of ours is
+                // exposed (then it goes past it: nothing of ours can free it).
+                let mut cx = Context::from_waker(&self.budget_waker);
+                let holds_none = self.exposure_charges.is_empty();
+                match self
+                    .exposure_budget
+                    .poll_charge(&mut cx, frame.len(), holds_none)
+                {
+                    Poll::Ready(charge) => {
+                        progressed = true;
+                        let token = self.expose(frame)?;
+                        self.exposure_charges.insert(token, charge);
+                    }
+                    Poll::Pending => {
+                        self.stashed = Some(frame);
+                        self.waits_for_rendezvous_budget = true;
+                    }
+                }
             }
         }
         if self.sink_closed && self.stashed.is_none() && !self.protocol.close_sent() {
@@ -286,6 +326,7 @@ impl LinkState {
     }
 
     fn try_turn(&mut self) -> Result<bool, String> {
+        self.waits_for_rendezvous_budget = false;
         let mut progressed = self.admit()?;
         progressed |= self.poll_completions()?;
         progressed |= self.carry_out()?;
@@ -414,6 +455,7 @@ impl LinkState {
             rendezvous_gauge(OUT, -1.0);
             exposed.release();
         }
+        self.exposure_charges.clear();
     }
 
     fn poll_completions(&mut self) -> Result<bool, String> {
@@ -501,6 +543,11 @@ impl LinkState {
         let Some(budget) = self.budget.as_mut() else {
             return Ok(true);
         };
+        if self.reservations.contains_key(&token) {
+            // Reserved on an earlier try that then waited for the device's
+            // bound on rendezvous memory.
+            return Ok(true);
+        }
         if let Some((ready, _)) = &self.budget_ready {
             if *ready == token {
                 let (_, reservation) = self.budget_ready.take().expect("checked");
@@ -537,11 +584,29 @@ impl LinkState {
                         self.protocol.defer_allocation(token);
                         break;
                     }
+                    // Then the device's bound on rendezvous memory, which
+                    // a connection with no pull of its own passes at once
+                    // (what it pulls frees the peer's memory, never ours).
+                    let mut cx = Context::from_waker(&self.budget_waker);
+                    let holds_none = self.pull_charges.is_empty();
+                    let charge = match self.pull_budget.poll_charge(
+                        &mut cx,
+                        usize::try_from(len).unwrap_or(usize::MAX),
+                        holds_none,
+                    ) {
+                        Poll::Ready(charge) => charge,
+                        Poll::Pending => {
+                            self.waits_for_rendezvous_budget = true;
+                            self.protocol.defer_allocation(token);
+                            break;
+                        }
+                    };
                     progressed = true;
                     let destination = self.device.large.take(len as usize).map_err(|error| {
                         format!("destination of {len} bytes for a rendezvous frame: {error}")
                     })?;
                     self.queue.pull_into(token, destination);
+                    self.pull_charges.insert(token, charge);
                     rendezvous_gauge(IN, 1.0);
                 }
                 Event::Release { token, expired } => {
@@ -553,6 +618,7 @@ impl LinkState {
                         rendezvous_gauge(OUT, -1.0);
                         exposed.release();
                     }
+                    self.exposure_charges.remove(&token);
                 }
             }
         }
@@ -638,6 +704,10 @@ impl LinkState {
                         .finish_pull(token)
                         .expect("a pulled frame has its destination, no READ into it in flight");
                     rendezvous_gauge(IN, -1.0);
+                    // The frame is the application's now: its bytes leave
+                    // the device's bound (the server's receive budget, when
+                    // there is one, holds them until they are dropped).
+                    self.pull_charges.remove(&token);
                     // Every READ completed: the head goes in front of what
                     // they wrote, the tail behind it.
                     let frame_bytes = &mut destination.buffer_mut().as_mut_slice()[..len as usize];

@@ -566,3 +566,114 @@ async fn balanced_over_rdma_and_tcp_at_once() {
     assert!(over_rdma.stats.frames_received() > 0, "rdma:// got no call");
     assert!(over_tcp.stats.frames_received() > 0, "tcp:// got no call");
 }
+
+/// `rdmabound://`: the strict configuration with a device-wide bound on
+/// rendezvous memory of [`RENDEZVOUS_BOUND`] (a device of its own: the
+/// bound is part of the device's pool settings).
+struct BoundBed;
+
+const RENDEZVOUS_BOUND: usize = 2 << 20;
+
+fn bound_config() -> rpc_transport_rdma::RdmaConfig {
+    let mut config = strict_config();
+    config.large_pool.max_in_use_bytes = RENDEZVOUS_BOUND;
+    config
+}
+
+impl crate::suite::Bed for BoundBed {
+    fn listen_endpoint(&self) -> String {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| register_scheme("rdmabound", bound_config()));
+        format!("rdmabound://{}:0", crate::common::test_addr())
+    }
+
+    fn available(&self) -> Result<(), String> {
+        crate::common::device_available()
+    }
+}
+
+/// 8 connections × 16 calls in flight of 200 KB echoes, client and server in
+/// one process (one device, one bound for both sides' pulls and exposures):
+/// what the device's rendezvous frames hold never passes the bound by more
+/// than one pulled and one exposed frame per connection (measured: 8 MB
+/// charged at peak, the pool 15 MB out; with a bound of 1 GiB, as good as
+/// none, 43 MB and 30 MB; the bound is 2 MiB); every call succeeds
+/// although both sides' frames wait for pulls that wait for the bound, a
+/// frame larger than the whole bound goes through, and every charge comes
+/// back once the calls are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendezvous_memory_in_use_stays_within_the_device_bound() {
+    crate::require_device!();
+    const CONNECTIONS: usize = 8;
+    const IN_FLIGHT: usize = 16;
+    const CALLS: usize = 64;
+    const LEN: usize = 200_000;
+    let server = start_with(&BoundBed, |s| s).await;
+    let device = rpc_transport_rdma::device::open(&bound_config()).unwrap();
+    assert_eq!(device.rendezvous.capacity(), RENDEZVOUS_BOUND);
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (device, sampling) = (device.clone(), sampling.clone());
+        tokio::spawn(async move {
+            let mut pool_peak = 0;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                pool_peak = pool_peak.max(device.large.bytes_out());
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            pool_peak
+        })
+    };
+    let mut clients = tokio::task::JoinSet::new();
+    for connection in 0..CONNECTIONS {
+        let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+        clients.spawn(async move {
+            let mut calls = tokio::task::JoinSet::new();
+            for call in 0..CALLS {
+                if calls.len() >= IN_FLIGHT {
+                    calls.join_next().await.unwrap().unwrap();
+                }
+                let (channel, seed) = (channel.clone(), (connection * CALLS + call) as u64);
+                calls.spawn(async move {
+                    let payload = pattern(LEN, seed);
+                    assert!(echo(&channel, payload.clone()).await == payload);
+                });
+            }
+            while let Some(done) = calls.join_next().await {
+                done.unwrap();
+            }
+            channel
+        });
+    }
+    let mut channels = Vec::new();
+    let all = async {
+        while let Some(done) = clients.join_next().await {
+            channels.push(done.unwrap());
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("every call ends (no deadlock on the bound)");
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let pool_peak = sampler.await.unwrap();
+    let peak = device.rendezvous.peak();
+    // Each of the 2 × 8 connections (client and server ends) may hold one
+    // pulled and one exposed frame past the bound.
+    let allowed = RENDEZVOUS_BOUND + 2 * CONNECTIONS * 2 * (LEN + 64);
+    println!(
+        "rendezvous bytes charged at peak {peak} (bound {RENDEZVOUS_BOUND}, allowed {allowed}); pool bytes out at peak {pool_peak}"
+    );
+    assert!(peak <= allowed, "{peak} > {allowed}");
+    // A frame larger than the whole bound: alone on its connection, it passes.
+    let huge = pattern(3 * (2 << 20), 7);
+    assert!(echo(&channels[0], huge.clone()).await == huge);
+    // Every charge comes back (the last DONEs may still be on their way).
+    let settled = Instant::now();
+    while device.rendezvous.in_use() + device.rendezvous.past_bound() > 0 {
+        assert!(
+            settled.elapsed() < Duration::from_secs(5),
+            "{:?} still charged",
+            device.rendezvous
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

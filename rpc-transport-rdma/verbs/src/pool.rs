@@ -23,7 +23,7 @@
 //! own CQ, and leaks it if none can come.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -72,17 +72,37 @@ pub struct LargePoolConfig {
     /// of which (clients) never send a large payload; a burst beyond it
     /// grows its class ahead of demand (see [`LargePool::take`]).
     pub prealloc_per_class: usize,
-    /// Bytes of free buffers kept registered for reuse; a buffer returned to
-    /// a full pool makes room by deregistering the longest-idle ones (a
-    /// buffer larger than the whole cap is deregistered itself).
+    /// Bytes of free buffers kept registered for reuse (default 64 MiB); a
+    /// buffer returned to a full pool makes room by deregistering the
+    /// longest-idle ones (a buffer larger than the whole cap is deregistered
+    /// itself). Before, 512 MiB: what a burst of hostile peers made the
+    /// pool register stayed resident after they left.
     pub max_cached_bytes: usize,
+    /// Free buffers unused for this long are deregistered and freed
+    /// ([`LargePool::trim_idle`], run by the transport's timer), down to
+    /// the size of the start-up set (default 10 s).
+    pub trim_idle_after: Duration,
+    /// Bytes of rendezvous frames in use at once on the device, all
+    /// connections together: the destinations of frames being pulled and
+    /// our frames exposed to the peers' READs (default 128 MiB,
+    /// [`DEFAULT_MAX_IN_USE_BYTES`]). The pool itself does not enforce it:
+    /// the transport charges each frame before it takes a destination or
+    /// exposes a frame, and waits beyond it (rpc-transport-rdma's
+    /// `rendezvous_budget` module: each connection's first frame of a kind
+    /// always goes through).
+    pub max_in_use_bytes: usize,
 }
+
+/// Default of [`LargePoolConfig::max_in_use_bytes`]: 128 MiB.
+pub const DEFAULT_MAX_IN_USE_BYTES: usize = 128 << 20;
 
 impl Default for LargePoolConfig {
     fn default() -> Self {
         LargePoolConfig {
             prealloc_per_class: 1,
-            max_cached_bytes: 512 << 20,
+            max_cached_bytes: 64 << 20,
+            trim_idle_after: Duration::from_secs(10),
+            max_in_use_bytes: DEFAULT_MAX_IN_USE_BYTES,
         }
     }
 }
@@ -122,8 +142,9 @@ impl MissStreak {
 
 #[derive(Default)]
 struct FreeLists {
-    /// Free buffers by class, each with the sequence number of its return.
-    by_class: HashMap<usize, Vec<(RegisteredBuffer, u64)>>,
+    /// Free buffers by class, each with the sequence number and the time
+    /// of its return (oldest first).
+    by_class: HashMap<usize, Vec<(RegisteredBuffer, u64, Instant)>>,
     /// Buffers of each class taken and not returned yet.
     out: HashMap<usize, usize>,
     /// Each class's latest misses.
@@ -149,7 +170,7 @@ impl FreeLists {
             })
             .map(|(size, _)| *size)
             .min()?;
-        let (buffer, _) = self
+        let (buffer, _, _) = self
             .by_class
             .get_mut(&larger)
             .and_then(Vec::pop)
@@ -158,16 +179,20 @@ impl FreeLists {
         Some(buffer)
     }
 
+    /// The free buffer returned longest ago: its class and when.
+    fn oldest(&self) -> Option<(usize, Instant)> {
+        self.by_class
+            .iter()
+            .filter_map(|(class, list)| list.first().map(|(_, seq, at)| (*seq, *class, *at)))
+            .min()
+            .map(|(_, class, at)| (class, at))
+    }
+
     /// Removes the free buffer returned longest ago.
     fn evict_oldest(&mut self) -> Option<RegisteredBuffer> {
-        let class = self
-            .by_class
-            .iter()
-            .filter_map(|(class, list)| list.first().map(|(_, seq)| (*seq, *class)))
-            .min()?
-            .1;
+        let (class, _) = self.oldest()?;
         let list = self.by_class.get_mut(&class).expect("found above");
-        let (buffer, _) = list.remove(0);
+        let (buffer, _, _) = list.remove(0);
         self.cached_bytes -= class;
         Some(buffer)
     }
@@ -180,6 +205,8 @@ pub struct LargePool {
     free: Mutex<FreeLists>,
     /// Buffers this pool registered so far.
     registrations: AtomicU64,
+    /// Bytes of the start-up set: what idle trimming keeps.
+    floor_bytes: AtomicUsize,
 }
 
 impl std::fmt::Debug for LargePool {
@@ -202,6 +229,7 @@ impl LargePool {
             config,
             free: Mutex::new(FreeLists::default()),
             registrations: AtomicU64::new(0),
+            floor_bytes: AtomicUsize::new(0),
         });
         let mut class = MIN_CLASS;
         while class <= MIB {
@@ -211,6 +239,8 @@ impl LargePool {
             }
             class *= 2;
         }
+        pool.floor_bytes
+            .store(pool.cached_bytes(), Ordering::Relaxed);
         Ok(pool)
     }
 
@@ -339,10 +369,44 @@ impl LargePool {
             lists.cached_bytes += class;
             lists.returns += 1;
             let seq = lists.returns;
-            lists.by_class.entry(class).or_default().push((buffer, seq));
+            lists
+                .by_class
+                .entry(class)
+                .or_default()
+                .push((buffer, seq, Instant::now()));
         }
         // Deregistered outside the lock.
         drop(evicted);
+    }
+
+    /// Deregisters and frees the free buffers unused for
+    /// [`LargePoolConfig::trim_idle_after`] as of `now`, the longest idle
+    /// first, down to the size of the start-up set; returns the bytes freed.
+    /// (The transport runs it from a timer: a burst's buffers do not stay
+    /// registered and resident once the burst is over.)
+    pub fn trim_idle(&self, now: Instant) -> usize {
+        let floor = self.floor_bytes.load(Ordering::Relaxed);
+        let mut trimmed = Vec::new();
+        {
+            let mut lists = self.lists();
+            while lists.cached_bytes > floor {
+                match lists.oldest() {
+                    Some((_, at))
+                        if now.saturating_duration_since(at) >= self.config.trim_idle_after =>
+                    {
+                        trimmed.extend(lists.evict_oldest());
+                    }
+                    _ => break,
+                }
+            }
+        }
+        // Deregistered outside the lock.
+        trimmed.iter().map(RegisteredBuffer::len).sum()
+    }
+
+    /// The pool's settings.
+    pub fn config(&self) -> &LargePoolConfig {
+        &self.config
     }
 
     /// Buffers this pool registered so far (misses and growth ahead of them).
@@ -354,6 +418,15 @@ impl LargePool {
     /// being exposed, bytes handed up): what a leak check wants back at 0.
     pub fn buffers_out(&self) -> usize {
         self.lists().out.values().sum()
+    }
+
+    /// Bytes of the buffers taken and not returned yet (by their class).
+    pub fn bytes_out(&self) -> usize {
+        self.lists()
+            .out
+            .iter()
+            .map(|(class, out)| class * out)
+            .sum()
     }
 
     /// Bytes of free buffers held for reuse.
@@ -492,6 +565,7 @@ mod tests {
             LargePoolConfig {
                 prealloc_per_class: 1,
                 max_cached_bytes: 8 << 20,
+                ..LargePoolConfig::default()
             },
         )
         .unwrap();
@@ -533,6 +607,7 @@ mod tests {
             LargePoolConfig {
                 prealloc_per_class: 0,
                 max_cached_bytes: 256 << 20,
+                ..LargePoolConfig::default()
             },
         )
         .unwrap();
@@ -585,6 +660,7 @@ mod tests {
             LargePoolConfig {
                 prealloc_per_class: 0,
                 max_cached_bytes: 2 << 20,
+                ..LargePoolConfig::default()
             },
         )
         .unwrap();
@@ -592,5 +668,46 @@ mod tests {
         assert!(small.cached_bytes() <= 2 << 20);
         drop(held);
         assert!(small.cached_bytes() <= 2 << 20);
+    }
+
+    #[test]
+    fn buffers_idle_past_the_trim_time_are_deregistered_down_to_the_start_up_set() {
+        let pool = LargePool::new(
+            pd(),
+            LargePoolConfig {
+                prealloc_per_class: 1,
+                max_cached_bytes: 64 << 20,
+                trim_idle_after: Duration::from_secs(10),
+                ..LargePoolConfig::default()
+            },
+        )
+        .unwrap();
+        let start_up = pool.cached_bytes();
+        assert!(start_up > 0);
+        // A burst: 40 buffers of 1 MiB out at once, then all back.
+        let burst: Vec<_> = (0..40).map(|_| pool.take(1 << 20).unwrap()).collect();
+        assert_eq!(pool.bytes_out(), 40 << 20);
+        drop(burst);
+        assert_eq!(pool.bytes_out(), 0);
+        let after_burst = pool.cached_bytes();
+        assert!(after_burst >= start_up + (39 << 20), "{after_burst}");
+        // Not idle long enough yet: nothing goes.
+        let now = Instant::now();
+        assert_eq!(pool.trim_idle(now), 0);
+        assert_eq!(pool.cached_bytes(), after_burst);
+        // Idle long enough: deregistered, the longest idle first, until the
+        // cache is down to the start-up set's size (within one buffer).
+        let later = now + Duration::from_secs(11);
+        let trimmed = pool.trim_idle(later);
+        assert_eq!(trimmed, after_burst - pool.cached_bytes());
+        assert!(pool.cached_bytes() <= start_up, "{}", pool.cached_bytes());
+        assert!(
+            pool.cached_bytes() + (1 << 20) > start_up,
+            "{}",
+            pool.cached_bytes()
+        );
+        assert_eq!(pool.trim_idle(later + Duration::from_secs(60)), 0);
+        // What is left still serves the next frame.
+        drop(pool.take(1 << 20).unwrap());
     }
 }

@@ -575,6 +575,7 @@ mod tests {
             let config = LargePoolConfig {
                 prealloc_per_class: 0,
                 max_cached_bytes: 1 << 20,
+                ..LargePoolConfig::default()
             };
             let large = LargePool::new(pd, config).unwrap();
             Bed { queue, large }
