@@ -112,7 +112,7 @@ pub struct RdmaConfig {
     /// How drivers wait.
     pub poll_mode: PollMode,
     /// The rendezvous buffer pool of each device, and the device-wide bound
-    /// on rendezvous memory in use (`max_in_use_bytes`, 128 MiB; see
+    /// on rendezvous memory in use (`max_in_use_bytes`, 64 MiB; see
     /// [`crate::rendezvous_budget`]). Part of the device's identity: a
     /// different setting opens a device of its own.
     pub large_pool: LargePoolConfig,

@@ -449,13 +449,17 @@ impl LinkState {
         self.queue.outstanding() > 0
     }
 
-    /// Lets go of every window of ours the peer could still READ.
+    /// Lets go of every window of ours the peer could still READ, and of
+    /// what the connection holds of the device's bound on rendezvous memory.
     pub(super) fn revoke_all(&mut self) {
         for (_, exposed) in self.exposed.drain() {
             rendezvous_gauge(OUT, -1.0);
             exposed.release();
         }
         self.exposure_charges.clear();
+        // The connection is over: its pulls leave the device's bound now,
+        // not when the application lets go of its ends.
+        self.pull_charges.clear();
     }
 
     fn poll_completions(&mut self) -> Result<bool, String> {

@@ -72,7 +72,7 @@ pub struct LargePoolConfig {
     /// of which (clients) never send a large payload; a burst beyond it
     /// grows its class ahead of demand (see [`LargePool::take`]).
     pub prealloc_per_class: usize,
-    /// Bytes of free buffers kept registered for reuse (default 64 MiB); a
+    /// Bytes of free buffers kept registered for reuse (default 32 MiB); a
     /// buffer returned to a full pool makes room by deregistering the
     /// longest-idle ones (a buffer larger than the whole cap is deregistered
     /// itself). Before, 512 MiB: what a burst of hostile peers made the
@@ -84,7 +84,7 @@ pub struct LargePoolConfig {
     pub trim_idle_after: Duration,
     /// Bytes of rendezvous frames in use at once on the device, all
     /// connections together: the destinations of frames being pulled and
-    /// our frames exposed to the peers' READs (default 128 MiB,
+    /// our frames exposed to the peers' READs (default 64 MiB,
     /// [`DEFAULT_MAX_IN_USE_BYTES`]). The pool itself does not enforce it:
     /// the transport charges each frame before it takes a destination or
     /// exposes a frame, and waits beyond it (rpc-transport-rdma's
@@ -93,14 +93,14 @@ pub struct LargePoolConfig {
     pub max_in_use_bytes: usize,
 }
 
-/// Default of [`LargePoolConfig::max_in_use_bytes`]: 128 MiB.
-pub const DEFAULT_MAX_IN_USE_BYTES: usize = 128 << 20;
+/// Default of [`LargePoolConfig::max_in_use_bytes`]: 64 MiB.
+pub const DEFAULT_MAX_IN_USE_BYTES: usize = 64 << 20;
 
 impl Default for LargePoolConfig {
     fn default() -> Self {
         LargePoolConfig {
             prealloc_per_class: 1,
-            max_cached_bytes: 64 << 20,
+            max_cached_bytes: 32 << 20,
             trim_idle_after: Duration::from_secs(10),
             max_in_use_bytes: DEFAULT_MAX_IN_USE_BYTES,
         }
@@ -676,7 +676,7 @@ mod tests {
             pd(),
             LargePoolConfig {
                 prealloc_per_class: 1,
-                max_cached_bytes: 64 << 20,
+                max_cached_bytes: 32 << 20,
                 trim_idle_after: Duration::from_secs(10),
                 ..LargePoolConfig::default()
             },
