@@ -676,7 +676,7 @@ mod tests {
             pd(),
             LargePoolConfig {
                 prealloc_per_class: 1,
-                max_cached_bytes: 32 << 20,
+                max_cached_bytes: 64 << 20,
                 trim_idle_after: Duration::from_secs(10),
                 ..LargePoolConfig::default()
             },
