@@ -74,9 +74,11 @@ pub struct LargePoolConfig {
     pub prealloc_per_class: usize,
     /// Bytes of free buffers kept registered for reuse (default 32 MiB); a
     /// buffer returned to a full pool makes room by deregistering the
-    /// longest-idle ones (a buffer larger than the whole cap is deregistered
-    /// itself). Before, 512 MiB: what a burst of hostile peers made the
-    /// pool register stayed resident after they left.
+    /// longest-idle ones. A buffer of [`KEEP_LARGE_FROM`] or more may raise
+    /// the cap to twice its size (two such frames in flight, one each way,
+    /// are reused rather than registered anew). Before, 512 MiB: what a
+    /// burst of hostile peers made the pool register stayed resident after
+    /// they left.
     pub max_cached_bytes: usize,
     /// Free buffers unused for this long are deregistered and freed
     /// ([`LargePool::trim_idle`], run by the transport's timer), down to
@@ -152,6 +154,15 @@ struct FreeLists {
     cached_bytes: usize,
     returns: u64,
 }
+
+/// A returned buffer this large or larger is kept even past
+/// [`LargePoolConfig::max_cached_bytes`], as long as the cache then holds at
+/// most twice its size (older buffers are let go first): a process that
+/// moves frames of tens of MiB one after another (both ways: one buffer
+/// for each direction) reuses them instead of registering and faulting in
+/// fresh ones per frame (a 64 MiB echo ran at 0.6–4 GB/s so, 6.5 with the
+/// buffers kept). Idle trimming frees them like any other.
+pub const KEEP_LARGE_FROM: usize = 8 << 20;
 
 /// A class with no free buffer borrows one of a larger class up to this
 /// many times its size (registered and idle already) before it registers.
@@ -351,16 +362,22 @@ impl LargePool {
         self.keep(buffer);
     }
 
-    /// Keeps `buffer` free for reuse, within `max_cached_bytes`.
+    /// Keeps `buffer` free for reuse, within `max_cached_bytes` (or, for a
+    /// buffer of [`KEEP_LARGE_FROM`] and more, within room for two of it).
     fn keep(&self, buffer: RegisteredBuffer) {
         let class = buffer.len();
-        if class > self.config.max_cached_bytes {
+        let cap = if class >= KEEP_LARGE_FROM {
+            self.config.max_cached_bytes.max(class.saturating_mul(2))
+        } else {
+            self.config.max_cached_bytes
+        };
+        if class > cap {
             return; // Dropped here: deregistered.
         }
         let mut evicted = Vec::new();
         {
             let mut lists = self.lists();
-            while lists.cached_bytes + class > self.config.max_cached_bytes {
+            while lists.cached_bytes + class > cap {
                 match lists.evict_oldest() {
                     Some(old) => evicted.push(old),
                     None => break,
@@ -595,9 +612,46 @@ mod tests {
         drop(six);
         assert!(pool.cached_bytes() <= 8 << 20);
         assert_eq!(pool.take(6 << 20).unwrap().buffer().addr(), six_at);
-        // A buffer larger than the whole cap is never kept.
-        drop(pool.take(9 << 20).unwrap());
-        assert!(pool.cached_bytes() <= 8 << 20);
+        // A buffer larger than the whole cap (from KEEP_LARGE_FROM up) is
+        // kept within twice its size, the older ones let go.
+        let nine = pool.take(9 << 20).unwrap();
+        let (class, nine_at) = (nine.buffer().len(), nine.buffer().addr());
+        drop(nine);
+        assert!(pool.cached_bytes() <= 2 * class);
+        assert_eq!(pool.take(9 << 20).unwrap().buffer().addr(), nine_at);
+    }
+
+    #[test]
+    fn two_large_buffers_are_kept_past_the_cap_and_small_returns_let_them_go() {
+        let pool = LargePool::new(
+            pd(),
+            LargePoolConfig {
+                prealloc_per_class: 0,
+                max_cached_bytes: 4 << 20,
+                ..LargePoolConfig::default()
+            },
+        )
+        .unwrap();
+        let large = KEEP_LARGE_FROM + (1 << 20);
+        // A frame each way, again and again: two buffers, registered once.
+        for _ in 0..3 {
+            let (out, back) = (pool.take(large).unwrap(), pool.take(large).unwrap());
+            drop((out, back));
+        }
+        let registered = pool.registrations();
+        assert!(
+            registered <= 3,
+            "{registered} registrations for two buffers"
+        );
+        assert!(
+            pool.cached_bytes() >= 2 * large,
+            "both kept past the 4 MiB cap"
+        );
+        assert!(pool.cached_bytes() <= 2 * KEEP_LARGE_FROM + (4 << 20) + 2 * large);
+        // Small returns bring the cache back within its own cap.
+        let small: Vec<_> = (0..8).map(|_| pool.take(256 << 10).unwrap()).collect();
+        drop(small);
+        assert!(pool.cached_bytes() <= 4 << 20, "{}", pool.cached_bytes());
     }
 
     #[test]
