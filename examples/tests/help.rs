@@ -1,6 +1,7 @@
 //! Every example answers `--help` and `-h` with its usage and exit status
 //! 0, and rejects an unknown flag or a bad value with clap's message and a
-//! non-zero status; the streaming examples run over every transport.
+//! non-zero status; the streaming and balancing examples run over every
+//! transport.
 //!
 //! Cargo gives integration tests the paths of binaries, not of examples, so
 //! this looks for the examples where `cargo test` builds them: in
@@ -11,7 +12,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const EXAMPLES: [&str; 9] = [
+const EXAMPLES: [&str; 10] = [
+    "balance",
     "chat",
     "echo",
     "echo_client",
@@ -105,6 +107,7 @@ fn bad_values_and_extra_arguments_are_errors() {
         ("upload", &["mem://upload", "--chunk-bytes", "many"]),
         ("watch", &["mem://watch", "--count", "-1"]),
         ("grpc", &["--rdma", "rdma://127.0.0.1:0", "extra"]),
+        ("balance", &["mem://balance", "--calls", "0"]),
     ] {
         let output = run(name, args);
         let stderr = text(&output.stderr);
@@ -189,4 +192,31 @@ fn grpc_example_is_called_over_rdma_and_grpc_by_rust_and_python() {
         Err(error) => format!("scripts/python-grpcio did not run: {error}"),
     };
     println!("skipped: the grpc example's Python call: {why}{stdout}");
+}
+
+/// The balancing example spreads calls over its three servers, then stops
+/// one: once the balancer has ejected it, every call succeeds on the other
+/// two (the example exits non-zero otherwise, or when a server took none).
+#[test]
+fn balance_example_spreads_calls_and_goes_on_without_a_stopped_server() {
+    for endpoint in ["mem://balance", "tcp://127.0.0.1:0", "rdma://127.0.0.1:0"] {
+        let output = run("balance", &[endpoint, "--calls", "150"]);
+        let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+        assert!(
+            output.status.success(),
+            "balance {endpoint}: {}\nstdout: {stdout}\nstderr: {stderr}",
+            output.status
+        );
+        for says in [
+            "150 calls, 16 in flight, over 3 servers: 150 succeeded, 0 failed",
+            "150 calls over the 2 servers left: 150 succeeded, 0 failed",
+            "server 1 (stopped): 0 calls",
+            "servers shut down gracefully; done",
+        ] {
+            assert!(
+                stdout.contains(says),
+                "balance {endpoint}: {says}: {stdout}"
+            );
+        }
+    }
 }
