@@ -1,7 +1,7 @@
 //! Every example answers `--help` and `-h` with its usage and exit status
 //! 0, and rejects an unknown flag or a bad value with clap's message and a
 //! non-zero status; the streaming and balancing examples run over every
-//! transport.
+//! transport, the TLS example (feature `tls`) over tls:// and rdma+tls://.
 //!
 //! Cargo gives integration tests the paths of binaries, not of examples, so
 //! this looks for the examples where `cargo test` builds them: in
@@ -12,6 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The examples every build has; [`examples`] adds the TLS one where it is built.
 const EXAMPLES: [&str; 10] = [
     "balance",
     "chat",
@@ -24,6 +25,15 @@ const EXAMPLES: [&str; 10] = [
     "upload",
     "watch",
 ];
+
+/// Every example this build has: [`EXAMPLES`], and `tls` with feature `tls`.
+fn examples() -> Vec<&'static str> {
+    let mut all = EXAMPLES.to_vec();
+    if cfg!(feature = "tls") {
+        all.push("tls");
+    }
+    all
+}
 
 /// The built example `name`.
 fn example(name: &str) -> PathBuf {
@@ -58,7 +68,7 @@ fn text(bytes: &[u8]) -> String {
 
 #[test]
 fn help_prints_usage_and_exits_zero() {
-    for name in EXAMPLES {
+    for name in examples() {
         for flag in ["--help", "-h"] {
             let output = run(name, &[flag]);
             let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
@@ -84,7 +94,7 @@ fn help_prints_usage_and_exits_zero() {
 
 #[test]
 fn unknown_flag_is_an_error_not_a_panic() {
-    for name in EXAMPLES {
+    for name in examples() {
         let output = run(name, &["--bogus"]);
         let stderr = text(&output.stderr);
         assert_eq!(output.status.code(), Some(2), "{name} --bogus: {stderr}");
@@ -219,4 +229,33 @@ fn balance_example_spreads_calls_and_goes_on_without_a_stopped_server() {
             );
         }
     }
+}
+
+/// The TLS example serves over tls:// and rdma+tls://, is called by a client
+/// that trusts its certificate authority, and refuses one that does not.
+#[cfg(feature = "tls")]
+#[test]
+fn tls_example_calls_with_a_trusted_ca_and_refuses_a_stranger() {
+    let output = run("tls", &[]);
+    let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+    assert!(
+        output.status.success(),
+        "tls: {}\nstdout: {stdout}\nstderr: {stderr}",
+        output.status
+    );
+    for scheme in ["tls", "rdma+tls"] {
+        assert!(
+            stdout.contains(&format!("say -> \"hello over {scheme}://\"")),
+            "{scheme}: {stdout}"
+        );
+    }
+    // Once per scheme, with rustls' reason.
+    for says in [
+        "client trusting another CA: refused, as it should: ",
+        "invalid peer certificate: UnknownIssuer",
+        "after the refusal, the trusting client: say -> \"still here\"",
+    ] {
+        assert_eq!(stdout.matches(says).count(), 2, "{says}: {stdout}");
+    }
+    assert!(stdout.ends_with("done\n"), "{stdout}");
 }
