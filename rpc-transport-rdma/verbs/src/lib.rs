@@ -1033,6 +1033,9 @@ struct RawMemory {
 /// freed: attack 6 of issue 30 left the server at 297 MiB with 2 MiB of
 /// buffers registered.
 const MAP_FROM: usize = 64 << 10;
+/// Larger buffers come from the allocator (which maps them itself), as
+/// before: the pool keeps those for reuse (`max_cached_large_bytes`).
+const MAP_UP_TO: usize = 2 << 20;
 
 // SAFETY: `RawMemory` is a plain heap allocation with no thread affinity;
 // every access to its bytes goes through `RegisteredBuffer`'s `&self` /
@@ -1064,7 +1067,7 @@ impl RawMemory {
                 mapped: false,
             };
         }
-        if len >= MAP_FROM && !cfg!(miri) {
+        if (MAP_FROM..MAP_UP_TO).contains(&len) && !cfg!(miri) {
             // SAFETY: a new private anonymous mapping at an address the
             // kernel chooses: it aliases nothing; unmapped only in `Drop`.
             let ptr = unsafe {

@@ -72,14 +72,17 @@ pub struct LargePoolConfig {
     /// of which (clients) never send a large payload; a burst beyond it
     /// grows its class ahead of demand (see [`LargePool::take`]).
     pub prealloc_per_class: usize,
-    /// Bytes of free buffers kept registered for reuse (default 32 MiB); a
-    /// buffer returned to a full pool makes room by deregistering the
-    /// longest-idle ones. A buffer of [`KEEP_LARGE_FROM`] or more may raise
-    /// the cap to twice its size (two such frames in flight, one each way,
-    /// are reused rather than registered anew). Before, 512 MiB: what a
+    /// Bytes of free buffers under 2 MiB kept registered for reuse
+    /// (default 32 MiB); a buffer returned to a full pool makes room by
+    /// deregistering the longest-idle ones. Before, 512 MiB for all: what a
     /// burst of hostile peers made the pool register stayed resident after
     /// they left.
     pub max_cached_bytes: usize,
+    /// The same for buffers of 2 MiB and more, on huge pages (default
+    /// 512 MiB, as before for all): each fresh one costs the kernel huge
+    /// pages and a registration, and frames of MiB reuse a few buffers over
+    /// and over. Idle trimming frees them too.
+    pub max_cached_large_bytes: usize,
     /// Free buffers unused for this long are deregistered and freed
     /// ([`LargePool::trim_idle`], run by the transport's timer), down to
     /// the size of the start-up set (default 10 s).
@@ -103,6 +106,7 @@ impl Default for LargePoolConfig {
         LargePoolConfig {
             prealloc_per_class: 1,
             max_cached_bytes: 32 << 20,
+            max_cached_large_bytes: 512 << 20,
             trim_idle_after: Duration::from_secs(10),
             max_in_use_bytes: DEFAULT_MAX_IN_USE_BYTES,
         }
@@ -151,18 +155,24 @@ struct FreeLists {
     out: HashMap<usize, usize>,
     /// Each class's latest misses.
     misses: HashMap<usize, Option<MissStreak>>,
+    /// Bytes of all free buffers.
     cached_bytes: usize,
+    /// Bytes of the free buffers of huge-page classes (see [`is_large`]).
+    large_cached_bytes: usize,
     returns: u64,
 }
 
-/// A returned buffer this large or larger is kept even past
-/// [`LargePoolConfig::max_cached_bytes`], as long as the cache then holds at
-/// most twice its size (older buffers are let go first): a process that
-/// moves frames of tens of MiB one after another (both ways: one buffer
-/// for each direction) reuses them instead of registering and faulting in
-/// fresh ones per frame (a 64 MiB echo ran at 0.6–4 GB/s so, 6.5 with the
-/// buffers kept). Idle trimming frees them like any other.
-pub const KEEP_LARGE_FROM: usize = 8 << 20;
+/// Classes of buffers that live on huge pages ([`HUGE_PAGES_FROM`] and up)
+/// are cached under their own cap ([`LargePoolConfig::max_cached_large_bytes`]):
+/// each fresh one costs the kernel huge pages and a registration under the
+/// connection's lock (a connection's housekeeper stalled over a second in a
+/// busy test process while 64 MiB frames registered fresh buffers), and a
+/// process that moves frames of MiB reuses a few of them over and over,
+/// while a burst of small frames (attack 6 of issue 30: 80 KiB buffers)
+/// must not stay resident.
+fn is_large(class: usize) -> bool {
+    class >= HUGE_PAGES_FROM
+}
 
 /// A class with no free buffer borrows one of a larger class up to this
 /// many times its size (registered and idle already) before it registers.
@@ -186,25 +196,43 @@ impl FreeLists {
             .get_mut(&larger)
             .and_then(Vec::pop)
             .expect("not empty");
-        self.cached_bytes -= larger;
+        self.uncount(larger);
         Some(buffer)
     }
 
-    /// The free buffer returned longest ago: its class and when.
-    fn oldest(&self) -> Option<(usize, Instant)> {
+    fn uncount(&mut self, class: usize) {
+        self.cached_bytes -= class;
+        if is_large(class) {
+            self.large_cached_bytes -= class;
+        }
+    }
+
+    /// Bytes of free buffers of the kind (large or not) of `class`.
+    fn cached_like(&self, class: usize) -> usize {
+        if is_large(class) {
+            self.large_cached_bytes
+        } else {
+            self.cached_bytes - self.large_cached_bytes
+        }
+    }
+
+    /// The free buffer returned longest ago (of classes `which` takes):
+    /// its class and when.
+    fn oldest(&self, which: impl Fn(usize) -> bool) -> Option<(usize, Instant)> {
         self.by_class
             .iter()
+            .filter(|(class, _)| which(**class))
             .filter_map(|(class, list)| list.first().map(|(_, seq, at)| (*seq, *class, *at)))
             .min()
             .map(|(_, class, at)| (class, at))
     }
 
-    /// Removes the free buffer returned longest ago.
-    fn evict_oldest(&mut self) -> Option<RegisteredBuffer> {
-        let (class, _) = self.oldest()?;
+    /// Removes the free buffer returned longest ago (of classes `which` takes).
+    fn evict_oldest(&mut self, which: impl Fn(usize) -> bool) -> Option<RegisteredBuffer> {
+        let (class, _) = self.oldest(which)?;
         let list = self.by_class.get_mut(&class).expect("found above");
         let (buffer, _, _) = list.remove(0);
-        self.cached_bytes -= class;
+        self.uncount(class);
         Some(buffer)
     }
 }
@@ -317,7 +345,7 @@ impl LargePool {
                     let room = self
                         .config
                         .max_cached_bytes
-                        .saturating_sub(lists.cached_bytes);
+                        .saturating_sub(lists.cached_like(class));
                     let streak = lists.misses.entry(class).or_default();
                     MissStreak::miss(streak, Instant::now(), out_before).min(room / class)
                 }
@@ -362,12 +390,14 @@ impl LargePool {
         self.keep(buffer);
     }
 
-    /// Keeps `buffer` free for reuse, within `max_cached_bytes` (or, for a
-    /// buffer of [`KEEP_LARGE_FROM`] and more, within room for two of it).
+    /// Keeps `buffer` free for reuse, within `max_cached_bytes` (or
+    /// `max_cached_large_bytes` for a huge-page class): the longest idle
+    /// buffers of its kind go first.
     fn keep(&self, buffer: RegisteredBuffer) {
         let class = buffer.len();
-        let cap = if class >= KEEP_LARGE_FROM {
-            self.config.max_cached_bytes.max(class.saturating_mul(2))
+        let large = is_large(class);
+        let cap = if large {
+            self.config.max_cached_large_bytes
         } else {
             self.config.max_cached_bytes
         };
@@ -377,13 +407,16 @@ impl LargePool {
         let mut evicted = Vec::new();
         {
             let mut lists = self.lists();
-            while lists.cached_bytes + class > cap {
-                match lists.evict_oldest() {
+            while lists.cached_like(class) + class > cap {
+                match lists.evict_oldest(|other| is_large(other) == large) {
                     Some(old) => evicted.push(old),
                     None => break,
                 }
             }
             lists.cached_bytes += class;
+            if large {
+                lists.large_cached_bytes += class;
+            }
             lists.returns += 1;
             let seq = lists.returns;
             lists
@@ -407,11 +440,11 @@ impl LargePool {
         {
             let mut lists = self.lists();
             while lists.cached_bytes > floor {
-                match lists.oldest() {
+                match lists.oldest(|_| true) {
                     Some((_, at))
                         if now.saturating_duration_since(at) >= self.config.trim_idle_after =>
                     {
-                        trimmed.extend(lists.evict_oldest());
+                        trimmed.extend(lists.evict_oldest(|_| true));
                     }
                     _ => break,
                 }
@@ -582,6 +615,7 @@ mod tests {
             LargePoolConfig {
                 prealloc_per_class: 1,
                 max_cached_bytes: 8 << 20,
+                max_cached_large_bytes: 8 << 20,
                 ..LargePoolConfig::default()
             },
         )
@@ -604,54 +638,69 @@ mod tests {
         // Over the cap, returned buffers are deregistered rather than kept...
         let big: Vec<_> = (0..3).map(|_| pool.take(4 << 20).unwrap()).collect();
         drop(big);
-        assert!(pool.cached_bytes() <= 8 << 20);
-        // ...the longest idle first: a large buffer just returned evicts the
-        // small ones returned before it and is itself there for the next frame.
+        assert!(pool.cached_bytes() <= start + (8 << 20));
+        // ...the longest idle of its kind first: a 6 MiB buffer just returned
+        // evicts the 4 MiB ones returned before it and is itself there for
+        // the next frame.
         let six = pool.take(6 << 20).unwrap();
         let six_at = six.buffer().addr();
         drop(six);
-        assert!(pool.cached_bytes() <= 8 << 20);
+        assert!(pool.cached_bytes() <= start + (8 << 20));
         assert_eq!(pool.take(6 << 20).unwrap().buffer().addr(), six_at);
-        // A buffer larger than the whole cap (from KEEP_LARGE_FROM up) is
-        // kept within twice its size, the older ones let go.
-        let nine = pool.take(9 << 20).unwrap();
-        let (class, nine_at) = (nine.buffer().len(), nine.buffer().addr());
-        drop(nine);
-        assert!(pool.cached_bytes() <= 2 * class);
-        assert_eq!(pool.take(9 << 20).unwrap().buffer().addr(), nine_at);
-    }
-
-    #[test]
-    fn two_large_buffers_are_kept_past_the_cap_and_small_returns_let_them_go() {
-        let pool = LargePool::new(
+        // A buffer larger than its kind's whole cap is never kept.
+        let small_pool = LargePool::new(
             pd(),
             LargePoolConfig {
                 prealloc_per_class: 0,
-                max_cached_bytes: 4 << 20,
+                max_cached_bytes: 64 << 10,
                 ..LargePoolConfig::default()
             },
         )
         .unwrap();
-        let large = KEEP_LARGE_FROM + (1 << 20);
+        drop(small_pool.take(100_000).unwrap());
+        assert_eq!(small_pool.cached_bytes(), 0);
+    }
+
+    #[test]
+    fn huge_page_buffers_have_their_own_cap_and_small_returns_do_not_evict_them() {
+        let pool = LargePool::new(
+            pd(),
+            LargePoolConfig {
+                prealloc_per_class: 0,
+                max_cached_bytes: 1 << 20,
+                max_cached_large_bytes: 40 << 20,
+                ..LargePoolConfig::default()
+            },
+        )
+        .unwrap();
+        let large = 16 << 20;
         // A frame each way, again and again: two buffers, registered once.
         for _ in 0..3 {
             let (out, back) = (pool.take(large).unwrap(), pool.take(large).unwrap());
             drop((out, back));
         }
-        let registered = pool.registrations();
+        assert_eq!(pool.registrations(), 2, "reused, not registered per frame");
+        assert_eq!(pool.cached_bytes(), 2 * large);
+        // Small returns stay within their own 1 MiB, not evicting the large.
+        let small: Vec<_> = (0..8).map(|_| pool.take(256 << 10).unwrap()).collect();
+        drop(small);
         assert!(
-            registered <= 3,
-            "{registered} registrations for two buffers"
+            pool.cached_bytes() - 2 * large <= 1 << 20,
+            "{}",
+            pool.cached_bytes()
         );
         assert!(
             pool.cached_bytes() >= 2 * large,
-            "both kept past the 4 MiB cap"
+            "the large ones are still there"
         );
-        assert!(pool.cached_bytes() <= 2 * KEEP_LARGE_FROM + (4 << 20) + 2 * large);
-        // Small returns bring the cache back within its own cap.
-        let small: Vec<_> = (0..8).map(|_| pool.take(256 << 10).unwrap()).collect();
-        drop(small);
-        assert!(pool.cached_bytes() <= 4 << 20, "{}", pool.cached_bytes());
+        // A third large one is over the large cap: the longest idle goes.
+        let three: Vec<_> = (0..3).map(|_| pool.take(large).unwrap()).collect();
+        drop(three);
+        assert!(
+            pool.cached_bytes() <= (40 << 20) + (1 << 20),
+            "{}",
+            pool.cached_bytes()
+        );
     }
 
     #[test]
