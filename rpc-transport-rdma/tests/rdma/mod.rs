@@ -175,22 +175,15 @@ async fn child_server_process() {
     std::future::pending::<()>().await;
 }
 
-/// Held by the tests whose timing a heavy neighbour in this process would
+/// Held by a test whose timing a heavy neighbour in this process could
 /// break (a kill that must be noticed within a second) and by the heaviest
-/// (the rendezvous bound's load), so the two never overlap: in a debug build
-/// on 2 cores the load starved the kill's housekeeper for 1.4 s.
-static TIMING_SENSITIVE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn timing_sensitive() -> std::sync::MutexGuard<'static, ()> {
-    TIMING_SENSITIVE
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+/// one (the rendezvous bound's load), so the two never overlap.
+static TIMING_SENSITIVE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_process_fails_pending_calls_within_a_second() {
     crate::require_device!();
-    let _alone = timing_sensitive();
+    let _alone = TIMING_SENSITIVE.lock().await;
     ensure_registered();
     let mut child = ChildServer::spawn("rdma::child_server_process", CHILD_ENV);
     let channel = Channel::builder(child.endpoint.parse().unwrap())
@@ -617,7 +610,7 @@ impl crate::suite::Bed for BoundBed {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rendezvous_memory_in_use_stays_within_the_device_bound() {
     crate::require_device!();
-    let _alone = timing_sensitive();
+    let _alone = TIMING_SENSITIVE.lock().await;
     const CONNECTIONS: usize = 8;
     const IN_FLIGHT: usize = 16;
     const CALLS: usize = 64;
