@@ -177,6 +177,38 @@ impl GrpcTransport {
     }
 }
 
+impl GrpcTransport {
+    /// A front end serving what `listener` accepts (a socket bound or
+    /// inherited elsewhere), for [`rpc_core::server::Router::listen_on_front_end`]:
+    /// tonic's `serve_with_incoming`, with no registration.
+    ///
+    /// ```no_run
+    /// # async fn demo<S: rpc_core::server::RoutableService>(service: S) -> Result<(), Box<dyn std::error::Error>> {
+    /// let listener = tokio::net::TcpListener::bind("127.0.0.1:50051").await?;
+    /// let incoming = rpc_grpc::GrpcTransport::default().incoming(listener)?;
+    /// rpc_core::Server::builder().add_service(service).listen_on_front_end(incoming).serve().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn incoming(
+        &self,
+        listener: tokio::net::TcpListener,
+    ) -> Result<Box<dyn FrontEndListener>, TransportError> {
+        let settings = H2Settings::for_frame_limit(rpc_core::frame::DEFAULT_MAX_FRAME_LEN, self);
+        let scheme = if settings.is_secure() {
+            "grpcs"
+        } else {
+            SCHEME
+        };
+        #[cfg(feature = "tls")]
+        if settings.tls.as_ref().is_some_and(|tls| !tls.has_server()) {
+            return Err(TransportError::Other(
+                "grpcs:// cannot listen: its GrpcTransport has no TLS server configuration".into(),
+            ));
+        }
+        Ok(Box::new(server::listen_on(listener, scheme, settings)?))
+    }
+}
+
 /// The scheme of gRPC over TLS.
 #[cfg(feature = "tls")]
 pub const TLS_SCHEME: &str = "grpcs";
@@ -230,7 +262,6 @@ impl FrontEnd for GrpcTransport {
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Box<dyn FrontEndListener>, TransportError>> {
         let endpoint = endpoint.clone();
-        let budget = config.receive_budget.clone();
         let settings = H2Settings::for_frame_limit(config.max_frame_len, self);
         async move {
             #[cfg(feature = "tls")]
@@ -243,7 +274,7 @@ impl FrontEnd for GrpcTransport {
                     .into(),
                 ));
             }
-            let listener = server::bind(&endpoint, settings, budget).await?;
+            let listener = server::bind(&endpoint, settings).await?;
             Ok(Box::new(listener) as Box<dyn FrontEndListener>)
         }
         .boxed()

@@ -35,7 +35,7 @@ use rpc_core::frame::HEADER_LEN;
 use rpc_core::metadata::Metadata;
 use rpc_core::server::front_end::{CallEnd, Calls, FrontEndConnection, FrontEndListener};
 use rpc_core::stream::{MessageSink, MessageTarget, ServerStream, Streaming};
-use rpc_core::transport::{ConnectionBudget, Endpoint, ReceiveBudget, TransportError};
+use rpc_core::transport::{ConnectionBudget, Endpoint, TransportError};
 use rpc_core::wake_gate::WakeGate;
 use rpc_core::{Code, Payload, Request, Status};
 use tokio::net::TcpStream;
@@ -96,12 +96,20 @@ impl FrontEndListener for GrpcListener {
 pub(crate) async fn bind(
     endpoint: &Endpoint,
     settings: H2Settings,
-    budget: Option<ReceiveBudget>,
 ) -> Result<GrpcListener, TransportError> {
     let listener =
         tokio::net::TcpListener::bind((endpoint.host(), endpoint.port().unwrap_or(0))).await?;
+    listen_on(listener, endpoint.scheme(), settings)
+}
+
+/// Serves what `listener` accepts (bound here or elsewhere) as `scheme`.
+pub(crate) fn listen_on(
+    listener: tokio::net::TcpListener,
+    scheme: &str,
+    settings: H2Settings,
+) -> Result<GrpcListener, TransportError> {
     let local_addr = listener.local_addr()?;
-    let local = Endpoint::new(endpoint.scheme(), &local_addr.to_string())?;
+    let local = Endpoint::new(scheme, &local_addr.to_string())?;
     let (queue, accepted) = mpsc::channel(ACCEPT_QUEUE);
     let accept_task = tokio::spawn(async move {
         loop {
@@ -112,7 +120,6 @@ pub(crate) async fn bind(
                         socket,
                         peer: format!("grpc://{peer}"),
                         settings: settings.clone(),
-                        budget: budget.clone(),
                     }) as Box<dyn FrontEndConnection>)
                 }
                 Err(error) => Err(TransportError::Io(error)),
@@ -134,7 +141,6 @@ struct GrpcConnection {
     socket: TcpStream,
     peer: String,
     settings: H2Settings,
-    budget: Option<ReceiveBudget>,
 }
 
 /// What a connection is accepted for.
@@ -161,20 +167,17 @@ impl FrontEndConnection for GrpcConnection {
 /// Serves an accepted socket: its TLS handshake first on `grpcs://`.
 async fn serve_socket(connection: GrpcConnection, role: Role) {
     let GrpcConnection {
-        socket,
-        settings,
-        budget,
-        ..
+        socket, settings, ..
     } = connection;
     #[cfg(feature = "tls")]
     if let Some(tls) = settings.tls.clone() {
         match tls.server_handshake(socket, crate::TLS_SCHEME).await {
-            Ok(stream) => serve_h2(stream, settings, budget, role).await,
+            Ok(stream) => serve_h2(stream, settings, role).await,
             Err(error) => tracing::debug!(%error, "grpcs: TLS handshake failed"),
         }
         return;
     }
-    serve_h2(socket, settings, budget, role).await;
+    serve_h2(socket, settings, role).await;
 }
 
 /// What every call of one connection shares.
@@ -190,7 +193,7 @@ struct Shared {
 }
 
 /// The HTTP/2 connection and its calls, in one task.
-async fn serve_h2<T>(socket: T, settings: H2Settings, budget: Option<ReceiveBudget>, role: Role)
+async fn serve_h2<T>(socket: T, settings: H2Settings, role: Role)
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -211,11 +214,19 @@ where
             return;
         }
     };
+    // The server's limits and budget come with its calls.
+    let (max_message, budget) = match &role {
+        Role::Serve(calls) => (
+            max_message_for(calls.max_frame_len()),
+            Some(calls.receive_budget().connection()),
+        ),
+        Role::Refuse(_) => (settings.max_message, None),
+    };
     let shared = Arc::new(Shared {
-        max_message: settings.max_message,
+        max_message,
         accept: wire::accept_encoding_value(&settings.options.accept_compressed),
         options: settings.options.clone(),
-        budget: budget.map(|budget| tokio::sync::Mutex::new(budget.connection())),
+        budget: budget.map(tokio::sync::Mutex::new),
         queued: AtomicUsize::new(0),
     });
     match role {

@@ -31,15 +31,15 @@ use crate::payload::Payload;
 use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
 use crate::stream::{KindUnknown, ServerStream, ServerStreamSlot, TakeOnce, UnaryAnswer};
-use crate::transport::{Endpoint, TransportConfig, TransportError};
+use crate::transport::{Endpoint, ReceiveBudget, TransportConfig, TransportError};
 
 #[cfg(doc)]
 use crate::stream::{MessageSink, Streaming};
 
 /// A listening front end's way to bind (see the module docs).
 pub trait FrontEnd: Send + Sync + 'static {
-    /// Starts listening on `endpoint`: `config`'s frame limit bounds a
-    /// message, its receive budget what the front end holds of requests.
+    /// Starts listening on `endpoint` (the limits and the receive budget
+    /// come with each connection's [`Calls`]).
     fn bind(
         &self,
         endpoint: &Endpoint,
@@ -91,6 +91,7 @@ pub struct Calls {
 
 struct CallsInner {
     service: ServerService,
+    budget: ReceiveBudget,
     peer: String,
     max_frame_len: usize,
     max_concurrent_calls: usize,
@@ -115,6 +116,7 @@ impl Calls {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         service: ServerService,
+        budget: ReceiveBudget,
         peer: String,
         max_frame_len: usize,
         max_concurrent_calls: usize,
@@ -126,6 +128,7 @@ impl Calls {
         Calls {
             inner: Arc::new(CallsInner {
                 service,
+                budget,
                 peer,
                 max_frame_len,
                 max_concurrent_calls,
@@ -188,6 +191,13 @@ impl Calls {
             log.finish(code, len);
             end
         }
+    }
+
+    /// The server's receive budget: what the front end reserves a
+    /// request message's bytes from before it holds them (one
+    /// [`ReceiveBudget::connection`] per connection).
+    pub fn receive_budget(&self) -> &ReceiveBudget {
+        &self.inner.budget
     }
 
     /// The peer this connection is with.

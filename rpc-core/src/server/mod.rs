@@ -411,6 +411,16 @@ where
         self.listening(Incoming::Frames(incoming), budget)
     }
 
+    /// Serves a front end's connections from `incoming` (gRPC's:
+    /// `rpc_grpc::GrpcTransport::incoming(tcp_listener)`), as
+    /// [`Router::listen_on`] serves a transport's: tonic's
+    /// `serve_with_incoming`, for a socket bound (or inherited) elsewhere,
+    /// with no process-global registration.
+    pub fn listen_on_front_end(self, incoming: Box<dyn front_end::FrontEndListener>) -> Listening {
+        let budget = ReceiveBudget::new(self.server.config.receive_budget());
+        self.listening(Incoming::Calls(incoming), budget)
+    }
+
     fn listening(self, listener: Incoming, budget: ReceiveBudget) -> Listening {
         let service = self.server.layer.layer(self.routes);
         let service = tower::ServiceExt::map_err(
@@ -546,6 +556,7 @@ impl Listening {
                                 Accepted::Calls(connection) => {
                                     let calls = front_end::Calls::new(
                                         service.clone(),
+                                        stats.budget().clone(),
                                         connection.peer().to_owned(),
                                         config.max_frame_len,
                                         config.max_concurrent_calls_per_connection,

@@ -81,6 +81,11 @@ impl ServerStats {
         }
     }
 
+    /// The server's receive budget (what front ends reserve from).
+    pub(crate) fn budget(&self) -> &ReceiveBudget {
+        &self.budget
+    }
+
     /// Connections being served now (refused ones not included).
     pub fn connections(&self) -> usize {
         self.inner.connections.load(Ordering::Relaxed)

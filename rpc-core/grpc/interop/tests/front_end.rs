@@ -194,3 +194,45 @@ async fn dropping_the_serve_future_ends_its_grpc_connections() {
     .expect("the stream ends once the serve task is gone");
     assert!(ended.is_err(), "an endless stream cannot end well");
 }
+
+#[tokio::test]
+async fn a_grpc_front_end_serves_a_listener_bound_elsewhere_without_registration() {
+    // No rpc_grpc::register() here: the front end is a value.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let incoming = rpc_grpc::GrpcTransport::default()
+        .incoming(listener)
+        .expect("a front end over the listener");
+    let listening = rpc_core::Server::builder()
+        .max_frame_len(1 << 20)
+        .add_service(rdma::interop_server::InteropServer::new(
+            RdmaInterop::default(),
+        ))
+        .listen_on_front_end(incoming);
+    assert_eq!(
+        listening.local_endpoint().to_string(),
+        format!("grpc://{addr}")
+    );
+    let _serving = tokio::spawn(listening.serve());
+    let mut client = client(&addr).await;
+    let answer = client
+        .unary(Ask {
+            body: vec![7u8; 1000].into(),
+            ..Ask::default()
+        })
+        .await
+        .expect("served")
+        .into_inner();
+    assert_eq!(answer.body.len(), 1000);
+    // The server's own frame limit holds for the injected front end too.
+    let status = client
+        .unary(Ask {
+            body: vec![7u8; 2 << 20].into(),
+            ..Ask::default()
+        })
+        .await
+        .expect_err("over the server's 1 MiB limit");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+}
