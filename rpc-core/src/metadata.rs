@@ -367,6 +367,30 @@ impl fmt::Debug for Metadata {
     }
 }
 
+/// Parses gRPC's `grpc-timeout` value: 1 to 8 digits and a unit
+/// (`H M S m u n`), as HTTP/2 gRPC peers and tonic's requests carry it;
+/// `None` for anything else.
+pub fn parse_grpc_timeout(text: &str) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    if text.len() < 2 || text.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = text.split_at(text.len() - 1);
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let value: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(value * 3600),
+        "M" => Duration::from_secs(value * 60),
+        "S" => Duration::from_secs(value),
+        "m" => Duration::from_millis(value),
+        "u" => Duration::from_micros(value),
+        "n" => Duration::from_nanos(value),
+        _ => return None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

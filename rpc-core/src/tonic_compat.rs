@@ -152,7 +152,7 @@ impl<T> From<tonic::Request<T>> for Request<T> {
         let timeout = map
             .get(GRPC_TIMEOUT)
             .and_then(|value| value.to_str().ok())
-            .and_then(parse_timeout);
+            .and_then(crate::metadata::parse_grpc_timeout);
         let mut ours = Request::new(message);
         let mut metadata = lenient(&map);
         metadata.remove(GRPC_TIMEOUT);
@@ -194,24 +194,6 @@ impl<T> From<Response<T>> for tonic::Response<T> {
         let (metadata, message) = response.into_parts();
         tonic::Response::from_parts(MetadataMap::from(&metadata), message, extensions)
     }
-}
-
-/// `grpc-timeout`'s value (1 to 8 digits and a unit: H M S m u n).
-fn parse_timeout(value: &str) -> Option<Duration> {
-    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
-    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let amount: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(amount * 3600),
-        "M" => Duration::from_secs(amount * 60),
-        "S" => Duration::from_secs(amount),
-        "m" => Duration::from_millis(amount),
-        "u" => Duration::from_micros(amount),
-        "n" => Duration::from_nanos(amount),
-        _ => return None,
-    })
 }
 
 #[cfg(test)]
@@ -318,6 +300,7 @@ mod tests {
 
     #[test]
     fn grpc_timeouts_parse_in_every_unit_and_refuse_the_rest() {
+        use crate::metadata::parse_grpc_timeout as parse_timeout;
         assert_eq!(parse_timeout("2H"), Some(Duration::from_secs(7200)));
         assert_eq!(parse_timeout("3M"), Some(Duration::from_secs(180)));
         assert_eq!(parse_timeout("4S"), Some(Duration::from_secs(4)));

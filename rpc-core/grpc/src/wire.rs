@@ -301,24 +301,10 @@ pub(crate) fn encode_timeout(timeout: Duration) -> String {
 
 /// Parses a `grpc-timeout` value (`1`–`8` digits and a unit of `H M S m u n`).
 pub(crate) fn parse_timeout(value: &HeaderValue) -> Option<Duration> {
-    let text = value.to_str().ok()?;
-    if text.len() < 2 || text.len() > 9 {
-        return None;
-    }
-    let (digits, unit) = text.split_at(text.len() - 1);
-    if !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let value: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(value * 3600),
-        "M" => Duration::from_secs(value * 60),
-        "S" => Duration::from_secs(value),
-        "m" => Duration::from_millis(value),
-        "u" => Duration::from_micros(value),
-        "n" => Duration::from_nanos(value),
-        _ => return None,
-    })
+    value
+        .to_str()
+        .ok()
+        .and_then(rpc_core::metadata::parse_grpc_timeout)
 }
 
 /// `grpc-message`'s value: percent-encoded UTF-8 (bytes outside printable

@@ -1037,8 +1037,9 @@ const MAP_FROM: usize = 64 << 10;
 /// before: the pool keeps those for reuse (`max_cached_large_bytes`).
 const MAP_UP_TO: usize = 2 << 20;
 
-// SAFETY: `RawMemory` is a plain heap allocation with no thread affinity;
-// every access to its bytes goes through `RegisteredBuffer`'s `&self` /
+// SAFETY: `RawMemory` owns either a heap allocation or a private anonymous
+// mapping of its own, neither with any thread affinity; every access to its
+// bytes goes through `RegisteredBuffer`'s `&self` /
 // `&mut self` methods, which follow Rust's aliasing rules across threads.
 unsafe impl Send for RawMemory {}
 // SAFETY: as above; `&RawMemory` only hands out `&[u8]`.
@@ -1110,7 +1111,16 @@ impl Drop for RawMemory {
         if self.mapped {
             // SAFETY: mapped in `zeroed` with this length, and unmapped only
             // here, once (after the region over it was deregistered).
-            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+            let unmapped = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+            if unmapped != 0 {
+                // Its pages stay mapped (leaked), never reused: at most a
+                // leak, as when deregistration fails.
+                tracing::warn!(
+                    len = self.len,
+                    error = %std::io::Error::last_os_error(),
+                    "munmap of a buffer failed; its pages stay mapped"
+                );
+            }
         } else if self.len > 0 {
             // SAFETY: allocated in `zeroed` with this very layout, and freed
             // only here, once.
@@ -1123,7 +1133,8 @@ impl Drop for RawMemory {
 /// refuses it (a peer's write would race the safe slices it hands out).
 const REMOTE_WRITES: AccessFlags = AccessFlags::REMOTE_WRITE.union(AccessFlags::REMOTE_ATOMIC);
 
-/// A heap buffer registered with a protection domain, owning both: the region
+/// A buffer (heap memory, or a mapping of its own from 64 KiB to 2 MiB)
+/// registered with a protection domain, owning both: the region
 /// is deregistered before the memory is freed (and the memory is leaked, not
 /// freed, if deregistration fails), so no device access through a key can
 /// reach freed memory. The keys themselves are plain numbers that may be
@@ -1207,8 +1218,8 @@ impl RegisteredBuffer {
         if huge {
             advise_huge_pages_in(data.ptr.as_ptr() as usize, len);
         }
-        // SAFETY: `data` is a heap allocation of `len` bytes that this struct
-        // owns and never moves; `Drop` frees it only after the region was
+        // SAFETY: `data` is `len` bytes (a heap allocation or a mapping of its
+        // own) that this struct owns and never moves; `Drop` frees it only after the region was
         // deregistered successfully (the window cache's clone of the region
         // is untracked first), and `leak` never frees it.
         let region = unsafe { pd.register(data.ptr.as_ptr(), len, access)? };
