@@ -795,17 +795,17 @@ impl TargetSink {
             let mut failure = None;
             // More that are ready now, as far as the batch goes.
             while bytes < FRAMED_BATCH {
-                let item = match messages.next().now_or_never() {
-                    None => break,
-                    Some(None) => {
+                let item = match ready_now(messages.as_mut(), &mut codec)? {
+                    ReadyNow::Nothing => break,
+                    ReadyNow::Ended => {
                         ended = true;
                         break;
                     }
-                    Some(Some(Err(status))) => {
+                    ReadyNow::Failed(status) => {
                         failure = Some(status);
                         break;
                     }
-                    Some(Some(Ok(item))) => Prepared::new(&mut codec, item)?,
+                    ReadyNow::Item(item) => item,
                 };
                 if bytes + item.len() > FRAMED_BATCH {
                     held = Some(item);
@@ -835,6 +835,32 @@ struct FramesSink {
     /// Server side: whether the response metadata went out.
     headers_sent: bool,
     server: bool,
+}
+
+/// What a producer of messages has ready without waiting.
+enum ReadyNow<T> {
+    /// Nothing yet.
+    Nothing,
+    /// Its stream is over.
+    Ended,
+    /// Its stream ended with this error.
+    Failed(Status),
+    /// A message, prepared for a batch.
+    Item(Prepared<T>),
+}
+
+/// The next message `messages` has ready now (for the batch being filled).
+fn ready_now<C, S>(mut messages: Pin<&mut S>, codec: &mut C) -> Result<ReadyNow<C::Encode>, Status>
+where
+    C: Codec,
+    S: Stream<Item = Result<C::Encode, Status>>,
+{
+    Ok(match messages.next().now_or_never() {
+        None => ReadyNow::Nothing,
+        Some(None) => ReadyNow::Ended,
+        Some(Some(Err(status))) => ReadyNow::Failed(status),
+        Some(Some(Ok(item))) => ReadyNow::Item(Prepared::new(codec, item)?),
+    })
 }
 
 /// A message ready to go into a batch: its length is known.
@@ -1121,17 +1147,17 @@ impl FramesSink {
             let (mut ended, mut failure) = (false, None);
             // More that are ready now, as far as the batch and the window go.
             while bytes < BATCH_BYTES {
-                let item = match messages.next().now_or_never() {
-                    None => break,
-                    Some(None) => {
+                let item = match ready_now(messages.as_mut(), &mut codec)? {
+                    ReadyNow::Nothing => break,
+                    ReadyNow::Ended => {
                         ended = true;
                         break;
                     }
-                    Some(Some(Err(status))) => {
+                    ReadyNow::Failed(status) => {
                         failure = Some(status);
                         break;
                     }
-                    Some(Some(Ok(item))) => Prepared::new(&mut codec, item)?,
+                    ReadyNow::Item(item) => item,
                 };
                 let len = LENGTH_PREFIX + item.len();
                 if bytes + len > BATCH_BYTES || !self.credits.has_room(cost, charge(item.len())) {

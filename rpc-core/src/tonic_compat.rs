@@ -18,8 +18,6 @@
 //! `grpc-timeout` (tonic keeps the timeout there) becomes its
 //! [`Request::timeout`], and back.
 
-use std::time::Duration;
-
 use tonic::metadata::{KeyAndValueRef, MetadataMap};
 
 use crate::metadata::{InvalidMetadata, Metadata, MetadataValue};
@@ -199,6 +197,7 @@ impl<T> From<Response<T>> for tonic::Response<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn both_kinds() -> Metadata {
         let mut metadata = Metadata::new();

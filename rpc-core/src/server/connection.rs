@@ -113,7 +113,7 @@ fn queue_or_block(
 }
 
 /// What a call still in flight hears when its server's grace period is over.
-const SHUTTING_DOWN: &str = "server shutting down";
+pub(crate) const SHUTTING_DOWN: &str = "server shutting down";
 
 /// When a connection's server shuts down.
 pub(crate) struct Shutdown {

@@ -24,9 +24,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_core::Stream;
 use futures_util::future::BoxFuture;
-use tokio_util::sync::CancellationToken;
 
-use super::connection::{self, CallLog, ServerService};
+use super::ServerConfig;
+use super::connection::{self, CallLog, SHUTTING_DOWN, ServerService, Shutdown};
 use crate::payload::Payload;
 use crate::request::{PeerInfo, Request, Response};
 use crate::status::{Code, Status};
@@ -93,12 +93,8 @@ struct CallsInner {
     service: ServerService,
     budget: ReceiveBudget,
     peer: String,
-    max_frame_len: usize,
-    max_concurrent_calls: usize,
-    idle_timeout: Duration,
-    access_log: bool,
-    graceful: CancellationToken,
-    now: CancellationToken,
+    config: ServerConfig,
+    shutdown: Shutdown,
 }
 
 impl std::fmt::Debug for Calls {
@@ -109,33 +105,21 @@ impl std::fmt::Debug for Calls {
     }
 }
 
-/// What a call still in flight hears when its server's grace period is over.
-const SHUTTING_DOWN: &str = "server shutting down";
-
 impl Calls {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         service: ServerService,
         budget: ReceiveBudget,
         peer: String,
-        max_frame_len: usize,
-        max_concurrent_calls: usize,
-        idle_timeout: Duration,
-        access_log: bool,
-        graceful: CancellationToken,
-        now: CancellationToken,
+        config: ServerConfig,
+        shutdown: Shutdown,
     ) -> Calls {
         Calls {
             inner: Arc::new(CallsInner {
                 service,
                 budget,
                 peer,
-                max_frame_len,
-                max_concurrent_calls,
-                idle_timeout,
-                access_log,
-                graceful,
-                now,
+                config,
+                shutdown,
             }),
         }
     }
@@ -151,7 +135,7 @@ impl Calls {
     ) -> impl Future<Output = CallEnd> + Send + 'static {
         let inner = self.inner.clone();
         let method = request.method().unwrap_or_default().to_owned();
-        let log = CallLog::start(&method, 0, &inner.peer, 0, inner.access_log);
+        let log = CallLog::start(&method, 0, &inner.peer, 0, inner.config.access_log);
         let slot = ServerStreamSlot(TakeOnce::new(stream));
         let mut request = request.map(|()| Bytes::new());
         let extensions = request.extensions_mut();
@@ -166,13 +150,13 @@ impl Calls {
             let outcome = tokio::select! {
                 biased;
                 outcome = running => outcome,
-                () = inner.now.cancelled() => Err(Status::unavailable(SHUTTING_DOWN)),
+                () = inner.shutdown.now.cancelled() => Err(Status::unavailable(SHUTTING_DOWN)),
             };
             let end = match outcome {
                 Ok(response) if response.extensions().get::<UnaryAnswer>().is_some() => {
                     match connection::over_frame_limit(
                         response.get_ref().len(),
-                        inner.max_frame_len,
+                        inner.config.max_frame_len,
                     ) {
                         Some(status) => CallEnd::Ended(status),
                         None => CallEnd::Answer(response),
@@ -207,28 +191,28 @@ impl Calls {
 
     /// The largest message a call takes or sends (the server's frame limit).
     pub fn max_frame_len(&self) -> usize {
-        self.inner.max_frame_len
+        self.inner.config.max_frame_len
     }
 
     /// Calls one connection may have in flight at once.
     pub fn max_concurrent_calls(&self) -> usize {
-        self.inner.max_concurrent_calls
+        self.inner.config.max_concurrent_calls_per_connection
     }
 
     /// How long a connection with no call in flight stays open.
     pub fn idle_timeout(&self) -> Duration {
-        self.inner.idle_timeout
+        self.inner.config.idle_timeout
     }
 
     /// Ready once the server shuts down gracefully: take no new calls, let
     /// those in flight finish.
     pub fn shutting_down(&self) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.graceful.clone().cancelled_owned()
+        self.inner.shutdown.graceful.clone().cancelled_owned()
     }
 
     /// Ready once the server's grace period is over (or it was dropped):
     /// the calls in flight end with `Unavailable`; close the connection.
     pub fn ending_now(&self) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.now.clone().cancelled_owned()
+        self.inner.shutdown.now.clone().cancelled_owned()
     }
 }

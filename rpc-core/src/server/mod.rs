@@ -558,12 +558,8 @@ impl Listening {
                                         service.clone(),
                                         stats.budget().clone(),
                                         connection.peer().to_owned(),
-                                        config.max_frame_len,
-                                        config.max_concurrent_calls_per_connection,
-                                        config.idle_timeout,
-                                        config.access_log,
-                                        shutdown.graceful,
-                                        shutdown.now,
+                                        config.clone(),
+                                        shutdown,
                                     );
                                     let served = connection.serve(calls);
                                     let counted = ConnectionRecord::open(Side::Server, &scheme);

@@ -11,11 +11,18 @@ use rpc_grpc_interop::{RdmaInterop, rdma};
 
 type Client = InteropClient<tonic::transport::Channel>;
 
-fn server() -> rpc_core::server::Router {
+/// The interop service on `grpc://127.0.0.1:0`, with `configure`'s settings.
+async fn listen(
+    configure: impl FnOnce(rpc_core::Server) -> rpc_core::Server,
+) -> rpc_core::server::Listening {
     rpc_grpc::register();
-    rpc_core::Server::builder().add_service(rdma::interop_server::InteropServer::new(
-        RdmaInterop::default(),
-    ))
+    configure(rpc_core::Server::builder())
+        .add_service(rdma::interop_server::InteropServer::new(
+            RdmaInterop::default(),
+        ))
+        .listen("grpc://127.0.0.1:0")
+        .await
+        .expect("listen")
 }
 
 async fn client(addr: &str) -> Client {
@@ -38,15 +45,7 @@ fn endless() -> Ask {
 
 #[tokio::test]
 async fn a_graceful_shutdown_ends_open_grpc_streams_after_the_grace_period() {
-    rpc_grpc::register();
-    let listening = rpc_core::Server::builder()
-        .shutdown_grace(Duration::from_millis(300))
-        .add_service(rdma::interop_server::InteropServer::new(
-            RdmaInterop::default(),
-        ))
-        .listen("grpc://127.0.0.1:0")
-        .await
-        .expect("listen");
+    let listening = listen(|server| server.shutdown_grace(Duration::from_millis(300))).await;
     let addr = listening.local_endpoint().authority().to_owned();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(listening.serve_with_shutdown(async {
@@ -96,15 +95,7 @@ async fn a_graceful_shutdown_ends_open_grpc_streams_after_the_grace_period() {
 
 #[tokio::test]
 async fn an_idle_grpc_connection_is_closed_and_a_busy_one_is_not() {
-    rpc_grpc::register();
-    let listening = rpc_core::Server::builder()
-        .idle_timeout(Duration::from_millis(300))
-        .add_service(rdma::interop_server::InteropServer::new(
-            RdmaInterop::default(),
-        ))
-        .listen("grpc://127.0.0.1:0")
-        .await
-        .expect("listen");
+    let listening = listen(|server| server.idle_timeout(Duration::from_millis(300))).await;
     let addr = listening.local_endpoint().authority().to_owned();
     let stats = listening.stats();
     let _serving = tokio::spawn(listening.serve());
@@ -136,15 +127,7 @@ async fn an_idle_grpc_connection_is_closed_and_a_busy_one_is_not() {
 
 #[tokio::test]
 async fn a_grpc_connection_over_the_limit_is_refused_with_the_reason() {
-    rpc_grpc::register();
-    let listening = rpc_core::Server::builder()
-        .max_connections(1)
-        .add_service(rdma::interop_server::InteropServer::new(
-            RdmaInterop::default(),
-        ))
-        .listen("grpc://127.0.0.1:0")
-        .await
-        .expect("listen");
+    let listening = listen(|server| server.max_connections(1)).await;
     let addr = listening.local_endpoint().authority().to_owned();
     let _serving = tokio::spawn(listening.serve());
     let mut first = client(&addr).await;
@@ -167,7 +150,7 @@ async fn a_grpc_connection_over_the_limit_is_refused_with_the_reason() {
 
 #[tokio::test]
 async fn dropping_the_serve_future_ends_its_grpc_connections() {
-    let listening = server().listen("grpc://127.0.0.1:0").await.expect("listen");
+    let listening = listen(|server| server).await;
     let addr = listening.local_endpoint().authority().to_owned();
     let serving = tokio::spawn(listening.serve());
     let mut client = client(&addr).await;
