@@ -60,6 +60,10 @@
 //! and only up to that length and the message limit: a small message that
 //! would inflate past either fails its call instead.
 //!
+//! **HTTP layers** ([`HttpLayer`]): tower-http's layers (trace, auth,
+//! headers, request ids) in front of a [`rpc_core::Server`]'s calls, on
+//! `grpc://` and every other transport; see [`http_layer`].
+//!
 //! **TLS** (feature `tls`): `grpcs://` is the same inside TLS 1.2/1.3 with
 //! rustls and ALPN `h2`, as gRPC's secure channels speak it; register it
 //! with [`register_tls`] (a server configuration to listen, a client one to
@@ -70,6 +74,7 @@
 mod client;
 mod data;
 pub mod health;
+pub mod http_layer;
 mod link;
 pub mod reflection;
 mod server;
@@ -86,6 +91,7 @@ use rpc_core::transport::{
     Connection, Endpoint, Listener, Transport, TransportConfig, TransportError,
 };
 
+pub use http_layer::{CallService, HttpLayer, HttpLayerBody, HttpLayered};
 pub use wire::{ENCODING_REQUEST, Encoding};
 
 /// The scheme `grpc://` endpoints name.

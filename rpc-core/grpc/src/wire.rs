@@ -19,7 +19,7 @@ pub(crate) const MESSAGE_PREFIX: usize = 5;
 pub(crate) const CONTENT_TYPE: &str = "application/grpc";
 
 /// Headers that are gRPC's or HTTP/2's own, never metadata.
-fn is_reserved(name: &str) -> bool {
+pub(crate) fn is_reserved(name: &str) -> bool {
     matches!(
         name,
         "content-type"
