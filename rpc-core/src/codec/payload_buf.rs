@@ -111,6 +111,21 @@ impl PayloadBuf {
         }
     }
 
+    /// Copies `src` into `current`, growing it (into new chunks) as it fills.
+    fn put_slice_across(&mut self, mut src: &[u8]) {
+        while !src.is_empty() {
+            let mut room = self.current.capacity() - self.current.len();
+            if room == 0 {
+                self.grow(src.len());
+                room = self.current.capacity() - self.current.len();
+            }
+            let step = room.min(src.len());
+            // Within capacity: `extend_from_slice` does not reallocate.
+            self.current.extend_from_slice(&src[..step]);
+            src = &src[step..];
+        }
+    }
+
     /// Moves what `current` holds into `done`, keeping its spare room for
     /// what follows when it is an ordinary allocation.
     fn seal_current(&mut self) {
@@ -149,17 +164,23 @@ unsafe impl BufMut for PayloadBuf {
         self.current.chunk_mut()
     }
 
-    fn put_slice(&mut self, mut src: &[u8]) {
-        while !src.is_empty() {
-            let mut room = self.current.capacity() - self.current.len();
-            if room == 0 {
-                self.grow(src.len());
-                room = self.current.capacity() - self.current.len();
-            }
-            let step = room.min(src.len());
-            // Within capacity: `extend_from_slice` does not reallocate.
-            self.current.extend_from_slice(&src[..step]);
-            src = &src[step..];
+    #[inline]
+    fn put_slice(&mut self, src: &[u8]) {
+        // The common case (a codec's small writes: tags, varints, short
+        // fields) fits the chunk: one copy, no loop.
+        if self.current.capacity() - self.current.len() >= src.len() {
+            self.current.extend_from_slice(src);
+        } else {
+            self.put_slice_across(src);
+        }
+    }
+
+    #[inline]
+    fn put_u8(&mut self, byte: u8) {
+        if self.current.capacity() > self.current.len() {
+            self.current.put_u8(byte);
+        } else {
+            self.put_slice_across(&[byte]);
         }
     }
 
