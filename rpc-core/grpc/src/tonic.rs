@@ -114,36 +114,35 @@ async fn call_over(
 /// tonic's own side has reported its error.
 fn request_messages(body: tonic::body::Body) -> impl Stream<Item = Payload> + Send + 'static {
     let deframer = Deframer::new(usize::MAX);
-    futures_util::stream::unfold(
-        (body, deframer, false),
-        |(mut body, mut deframer, mut done)| async move {
-            loop {
-                match deframer.next_message() {
-                    Ok(Some(message)) => {
-                        return Some((Payload::from(message), (body, deframer, done)));
-                    }
-                    Ok(None) if done => return None,
-                    Ok(None) => {}
-                    Err(error) => {
-                        tracing::debug!(%error, "grpc: tonic request body is not gRPC");
-                        return None;
-                    }
+    // Boxed: the unfold moves its state through every message's future.
+    futures_util::stream::unfold(Box::new((body, deframer, false)), |mut state| async move {
+        let (body, deframer, done) = &mut *state;
+        loop {
+            match deframer.next_message() {
+                Ok(Some(message)) => {
+                    return Some((Payload::from(message), state));
                 }
-                match body.frame().await {
-                    Some(Ok(frame)) => {
-                        if let Ok(data) = frame.into_data() {
-                            deframer.push(data);
-                        }
-                    }
-                    Some(Err(status)) => {
-                        tracing::debug!(%status, "grpc: tonic request body failed");
-                        return None;
-                    }
-                    None => done = true,
+                Ok(None) if *done => return None,
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::debug!(%error, "grpc: tonic request body is not gRPC");
+                    return None;
                 }
             }
-        },
-    )
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        deframer.push(data);
+                    }
+                }
+                Some(Err(status)) => {
+                    tracing::debug!(%status, "grpc: tonic request body failed");
+                    return None;
+                }
+                None => *done = true,
+            }
+        }
+    })
 }
 
 /// The server's messages and final status → an HTTP body of
