@@ -72,6 +72,7 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod cork;
 mod data;
 pub mod health;
 pub mod http_layer;

@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::cork::{Cork, Corked};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
@@ -202,6 +203,7 @@ where
         let most = u32::try_from(calls.max_concurrent_calls()).unwrap_or(u32::MAX);
         builder.max_concurrent_streams(most.min(crate::MAX_CONCURRENT_STREAMS));
     }
+    let (socket, cork) = crate::cork::corked(socket);
     let handshake = builder.handshake::<_, Bytes>(socket);
     let h2 = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
         Ok(Ok(h2)) => h2,
@@ -230,12 +232,14 @@ where
         queued: AtomicUsize::new(0),
     });
     match role {
-        Role::Serve(calls) => serve_calls(h2, calls, shared).await,
+        Role::Serve(calls) => serve_calls(h2, calls, shared, &cork).await,
         Role::Refuse(status) => refuse_calls(h2, &status, &shared.accept).await,
     }
+    // What h2 wrote while corked, if the connection ended in a burst.
+    let _ = tokio::time::timeout(CLOSE_LINGER, cork.finish()).await;
 }
 
-type H2Connection<T> = h2::server::Connection<T, Bytes>;
+type H2Connection<T> = h2::server::Connection<Corked<T>, Bytes>;
 
 /// Answers every call of a refused connection with `status`, says GOAWAY,
 /// and closes once its streams are done (or after [`CLOSE_LINGER`]).
@@ -257,7 +261,7 @@ where
 type CallFutures = FuturesUnordered<Pin<Box<dyn Future<Output = ()> + Send>>>;
 
 /// Serves one HTTP/2 connection's calls until the client or the server ends it.
-async fn serve_calls<T>(mut h2: H2Connection<T>, calls: Calls, shared: Arc<Shared>)
+async fn serve_calls<T>(mut h2: H2Connection<T>, calls: Calls, shared: Arc<Shared>, cork: &Cork<T>)
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -278,9 +282,21 @@ where
         // HTTP/2 has not taken are over the bound.
         let accepting = shared.queued.load(Ordering::Relaxed) < QUEUED_BYTES;
         tokio::select! {
-            event = std::future::poll_fn(|cx| h2_woke.poll(cx, |cx| poll_h2(&mut h2, cx, accepting))) => match event {
+            event = std::future::poll_fn(|cx| h2_woke.poll(cx, |cx| {
+                let polled = poll_h2(&mut h2, cx, accepting);
+                if polled.is_pending() && cork.is_corked() {
+                    // h2 has no more calls to hand over: the burst's
+                    // answers go out with this flush, in one write.
+                    cork.uncork();
+                    return poll_h2(&mut h2, cx, accepting);
+                }
+                polled
+            })) => match event {
                 H2Event::Call(request, respond) => {
                     taken += 1;
+                    // Until h2 has handed over every call that arrived with
+                    // this one, what it writes waits (see `cork`).
+                    cork.cork();
                     let mut call = Box::pin(serve_call(request, respond, calls.clone(), shared.clone()));
                     // Its first poll now, in this task: a handler that
                     // answers at once answers before the next call is taken

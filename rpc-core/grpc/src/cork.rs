@@ -1,0 +1,221 @@
+//! [`Corked`]: a connection's writes held back while its task takes a burst
+//! of calls, then sent with one system call.
+//!
+//! h2 flushes its connection every time it is polled: a server task that
+//! takes one call, answers it and polls h2 for the next would write (and
+//! push through TCP) once per call. tonic's server does not, because its
+//! calls run in tasks of their own after h2 has taken every call that
+//! arrived. This task answers calls as it takes them, so it corks the socket
+//! instead: from a call taken until h2 has no more calls to hand over, what
+//! h2 writes is kept here (up to [`CORK_LIMIT`]); then the task uncorks and
+//! h2's next flush sends it all at once.
+
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, ready};
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Bytes kept while corked at most: a write beyond it goes out (after what
+/// is kept) at once.
+pub(crate) const CORK_LIMIT: usize = 64 << 10;
+
+/// The I/O and what was written to it while corked.
+struct CorkState<T> {
+    io: T,
+    corked: bool,
+    held: BytesMut,
+}
+
+impl<T: AsyncWrite + Unpin> CorkState<T> {
+    /// Writes what is held.
+    fn poll_write_held(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.held.is_empty() {
+            let written = ready!(Pin::new(&mut self.io).poll_write(cx, &self.held))?;
+            if written == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.held.advance(written);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// The I/O h2 drives (see the module docs); [`Cork`] is the connection
+/// task's handle on it.
+pub(crate) struct Corked<T> {
+    state: Arc<Mutex<CorkState<T>>>,
+}
+
+/// Corks and uncorks a [`Corked`] I/O, and sends what it holds when the
+/// connection ends.
+pub(crate) struct Cork<T> {
+    state: Arc<Mutex<CorkState<T>>>,
+}
+
+fn lock<T>(state: &Mutex<CorkState<T>>) -> MutexGuard<'_, CorkState<T>> {
+    state
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `io`, uncorked, and the handle that corks it.
+pub(crate) fn corked<T>(io: T) -> (Corked<T>, Cork<T>) {
+    let state = Arc::new(Mutex::new(CorkState {
+        io,
+        corked: false,
+        held: BytesMut::new(),
+    }));
+    (
+        Corked {
+            state: state.clone(),
+        },
+        Cork { state },
+    )
+}
+
+impl<T: AsyncWrite + Unpin> Cork<T> {
+    /// Holds writes back from now on.
+    pub(crate) fn cork(&self) {
+        lock(&self.state).corked = true;
+    }
+
+    /// Whether writes are held back.
+    pub(crate) fn is_corked(&self) -> bool {
+        lock(&self.state).corked
+    }
+
+    /// Lets writes through again; what is held goes with the next flush.
+    pub(crate) fn uncork(&self) {
+        lock(&self.state).corked = false;
+    }
+
+    /// Uncorks and writes what is held (the connection is ending: h2 will
+    /// not flush again).
+    pub(crate) async fn finish(&self) -> io::Result<()> {
+        self.uncork();
+        std::future::poll_fn(|cx| {
+            let mut state = lock(&self.state);
+            ready!(state.poll_write_held(cx))?;
+            Pin::new(&mut state.io).poll_flush(cx)
+        })
+        .await
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Corked<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut lock(&self.state).io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Corked<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let mut state = lock(&self.state);
+        let len: usize = bufs.iter().map(|buf| buf.len()).sum();
+        if state.corked && state.held.len() + len <= CORK_LIMIT {
+            for buf in bufs {
+                state.held.extend_from_slice(buf);
+            }
+            return Poll::Ready(Ok(len));
+        }
+        // What is held goes first, then this write as it is.
+        ready!(state.poll_write_held(cx))?;
+        Pin::new(&mut state.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        // Vectored writes are taken whole while corked; uncorked they go to
+        // the I/O, which writes what it can of them.
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut state = lock(&self.state);
+        if state.corked {
+            return Poll::Ready(Ok(()));
+        }
+        ready!(state.poll_write_held(cx))?;
+        Pin::new(&mut state.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut state = lock(&self.state);
+        ready!(state.poll_write_held(cx))?;
+        Pin::new(&mut state.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn corked_writes_wait_for_the_uncorked_flush_and_keep_their_order() {
+        let (near, mut far) = tokio::io::duplex(1 << 20);
+        let (mut io, cork) = corked(near);
+        io.write_all(b"one ").await.unwrap();
+        io.flush().await.unwrap();
+        cork.cork();
+        io.write_all(b"two ").await.unwrap();
+        io.write_all(b"three ").await.unwrap();
+        io.flush().await.unwrap();
+        let mut got = vec![0u8; 64];
+        let n = far.read(&mut got).await.unwrap();
+        assert_eq!(&got[..n], b"one ", "nothing corked went out");
+        cork.uncork();
+        io.write_all(b"four").await.unwrap();
+        io.flush().await.unwrap();
+        let mut rest = vec![0u8; 14];
+        far.read_exact(&mut rest).await.unwrap();
+        assert_eq!(&rest, b"two three four", "held bytes first, in order");
+    }
+
+    #[tokio::test]
+    async fn a_write_past_the_limit_goes_out_with_what_was_held() {
+        let (near, mut far) = tokio::io::duplex(1 << 20);
+        let (mut io, cork) = corked(near);
+        cork.cork();
+        io.write_all(b"held").await.unwrap();
+        let big = vec![7u8; CORK_LIMIT];
+        io.write_all(&big).await.unwrap();
+        assert!(cork.is_corked());
+        let mut got = vec![0u8; 4 + CORK_LIMIT];
+        far.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got[..4], b"held");
+        assert!(got[4..].iter().all(|&b| b == 7));
+    }
+
+    #[tokio::test]
+    async fn finish_sends_what_is_held_when_h2_will_not_flush_again() {
+        let (near, mut far) = tokio::io::duplex(1 << 20);
+        let (mut io, cork) = corked(near);
+        cork.cork();
+        io.write_all(b"last answer").await.unwrap();
+        io.flush().await.unwrap();
+        drop(io);
+        cork.finish().await.unwrap();
+        let mut got = vec![0u8; 11];
+        far.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"last answer");
+    }
+}
