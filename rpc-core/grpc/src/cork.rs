@@ -8,7 +8,7 @@
 //! arrived. This task answers calls as it takes them, so it corks the socket
 //! instead: from a call taken until h2 has no more calls to hand over, what
 //! h2 writes is kept here (up to [`CORK_LIMIT`]); then the task uncorks and
-//! h2's next flush sends it all at once.
+//! sends it all with one write.
 
 use std::io::{self, IoSlice};
 use std::pin::Pin;
@@ -87,9 +87,23 @@ impl<T: AsyncWrite + Unpin> Cork<T> {
         lock(&self.state).corked
     }
 
-    /// Lets writes through again; what is held goes with the next flush.
+    /// Lets writes through again; what is held goes with the next write
+    /// or flush.
     pub(crate) fn uncork(&self) {
         lock(&self.state).corked = false;
+    }
+
+    /// Uncorks and starts writing what is held, in the caller's task: h2
+    /// has flushed already (into the cork), so nothing else would. What
+    /// the socket does not take now goes with h2's next write or flush,
+    /// which the caller's waker (registered here) brings about; an error
+    /// is left for h2 to meet on its next use of the socket.
+    pub(crate) fn uncork_and_send(&self, cx: &mut Context<'_>) {
+        let mut state = lock(&self.state);
+        state.corked = false;
+        if let Poll::Ready(Ok(())) = state.poll_write_held(cx) {
+            let _ = Pin::new(&mut state.io).poll_flush(cx);
+        }
     }
 
     /// Uncorks and writes what is held (the connection is ending: h2 will
@@ -203,6 +217,24 @@ mod tests {
         far.read_exact(&mut got).await.unwrap();
         assert_eq!(&got[..4], b"held");
         assert!(got[4..].iter().all(|&b| b == 7));
+    }
+
+    #[tokio::test]
+    async fn uncork_and_send_writes_what_is_held_without_another_flush() {
+        let (near, mut far) = tokio::io::duplex(1 << 20);
+        let (mut io, cork) = corked(near);
+        cork.cork();
+        io.write_all(b"burst").await.unwrap();
+        io.flush().await.unwrap();
+        std::future::poll_fn(|cx| {
+            cork.uncork_and_send(cx);
+            Poll::Ready(())
+        })
+        .await;
+        assert!(!cork.is_corked());
+        let mut got = vec![0u8; 5];
+        far.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"burst");
     }
 
     #[tokio::test]

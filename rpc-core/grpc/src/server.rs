@@ -285,10 +285,10 @@ where
             event = std::future::poll_fn(|cx| h2_woke.poll(cx, |cx| {
                 let polled = poll_h2(&mut h2, cx, accepting);
                 if polled.is_pending() && cork.is_corked() {
-                    // h2 has no more calls to hand over: the burst's
-                    // answers go out with this flush, in one write.
-                    cork.uncork();
-                    return poll_h2(&mut h2, cx, accepting);
+                    // h2 has no more calls to hand over (and has flushed
+                    // into the cork): the burst's answers go now, in one
+                    // write.
+                    cork.uncork_and_send(cx);
                 }
                 polled
             })) => match event {

@@ -1,0 +1,150 @@
+//! CPU per message and per call of rdma-rpc's `grpc://` server against
+//! tonic's, both called by tonic's client: the server's own CPU time (and
+//! the client's) over one workload, in alternated rounds.
+//!
+//! Throughput on a shared 2-core machine swings between runs; the CPU a
+//! server spends per message swings much less, and is what a server change
+//! moves. `compare` gives the throughput rows; this gives their cost.
+//!
+//! ```sh
+//! cargo run --release -p rdma-rpc-benches --bin grpc_cpu -- --workload flood
+//! cargo run --release -p rdma-rpc-benches --bin grpc_cpu -- --workload unary --in-flight 128 --multi-thread
+//! ```
+
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use rdma_rpc_benches::contenders::{self, Client, Contender};
+use rdma_rpc_benches::stats::ProcessCounters;
+use rdma_rpc_benches::streams::StreamClient;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    /// 64 B messages on one server stream.
+    Flood,
+    /// 64 B messages echoed on one bidirectional stream.
+    Bidi,
+    /// 64 B unary calls, `--in-flight` at a time.
+    Unary,
+}
+
+/// CPU per message or call of the grpc:// and tonic servers (tonic's client).
+#[derive(Debug, Parser)]
+struct Cli {
+    /// What to run.
+    #[arg(long, value_enum, default_value = "flood")]
+    workload: Workload,
+    /// Messages per round (streams), or calls per round (unary).
+    #[arg(long, default_value_t = 1_000_000)]
+    count: u64,
+    /// Unary calls outstanding at once.
+    #[arg(long, default_value_t = 128)]
+    in_flight: u64,
+    /// Rounds; each runs both servers, one after the other.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Multi-thread runtimes (2 workers) in both processes.
+    #[arg(long)]
+    multi_thread: bool,
+    /// The server process (internal).
+    #[arg(long, hide = true)]
+    serve: Option<String>,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Some(key) = &cli.serve {
+        contenders::serve(Contender::from_key(key).expect("a contender's key"));
+        return;
+    }
+    if cli.multi_thread {
+        contenders::use_multi_thread_runtimes();
+    }
+    println!(
+        "{:?}, {} runtimes, tonic's client calling; CPU of each whole process per {}",
+        cli.workload,
+        if cli.multi_thread {
+            "multi-thread"
+        } else {
+            "current-thread"
+        },
+        if cli.workload == Workload::Unary {
+            "call"
+        } else {
+            "message"
+        }
+    );
+    for round in 1..=cli.rounds {
+        for contender in [Contender::RpcGrpc, Contender::Tonic] {
+            let (server, addr) = contenders::spawn_server(contender.key(), contender.poll_mode());
+            let measured = contenders::runtime().block_on(measure(&cli, &addr, &server));
+            let (count, elapsed, server_cpu, client_cpu) = measured;
+            let per = |cpu: Duration| cpu.as_nanos() as f64 / count as f64;
+            println!(
+                "round {round} {:<32} {:>10.0} /s   server {:>8.1} ns   client {:>8.1} ns",
+                contender.label(),
+                count as f64 / elapsed.as_secs_f64(),
+                per(server_cpu),
+                per(client_cpu),
+            );
+        }
+    }
+}
+
+/// One workload against the server at `addr`: (messages or calls, time,
+/// server CPU, client CPU), after a warm-up of a tenth of it.
+async fn measure(
+    cli: &Cli,
+    addr: &str,
+    server: &contenders::ServerProcess,
+) -> (u64, Duration, Duration, Duration) {
+    let client = Client::connect(Contender::Tonic, addr).await;
+    let run = |count: u64| {
+        let client = client.clone();
+        async move {
+            match cli.workload {
+                Workload::Flood | Workload::Bidi => {
+                    let mut streams: StreamClient = client.streams().expect("tonic streams");
+                    let got = if cli.workload == Workload::Flood {
+                        streams.flood(count).await
+                    } else {
+                        streams.pipe(count).await
+                    };
+                    assert_eq!(got, count, "every message arrives");
+                }
+                Workload::Unary => unary(&client, count, cli.in_flight).await,
+            }
+        }
+    };
+    run((cli.count / 10).max(1)).await;
+    let server_before = server.counters().expect("server counters");
+    let client_before = ProcessCounters::now();
+    let started = Instant::now();
+    run(cli.count).await;
+    let elapsed = started.elapsed();
+    let server_after = server.counters().expect("server counters");
+    let client_after = ProcessCounters::now();
+    (
+        cli.count,
+        elapsed,
+        server_after.cpu - server_before.cpu,
+        client_after.cpu - client_before.cpu,
+    )
+}
+
+/// `count` 64 B calls, `in_flight` at a time.
+async fn unary(client: &Client, count: u64, in_flight: u64) {
+    let payload = bytes::Bytes::from_static(&[7u8; 64]);
+    let mut workers = tokio::task::JoinSet::new();
+    for worker in 0..in_flight {
+        let mut client = client.clone();
+        let payload = payload.clone();
+        let calls = count / in_flight + u64::from(worker < count % in_flight);
+        workers.spawn(async move {
+            for _ in 0..calls {
+                client.say(&payload).await;
+            }
+        });
+    }
+    workers.join_all().await;
+}
