@@ -701,6 +701,10 @@ pub trait MessageTarget: Send + 'static {
 /// Bytes of ready messages a [`MessageTarget`] gets framed together.
 const FRAMED_BATCH: usize = 32 << 10;
 
+/// Bytes counted per message for its prefix in a framed batch (gRPC's
+/// length prefix): a batch of empty messages ends too.
+const FRAMED_PREFIX_COUNTED: usize = 5;
+
 /// A [`MessageSink`] over a [`MessageTarget`].
 struct TargetSink {
     target: Box<dyn MessageTarget>,
@@ -783,18 +787,18 @@ impl TargetSink {
                 self.target.start_send(message)?;
                 continue;
             };
-            let mut bytes = first.len();
+            let mut bytes = FRAMED_PREFIX_COUNTED + first.len();
             let mut batch = PayloadBuf::with_len_hint(bytes.min(FRAMED_BATCH) + 16);
             first.write_with(&mut codec, &mut batch, prefix)?;
             let mut failure = None;
             // More that are ready now, as far as the batch goes.
             let max_message = self.max_message;
             let stop = fill_batch(messages.as_mut(), &mut codec, &mut batch, prefix, |len| {
-                if bytes + len > FRAMED_BATCH {
+                if bytes + FRAMED_PREFIX_COUNTED + len > FRAMED_BATCH {
                     return Ok(false);
                 }
                 check_message_len(len, max_message)?;
-                bytes += len;
+                bytes += FRAMED_PREFIX_COUNTED + len;
                 Ok(true)
             })?;
             match stop {
@@ -1502,6 +1506,80 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A codec of empty messages.
+    #[derive(Default)]
+    struct Nothing;
+
+    impl Codec for Nothing {
+        type Encode = ();
+        type Decode = ();
+
+        fn encode(&mut self, (): (), _: &mut bytes::BytesMut) -> Result<(), Status> {
+            Ok(())
+        }
+
+        fn encoded_len(&self, (): &()) -> Option<usize> {
+            Some(0)
+        }
+
+        fn decode(&mut self, _: Bytes) -> Result<(), Status> {
+            Ok(())
+        }
+    }
+
+    /// A framed target (gRPC's 5-byte prefix) that keeps the batches it is
+    /// handed.
+    struct Batches(Arc<Mutex<Vec<usize>>>);
+
+    impl MessageTarget for Batches {
+        fn send_headers(&mut self, _: Metadata) -> Result<(), Status> {
+            Ok(())
+        }
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Status>> {
+            Poll::Ready(Ok(()))
+        }
+        fn start_send(&mut self, _: Payload) -> Result<(), Status> {
+            Err(Status::internal("framed only"))
+        }
+        fn poll_flush(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Status>> {
+            Poll::Ready(Ok(()))
+        }
+        fn framing(&mut self) -> Option<fn(usize, &mut PayloadBuf)> {
+            Some(|len, batch| {
+                batch.put_u8(0);
+                batch.put_u32(len as u32);
+            })
+        }
+        fn start_send_framed(&mut self, framed: Payload) -> Result<(), Status> {
+            lock_batches(&self.0).push(framed.len());
+            Ok(())
+        }
+    }
+
+    fn lock_batches(batches: &Mutex<Vec<usize>>) -> std::sync::MutexGuard<'_, Vec<usize>> {
+        batches.lock().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_ready_stream_of_empty_messages_still_goes_out_in_bounded_batches() {
+        let batches = Arc::new(Mutex::new(Vec::new()));
+        let mut sink = MessageSink::from_target(Batches(batches.clone()), 1 << 20);
+        let count = 20_000;
+        let messages = futures_util::stream::iter((0..count).map(|_| Ok(())));
+        sink.send_encoded(messages, Nothing, false).await.unwrap();
+        let batches = lock_batches(&batches);
+        assert_eq!(
+            batches.iter().sum::<usize>(),
+            count * 5,
+            "every prefix sent"
+        );
+        assert!(batches.len() > 1, "more than one batch: {batches:?}");
+        assert!(
+            batches.iter().all(|len| *len <= FRAMED_BATCH),
+            "batches within {FRAMED_BATCH} bytes: {batches:?}"
+        );
+    }
 
     fn frame_of(messages: &[&[u8]]) -> Bytes {
         let mut payload = Vec::new();
