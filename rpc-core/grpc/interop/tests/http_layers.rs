@@ -1,6 +1,6 @@
 //! tower-http's layers in front of an rdma-rpc server through
-//! `rpc_grpc::HttpLayer`: tracing (its gRPC classifier), bearer-token
-//! validation, request and response headers and request ids, served on
+//! `rpc_grpc::HttpLayer`: tracing (its gRPC classifier), a bearer-token
+//! check (`ValidateRequestHeaderLayer`), request and response headers and request ids, served on
 //! `grpc://` to tonic's client and on `rdma://` to rdma-rpc's.
 
 mod common;
@@ -31,7 +31,6 @@ struct Traced {
 async fn listen(endpoint: &str, traced: Arc<Traced>) -> rpc_core::server::Listening {
     common::register();
     let (on_request, on_response, on_failure) = (traced.clone(), traced.clone(), traced);
-    #[allow(deprecated)] // `bearer`: tower-http suggests its auth layers; this is the simplest
     let http_layers = tower::ServiceBuilder::new()
         .layer(
             TraceLayer::new_for_grpc()
@@ -49,7 +48,7 @@ async fn listen(endpoint: &str, traced: Arc<Traced>) -> rpc_core::server::Listen
                     },
                 ),
         )
-        .layer(ValidateRequestHeaderLayer::bearer("let-me-in"))
+        .layer(ValidateRequestHeaderLayer::custom(check_token))
         .layer(SetRequestIdLayer::new(
             HeaderName::from_static("x-request-id"),
             MakeRequestUuid,
@@ -70,6 +69,20 @@ async fn listen(endpoint: &str, traced: Arc<Traced>) -> rpc_core::server::Listen
         .listen(endpoint)
         .await
         .expect("listen")
+}
+
+/// The bearer token check, as a tower-http validation: `401` without it.
+fn check_token(
+    request: &mut http::Request<rpc_grpc::HttpLayerBody>,
+) -> Result<(), http::Response<rpc_grpc::HttpLayerBody>> {
+    match request.headers().get(http::header::AUTHORIZATION) {
+        Some(value) if value == "Bearer let-me-in" => Ok(()),
+        _ => {
+            let mut refusal = http::Response::new(rpc_grpc::HttpLayerBody::new());
+            *refusal.status_mut() = http::StatusCode::UNAUTHORIZED;
+            Err(refusal)
+        }
+    }
 }
 
 /// `x-request-id=<a UUID>` and `x-via=tower-http`, in the order the
