@@ -22,6 +22,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// is kept) at once.
 pub(crate) const CORK_LIMIT: usize = 64 << 10;
 
+/// Capacity the held buffer keeps once it is written out; a larger one is
+/// given back (thousands of idle connections hold no 64 KiB each).
+const KEPT_CAPACITY: usize = 4 << 10;
+
 /// The I/O and what was written to it while corked.
 struct CorkState<T> {
     io: T,
@@ -38,6 +42,10 @@ impl<T: AsyncWrite + Unpin> CorkState<T> {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
             self.held.advance(written);
+        }
+        // An idle connection keeps no burst-sized buffer.
+        if self.held.capacity() > KEPT_CAPACITY {
+            self.held = BytesMut::new();
         }
         Poll::Ready(Ok(()))
     }
@@ -235,6 +243,18 @@ mod tests {
         let mut got = vec![0u8; 5];
         far.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"burst");
+    }
+
+    #[tokio::test]
+    async fn a_burst_sized_buffer_is_given_back_once_written() {
+        let (near, mut far) = tokio::io::duplex(1 << 20);
+        let (mut io, cork) = corked(near);
+        cork.cork();
+        io.write_all(&vec![1u8; 60 << 10]).await.unwrap();
+        cork.finish().await.unwrap();
+        let mut got = vec![0u8; 60 << 10];
+        far.read_exact(&mut got).await.unwrap();
+        assert!(lock(&cork.state).held.capacity() <= KEPT_CAPACITY);
     }
 
     #[tokio::test]
