@@ -23,7 +23,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::cork::{Cork, Corked};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
@@ -43,6 +42,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::H2Settings;
+use crate::cork::{Cork, Corked};
 use crate::wire::{self, Deframed, Deframer, Encoding, MESSAGE_PREFIX};
 
 /// Accepted connections waiting for the server to take them.
