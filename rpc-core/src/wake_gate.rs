@@ -24,6 +24,8 @@ use futures_util::task::AtomicWaker;
 /// task that polls the gate.
 struct Gate {
     fired: AtomicBool,
+    /// Inside [`WakeGate::quiet`]: a wake-up only opens the gate.
+    quiet: AtomicBool,
     task: AtomicWaker,
 }
 
@@ -34,7 +36,9 @@ impl Wake for Gate {
 
     fn wake_by_ref(self: &Arc<Self>) {
         self.fired.store(true, Ordering::Release);
-        self.task.wake();
+        if !self.quiet.load(Ordering::Acquire) {
+            self.task.wake();
+        }
     }
 }
 
@@ -71,6 +75,7 @@ impl WakeGate {
     pub fn new() -> WakeGate {
         let gate = Arc::new(Gate {
             fired: AtomicBool::new(true),
+            quiet: AtomicBool::new(false),
             task: AtomicWaker::new(),
         });
         WakeGate {
@@ -83,6 +88,23 @@ impl WakeGate {
     /// announce by waking, e.g. a call on it made outside a poll).
     pub fn open(&self) {
         self.gate.fired.store(true, Ordering::Release);
+    }
+
+    /// Runs `work` (which may make the gated side wake, such as a call
+    /// answered in the driver's own task) with wake-ups of the gated side
+    /// only opening the gate, not waking the task: the task is running and
+    /// will poll the gate again. Waking itself there would make the
+    /// runtime poll it once more for nothing, and on a multi-thread runtime
+    /// unpark another worker to look for work.
+    ///
+    /// The caller must poll the gate (through [`WakeGate::poll`]) after
+    /// `work` before its task waits; a driver loop that polls it in every
+    /// round does.
+    pub fn quiet<R>(&self, work: impl FnOnce() -> R) -> R {
+        self.gate.quiet.store(true, Ordering::Release);
+        let done = work();
+        self.gate.quiet.store(false, Ordering::Release);
+        done
     }
 
     /// Calls `poll` with the gate's own waker if the gate is open, else
@@ -193,6 +215,45 @@ mod tests {
         gate.open();
         assert!(poll(false).is_pending());
         assert_eq!(polled(&polls), 4, "opened by hand");
+    }
+
+    #[test]
+    fn a_quiet_wake_opens_the_gate_without_waking_the_task() {
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let woken = Arc::new(Count(AtomicUsize::new(0)));
+        let task = Waker::from(woken.clone());
+        let mut cx = Context::from_waker(&task);
+        let gate = WakeGate::new();
+        let kept = std::sync::Mutex::new(None::<Waker>);
+        let polls = AtomicUsize::new(0);
+        let mut poll = || {
+            gate.poll(&mut cx, |cx| {
+                polls.fetch_add(1, Ordering::Relaxed);
+                *kept.lock().unwrap() = Some(cx.waker().clone());
+                Poll::<()>::Pending
+            })
+        };
+        assert!(poll().is_pending());
+        let gated_side = kept.lock().unwrap().clone().unwrap();
+        gate.quiet(|| gated_side.wake_by_ref());
+        assert_eq!(woken.0.load(Ordering::Relaxed), 0, "the task was not woken");
+        assert!(poll().is_pending());
+        assert_eq!(
+            polls.load(Ordering::Relaxed),
+            2,
+            "but the gate let the next poll through"
+        );
+        gated_side.wake_by_ref();
+        assert_eq!(
+            woken.0.load(Ordering::Relaxed),
+            1,
+            "outside quiet, a wake wakes"
+        );
     }
 
     #[test]

@@ -301,7 +301,12 @@ where
                     // Its first poll now, in this task: a handler that
                     // answers at once answers before the next call is taken
                     // (and counts its answer against QUEUED_BYTES first).
-                    if std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await.is_pending() {
+                    // Its answer wakes h2, and h2 this task: quietly, as
+                    // the loop polls h2 next anyway.
+                    let first = std::future::poll_fn(|cx| {
+                        Poll::Ready(h2_woke.quiet(|| call.as_mut().poll(cx)))
+                    });
+                    if first.await.is_pending() {
                         running.push(call);
                     }
                 }
