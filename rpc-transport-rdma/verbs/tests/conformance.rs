@@ -1520,7 +1520,29 @@ impl Child {
             .status()
             .expect("kill(1)");
         assert!(status.success(), "kill -STOP {pid}");
+        // The signal is sent, not yet taken: wait until every thread of the
+        // child (its soft engine's among them) is stopped, or a request
+        // posted next may still be served.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !all_threads_stopped(&pid) {
+            assert!(Instant::now() < deadline, "child {pid} did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
+}
+
+/// Whether every thread of process `pid` is in the stopped state (`T`).
+fn all_threads_stopped(pid: &str) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name's closing parenthesis.
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T'))
+        })
+    })
 }
 
 impl Drop for Child {
