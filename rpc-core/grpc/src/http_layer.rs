@@ -53,7 +53,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use rpc_core::metadata::{Metadata, parse_grpc_timeout};
-use rpc_core::{BoxError, Code, Payload, Request, Response, Status};
+use rpc_core::{BoxError, Payload, Request, Response, Status};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -108,7 +108,7 @@ struct Exchange {
     /// such as `grpc-encoding`): kept aside, put back.
     request_reserved: Metadata,
     /// The handler's answer, once it gave one.
-    answer: Option<Result<Response<Payload>, BoxError>>,
+    answer: Option<Result<Response<Payload>, Status>>,
 }
 
 /// The [`Exchange`] of one call, in its HTTP request's extensions.
@@ -183,7 +183,9 @@ where
         *call.extensions_mut() = std::mem::take(&mut parts.extensions);
         let answered = self.inner.call(call);
         Box::pin(async move {
-            let answer = answered.await.map_err(Into::into);
+            let answer = answered
+                .await
+                .map_err(|error| Status::from_error(error.into()));
             let mut head = http::Response::new(HttpLayerBody::new());
             head.headers_mut()
                 .insert(http::header::CONTENT_TYPE, grpc_content_type());
@@ -191,8 +193,7 @@ where
                 Ok(response) => {
                     wire::metadata_into_headers(response.metadata(), head.headers_mut())
                 }
-                Err(error) => {
-                    let status = status_of(error);
+                Err(status) => {
                     head.headers_mut().extend(wire::trailers(
                         status.code(),
                         status.message(),
@@ -280,7 +281,7 @@ where
                     *response.extensions_mut() = extensions;
                     Ok(response)
                 }
-                Some(Err(error)) => Err(error),
+                Some(Err(status)) => Err(BoxError::from(status)),
                 // A layer answered by itself (a refusal).
                 None => Err(BoxError::from(refusal_status(parts.status, &parts.headers))),
             }
@@ -312,15 +313,6 @@ fn reserved_entries(metadata: &Metadata) -> Metadata {
     kept
 }
 
-/// The status of an error a service returned (its [`Status`], else
-/// `Unknown` with its text).
-fn status_of(error: &BoxError) -> Status {
-    match error.downcast_ref::<Status>() {
-        Some(status) => status.clone(),
-        None => Status::new(Code::Unknown, error.to_string()),
-    }
-}
-
 /// The status of a call an HTTP layer answered itself: its `grpc-status`
 /// if it gave one, else what gRPC maps its HTTP status to.
 fn refusal_status(status: StatusCode, headers: &HeaderMap) -> Status {
@@ -342,6 +334,7 @@ fn refusal_status(status: StatusCode, headers: &HeaderMap) -> Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rpc_core::Code;
 
     /// The inner rdma-rpc service: answers with the metadata, method,
     /// timeout and extensions it saw.
