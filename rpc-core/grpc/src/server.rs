@@ -301,12 +301,11 @@ where
                     // Its first poll now, in this task: a handler that
                     // answers at once answers before the next call is taken
                     // (and counts its answer against QUEUED_BYTES first).
-                    // Its answer wakes h2, and h2 this task: quietly, as
-                    // the loop polls h2 next anyway.
-                    let first = std::future::poll_fn(|cx| {
-                        Poll::Ready(h2_woke.quiet(|| call.as_mut().poll(cx)))
-                    });
-                    if first.await.is_pending() {
+                    // Its answer wakes h2, and h2 this task (and the
+                    // call, if it gave the call capacity at once): quietly,
+                    // as the loop polls h2 next anyway, and `running` polls
+                    // a call pushed into it with a waker of its own.
+                    if h2_woke.poll_quietly(call.as_mut()).is_pending() {
                         running.push(call);
                     }
                 }
