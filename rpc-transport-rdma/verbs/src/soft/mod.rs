@@ -29,6 +29,9 @@
 //!   at once.
 
 mod engine;
+// Without the feature its public types are not exported (no plan can be set).
+#[cfg_attr(not(feature = "fault-injection"), allow(dead_code, unreachable_pub))]
+mod faults;
 pub mod floors;
 #[cfg(test)]
 mod loom_model;
@@ -52,6 +55,8 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 
+#[cfg(feature = "fault-injection")]
+pub use faults::{FAULTS_ENV, FaultCounts, FaultKind, FaultPlan, injected_faults};
 pub use peer::PeerPolicy;
 
 use super::{
@@ -81,12 +86,36 @@ unsafe impl Provider for SoftProvider {
     }
 
     fn open(&self, device: &str) -> Result<Arc<dyn Context>, VerbsError> {
-        if device != DEVICE_NAME {
-            return Err(VerbsError::NoSuchDevice(device.to_owned()));
-        }
-        Ok(Arc::new(SoftContext {
-            shared: ContextShared::new()?,
-        }))
+        let plan = faults::plan_from_env().map_err(|reason| VerbsError::ProviderUnavailable {
+            provider: "soft",
+            reason,
+        })?;
+        open_device(device, plan)
+    }
+}
+
+fn open_device(
+    device: &str,
+    plan: Option<faults::FaultPlan>,
+) -> Result<Arc<dyn Context>, VerbsError> {
+    if device != DEVICE_NAME {
+        return Err(VerbsError::NoSuchDevice(device.to_owned()));
+    }
+    Ok(Arc::new(SoftContext {
+        shared: ContextShared::new(plan)?,
+    }))
+}
+
+#[cfg(feature = "fault-injection")]
+impl SoftProvider {
+    /// Opens `device` with `plan`'s faults (see [`FaultPlan`]), whatever
+    /// `RDMA_SOFT_FAULTS` says. Only with the feature `fault-injection`.
+    pub fn open_with_faults(
+        &self,
+        device: &str,
+        plan: FaultPlan,
+    ) -> Result<Arc<dyn Context>, VerbsError> {
+        open_device(device, Some(plan))
     }
 }
 
@@ -126,10 +155,14 @@ pub(crate) struct ContextShared {
     next_cq_id: AtomicU32,
     next_pd: AtomicU64,
     qps: Mutex<HashMap<u32, Weak<qp::QpShared>>>,
+    /// The injector's plan (feature `fault-injection`), given to each QP.
+    pub(crate) fault_plan: Option<faults::FaultPlan>,
+    /// The injector's decisions about registrations and window binds.
+    registration_faults: faults::FaultStream,
 }
 
 impl ContextShared {
-    fn new() -> Result<Arc<ContextShared>, VerbsError> {
+    fn new(fault_plan: Option<faults::FaultPlan>) -> Result<Arc<ContextShared>, VerbsError> {
         let shared = Arc::new(ContextShared {
             id: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
             pid: std::process::id(),
@@ -139,6 +172,9 @@ impl ContextShared {
             next_cq_id: AtomicU32::new(1),
             next_pd: AtomicU64::new(1),
             qps: Mutex::new(HashMap::new()),
+            fault_plan,
+            // QP streams are numbered from 0x40: this one is apart.
+            registration_faults: faults::FaultStream::new(fault_plan, u64::from(u32::MAX) + 1),
         });
         let listener = listen_abstract(&rendezvous_name(shared.pid, shared.id))?;
         let weak = Arc::downgrade(&shared);
@@ -609,6 +645,15 @@ impl SoftPd {
     ) -> Result<Arc<dyn MemoryRegion>, VerbsError> {
         if addr.is_null() && len > 0 {
             return Err(VerbsError::InvalidArgument("null address"));
+        }
+        if self
+            .context
+            .registration_faults
+            .roll(faults::FaultKind::Registration)
+        {
+            return Err(VerbsError::Io(std::io::Error::from_raw_os_error(
+                libc::ENOMEM,
+            )));
         }
         let remote = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
         if access.bits() & remote.bits() != 0 && !access.contains(AccessFlags::LOCAL_WRITE) {

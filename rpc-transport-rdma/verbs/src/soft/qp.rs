@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
+use super::faults::FaultKind;
 use super::memory::{self, Span};
 use super::peer::{PeerProcess, SECRET_LEN, Secret};
 use super::ring::RingPair;
@@ -165,6 +166,8 @@ pub(crate) struct QpShared {
     /// This QP's key at its engine (0 before the first attach): a caller
     /// whose messages a full ring did not take asks the engine for a turn.
     engine_key: AtomicU64,
+    /// The fault injector's decisions for this QP (none without a plan).
+    faults: super::faults::FaultStream,
     /// When the peer must have answered the oldest outstanding request
     /// ([`now_millis`] + [`ACK_TIMEOUT`]; 0 with nothing outstanding): the
     /// engine's periodic look reads it without a lock.
@@ -248,6 +251,7 @@ pub(crate) fn create(
         peer_wakers: OnceLock::new(),
         engine_key: AtomicU64::new(0),
         ack_deadline: AtomicU64::new(0),
+        faults: super::faults::FaultStream::new(context.fault_plan, u64::from(qp_num)),
         context: context.clone(),
     });
     lock(&context.qps).insert(qp_num, Arc::downgrade(&shared));
@@ -1097,6 +1101,9 @@ impl QpShared {
         let len = request.len();
         match request.op {
             RequestOp::Send { imm } => {
+                if self.faults.roll(FaultKind::RnrDrop) {
+                    return Outcome::RnrNak;
+                }
                 let Some(recv) = self.take_receive(inner) else {
                     return Outcome::RnrNak;
                 };
@@ -1304,6 +1311,15 @@ impl QpShared {
             return;
         }
         match response.outcome {
+            Outcome::Ack | Outcome::AtomicAck(_) if self.faults.roll(FaultKind::QpError) => {
+                self.enter_error(inner, None);
+            }
+            Outcome::Ack | Outcome::AtomicAck(_)
+                if self.faults.roll(FaultKind::ErrorCompletion) =>
+            {
+                let status = self.faults.error_status();
+                self.enter_error(inner, Some(status));
+            }
             Outcome::Ack | Outcome::AtomicAck(_) => {
                 let done = inner.outstanding.pop_front().expect("head exists");
                 inner.rnr_retries_left = inner.options.rnr_retry;
