@@ -140,11 +140,23 @@ impl BalancedChannel {
     }
 
     /// Performs one call with an encoded message, as [`Channel::unary`].
+    /// Its timeout covers the wait for a ready endpoint too.
     pub async fn unary<P: Into<Payload>>(
         &self,
         request: Request<P>,
     ) -> Result<Response<Bytes>, Status> {
-        self.clone().oneshot(request.map(Into::into)).await
+        let timeout = request.timeout();
+        let call = self.clone().oneshot(request.map(Into::into));
+        match timeout {
+            Some(timeout) => tokio::time::timeout(timeout, call)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Status::deadline_exceeded(format!(
+                        "deadline of {timeout:?} exceeded"
+                    )))
+                }),
+            None => call.await,
+        }
     }
 }
 

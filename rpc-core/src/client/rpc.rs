@@ -52,6 +52,33 @@ where
             .map_err(|error| Status::from_error(error.into()))
     }
 
+    /// Waits until the inner service can take `request`, within the
+    /// request's timeout: a connection whose queue stays full (a peer that
+    /// stopped reading, a link that died quietly) ends the call with
+    /// `DeadlineExceeded` when its deadline passes, as everywhere else. What
+    /// the wait took comes off the timeout the call goes on with.
+    async fn ready_within_deadline<M>(&mut self, request: &mut Request<M>) -> Result<(), Status> {
+        let Some(timeout) = request.timeout() else {
+            return self.ready().await;
+        };
+        let started = tokio::time::Instant::now();
+        let exceeded = || {
+            Status::deadline_exceeded(format!(
+                "deadline of {timeout:?} exceeded waiting for the connection to take the call"
+            ))
+        };
+        match tokio::time::timeout(timeout, self.ready()).await {
+            Ok(ready) => ready?,
+            Err(_) => return Err(exceeded()),
+        }
+        let left = timeout.saturating_sub(started.elapsed());
+        if left.is_zero() {
+            return Err(exceeded());
+        }
+        request.set_timeout(left);
+        Ok(())
+    }
+
     /// One unary call to `path` (`/package.Service/Method`).
     pub async fn unary<C: Codec>(
         &mut self,
@@ -126,7 +153,7 @@ where
         path: &'static str,
     ) -> Result<Response<Bytes>, Status> {
         request.set_method(path);
-        self.ready().await?;
+        self.ready_within_deadline(&mut request).await?;
         self.inner
             .call(request)
             .await
@@ -143,5 +170,59 @@ where
         let (metadata, inbound) = take_inbound(response)?;
         let messages = Streaming::new(inbound, move |bytes| codec.decode(bytes));
         Ok(Response::from_parts(metadata, messages))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::{Context, Poll};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::Code;
+    use crate::codec::BincodeCodec;
+
+    /// A service that never becomes ready: a connection whose outbound
+    /// queue stays full (a peer that stopped reading, a link that died
+    /// without a word).
+    #[derive(Clone)]
+    struct NeverReady;
+
+    impl Service<Request<Payload>> for NeverReady {
+        type Response = Response<Bytes>;
+        type Error = Status;
+        type Future = std::future::Ready<Result<Response<Bytes>, Status>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Status>> {
+            Poll::Pending
+        }
+
+        fn call(&mut self, _: Request<Payload>) -> Self::Future {
+            unreachable!("never ready")
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_waiting_for_a_full_connection_ends_at_its_deadline() {
+        let mut client = RpcClient::new(NeverReady);
+        let mut request = Request::new(7u32);
+        request.set_timeout(Duration::from_millis(300));
+        let started = tokio::time::Instant::now();
+        let call = client.unary(
+            request,
+            "/test.Never/Ready",
+            BincodeCodec::<u32, u32>::default(),
+        );
+        // (Without the deadline on the wait, the call would wait forever.)
+        let outcome = tokio::time::timeout(Duration::from_secs(10), call)
+            .await
+            .expect("the call ended by its deadline");
+        let status = outcome.expect_err("the service never took the call");
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status}");
+        assert_eq!(started.elapsed(), Duration::from_millis(300));
+        assert!(
+            status.message().contains("waiting for the connection"),
+            "{status}"
+        );
     }
 }
