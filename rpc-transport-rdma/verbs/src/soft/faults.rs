@@ -17,7 +17,7 @@
 //! can be replayed (and shrunk by lowering rates or disabling kinds).
 //! Registrations draw from one stream per device context.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// What the injector can make go wrong.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -98,6 +98,16 @@ pub fn injected_faults() -> FaultCounts {
         *count = injected.load(Ordering::Relaxed);
     }
     counts
+}
+
+static PAUSED: AtomicBool = AtomicBool::new(false);
+
+/// Stops (`true`) or resumes injecting faults in this process, whatever the
+/// plans say: a chaos run stops the faults to check that everything
+/// recovers. Occasions while paused are not counted (the schedule after a
+/// pause is still the seed's, shifted).
+pub fn pause_injection(paused: bool) {
+    PAUSED.store(paused, Ordering::Relaxed);
 }
 
 /// The environment variable a device reads its plan from when it opens.
@@ -247,7 +257,7 @@ impl FaultStream {
             return false;
         };
         let rate = plan.rate(kind);
-        if rate <= 0.0 {
+        if rate <= 0.0 || PAUSED.load(Ordering::Relaxed) {
             return false;
         }
         let occasion = self.asked[kind.index()].fetch_add(1, Ordering::Relaxed);
