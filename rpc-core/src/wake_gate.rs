@@ -130,7 +130,7 @@ impl WakeGate {
     /// connection's task when it reads a new stream, and then handing that
     /// stream over in the same poll) does not wake the task: the task is
     /// running. Had the poll come back `Pending` after such a wake-up, it
-    /// is polled again here (at most [`REPOLLS`] times; then the task is
+    /// is polled again here (at most twice; then the task is
     /// woken, so a side that yields on purpose still yields). A task that
     /// woke itself would be polled once more for nothing, and on a
     /// multi-thread runtime that wake-up also unparks another worker
