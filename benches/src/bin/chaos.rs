@@ -95,12 +95,17 @@ fn main() {
     let addr = read_until(&mut server.lines, "LISTENING ").expect("the server listens");
     let server_pid = server.child.id().to_string();
     // The server's threads once it has served a connection (the soft
-    // provider starts its engine threads with the first one).
+    // provider starts its engine threads with the first one), before its
+    // faults begin.
     if let Err(error) = contenders::runtime().block_on(fresh_calls(&addr)) {
         eprintln!("chaos: the server did not serve before the faults began: {error}");
         std::process::exit(1);
     }
     let threads_before = thread_names(&server_pid);
+    if !tell(&mut server, "RESUME", "RESUMED") {
+        eprintln!("chaos: the server process did not answer");
+        std::process::exit(1);
+    }
 
     let mut client = spawn(
         &[
@@ -126,10 +131,7 @@ fn main() {
 
     // With the faults stopped, the server serves a new client (this
     // process's, which has none): nothing it needs was lost for good.
-    if let Some(stdin) = server.child.stdin.as_mut() {
-        let _ = writeln!(stdin, "PAUSE");
-    }
-    if read_until(&mut server.lines, "PAUSED").is_none() {
+    if !tell(&mut server, "PAUSE", "PAUSED") {
         violations.push("the server process did not answer".into());
     }
     let served = contenders::runtime().block_on(fresh_calls(&addr));
@@ -236,6 +238,14 @@ fn read_until(
     None
 }
 
+/// Sends `command` to the server process and waits for its `answer`.
+fn tell(server: &mut Process, command: &str, answer: &str) -> bool {
+    if let Some(stdin) = server.child.stdin.as_mut() {
+        let _ = writeln!(stdin, "{command}");
+    }
+    read_until(&mut server.lines, answer).is_some()
+}
+
 /// Asks the server process for its injected faults.
 fn server_faults(server: &mut Process) -> BTreeMap<String, u64> {
     if let Some(stdin) = server.child.stdin.as_mut() {
@@ -258,6 +268,8 @@ fn faults_json() -> serde_json::Value {
 /// The server process: echo over rdma:// (its device opens with the plan
 /// in `RDMA_SOFT_FAULTS`); answers `FAULTS` on stdin.
 fn serve() {
+    // No faults until the orchestrator has seen this server serve.
+    pause_injection(true);
     rpc_transport_rdma::register().expect("register rdma://");
     std::thread::spawn(|| {
         for line in std::io::stdin().lines() {
@@ -267,6 +279,10 @@ fn serve() {
                 "PAUSE" => {
                     pause_injection(true);
                     println!("PAUSED");
+                }
+                "RESUME" => {
+                    pause_injection(false);
+                    println!("RESUMED");
                 }
                 _ => {}
             }
