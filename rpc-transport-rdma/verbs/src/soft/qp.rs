@@ -1345,6 +1345,14 @@ impl QpShared {
                     }
                     inner.rnr_resend_at = Some(Instant::now() + inner.options.rnr_timer);
                     self.rnr_pending.store(true, AtomicOrdering::Relaxed);
+                    // A polling caller read this NAK, most often, and may be
+                    // asleep on its CQ when the timer is due: the engine
+                    // keeps the timer (a turn now arms it). Without it the
+                    // resend waited for the next poll or the ACK time-out.
+                    let key = self.engine_key.load(AtomicOrdering::Acquire);
+                    if key != 0 {
+                        super::engine::poke(self.qp_num, key);
+                    }
                 } else {
                     self.enter_error(inner, Some(WcStatus::RnrRetryExcErr));
                 }
