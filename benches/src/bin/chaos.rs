@@ -383,7 +383,13 @@ fn client(addr: &str, cli: &Cli) {
                 let done = tasks.join_next().await.expect("a task").expect("no panic");
                 record(done, &mut violations);
             }
-            let payload = payloads[call % payloads.len()].clone();
+            // Each call's payload starts with its number: an answer that
+            // carries another call's bytes is caught, not taken as equal.
+            let mut unique = payloads[call % payloads.len()].to_vec();
+            let stamp = (call as u64).to_le_bytes();
+            let stamped = unique.len().min(stamp.len());
+            unique[..stamped].copy_from_slice(&stamp[..stamped]);
+            let payload = Bytes::from(unique);
             call += 1;
             let mut client = client.clone();
             tasks.spawn(async move {
