@@ -426,6 +426,9 @@ impl Drop for SoftQp {
     fn drop(&mut self) {
         lock(&self.shared.context.qps).remove(&self.shared.qp_num);
         let mut inner = self.shared.lock();
+        if let Some(ring) = inner.ring.as_ref() {
+            ring.mark_closed();
+        }
         if let Some(writer) = inner.writer.take() {
             let _ = writer.shutdown(Shutdown::Both);
         }
@@ -709,6 +712,11 @@ impl QpShared {
     fn enter_error(&self, inner: &mut QpInner, first: Option<WcStatus>) {
         if inner.state == QpState::Error {
             return;
+        }
+        // Before anything here can learn of the error (and revoke what it
+        // exposed): the peer's READs granted until now stop counting.
+        if let Some(ring) = inner.ring.as_ref() {
+            ring.mark_closed();
         }
         self.ack_deadline.store(0, AtomicOrdering::Relaxed);
         inner.state = QpState::Error;
@@ -1429,7 +1437,16 @@ impl QpShared {
                         } else {
                             WcStatus::RemOpErr
                         }
-                    })
+                    })?;
+                    // A responder that entered ERROR since it granted the
+                    // READ may have revoked the bytes and reused them (its
+                    // pool hands a buffer to the next message): what was
+                    // pulled may be another message's. As on a device whose
+                    // peer failed before sending the data: no response.
+                    if inner.ring.as_ref().is_some_and(|ring| ring.peer_closed()) {
+                        return Err(WcStatus::RetryExcErr);
+                    }
+                    Ok(())
                 }
                 _ => Ok(()),
             }

@@ -45,8 +45,8 @@ use rustix::net::{
 /// arithmetic over heap memory in one process, 64 KiB: the same logic,
 /// wrapped around in a time Miri can afford.
 pub(crate) const RING_BYTES: usize = if cfg!(miri) { 64 << 10 } else { 128 << 10 };
-/// Control block before each direction's data: head, tail and sleeping,
-/// each on its own cache line.
+/// Control block before each direction's data: head, tail, sleeping and
+/// closed, each on its own cache line.
 const CONTROL: usize = 256;
 /// A caller that polled this recently is taken to be polling still.
 const POLL_GRACE_NS: u64 = 100_000;
@@ -245,12 +245,13 @@ impl RingPair {
         }
     }
 
-    /// Control word `slot` (0: head, 1: tail, 2: sleeping) of `half`, each
-    /// on its own cache line.
+    /// Control word `slot` (0: head, 1: tail, 2: sleeping, 3: closed) of
+    /// `half`, each on its own cache line.
     fn control(&self, half: usize, slot: usize) -> *mut u8 {
-        assert!(half < 2 && slot < 3, "no such ring control word");
-        // SAFETY: half * HALF + slot * 64 ≤ HALF + 128 < MAPPED (asserted
-        // just above): the offset stays inside the mapping `base` starts.
+        assert!(half < 2 && slot < 4, "no such ring control word");
+        // SAFETY: half * HALF + slot * 64 ≤ HALF + 192 < MAPPED (asserted
+        // just above), and slot * 64 + 8 ≤ CONTROL: the offset and the word
+        // there stay inside the mapping `base` starts.
         unsafe { self.mapping.base.add(half * HALF + slot * 64) }
     }
 
@@ -273,6 +274,26 @@ impl RingPair {
     fn sleeping(&self, half: usize) -> &AtomicU32 {
         // SAFETY: as in `head` (slot 2 is 128 bytes further: 4-byte aligned).
         unsafe { AtomicU32::from_ptr(self.control(half, 2).cast()) }
+    }
+
+    fn closed(&self, half: usize) -> &AtomicU32 {
+        // SAFETY: as in `head` (slot 3 is 192 bytes further: 4-byte aligned).
+        unsafe { AtomicU32::from_ptr(self.control(half, 3).cast()) }
+    }
+
+    /// Says to the peer that our QP has entered ERROR (or is gone): from
+    /// now on our side may revoke what it exposed and reuse the memory.
+    /// Set before anything of ours can learn of the error.
+    pub(crate) fn mark_closed(&self) {
+        self.closed(self.tx).store(1, Ordering::SeqCst);
+    }
+
+    /// Whether the peer's QP has entered ERROR. A READ pulls the peer's
+    /// bytes after the peer granted it; a peer that has entered ERROR since
+    /// may have revoked and reused them, so the pull cannot stand (on a
+    /// device the responder sends the bytes before its answer leaves).
+    pub(crate) fn peer_closed(&self) -> bool {
+        self.closed(self.rx()).load(Ordering::SeqCst) != 0
     }
 
     /// The first of `half`'s RING_BYTES data bytes.
@@ -614,6 +635,15 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    #[test]
+    fn a_side_that_closes_is_seen_closed_by_its_peer_only() {
+        let (one, other) = RingPair::heap_pair();
+        assert!(!one.peer_closed() && !other.peer_closed());
+        one.mark_closed();
+        assert!(other.peer_closed(), "the peer sees it");
+        assert!(!one.peer_closed(), "it is not the other side's word");
     }
 
     #[test]
