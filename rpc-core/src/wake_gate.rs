@@ -204,6 +204,22 @@ mod tests {
 
     use super::*;
 
+    /// Counts the wake-ups of a task's waker.
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A task's waker and its count of wake-ups.
+    fn counting_waker() -> (Arc<Count>, Waker) {
+        let woken = Arc::new(Count(AtomicUsize::new(0)));
+        let task = Waker::from(woken.clone());
+        (woken, task)
+    }
+
     /// Counts its polls; ready once `ready` is set (and it was woken).
     struct Probe {
         polls: Arc<AtomicUsize>,
@@ -261,14 +277,7 @@ mod tests {
 
     #[test]
     fn a_quiet_wake_opens_the_gate_without_waking_the_task() {
-        struct Count(AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        let woken = Arc::new(Count(AtomicUsize::new(0)));
-        let task = Waker::from(woken.clone());
+        let (woken, task) = counting_waker();
         let mut cx = Context::from_waker(&task);
         let gate = WakeGate::new();
         let kept = std::sync::Mutex::new(None::<Waker>);
@@ -300,14 +309,7 @@ mod tests {
 
     #[test]
     fn a_wake_during_its_own_poll_polls_again_instead_of_waking_the_task() {
-        struct Count(AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        let woken = Arc::new(Count(AtomicUsize::new(0)));
-        let task = Waker::from(woken.clone());
+        let (woken, task) = counting_waker();
         let mut cx = Context::from_waker(&task);
         let gate = WakeGate::new();
         // Wakes itself on its first poll only (as h2 does when it reads a
