@@ -58,6 +58,10 @@ const HALF: usize = CONTROL + RING_BYTES;
 /// Bytes of the shared mapping (both halves).
 const MAPPED: usize = 2 * HALF;
 const _: () = assert!(RING_BYTES.is_power_of_two(), "index arithmetic masks");
+const _: () = assert!(
+    3 * 64 + 8 <= CONTROL,
+    "the four control words fit the block"
+);
 
 /// The shared mapping: two halves, dialer → acceptor first.
 struct Mapping {
@@ -286,6 +290,9 @@ impl RingPair {
     /// Set before anything of ours can learn of the error.
     pub(crate) fn mark_closed(&self) {
         self.closed(self.tx).store(1, Ordering::SeqCst);
+        // A store orders only what came before it: the fence keeps our
+        // later reuse of the memory from showing before the word does.
+        std::sync::atomic::fence(Ordering::SeqCst);
     }
 
     /// Whether the peer's QP has entered ERROR. A READ pulls the peer's
@@ -293,6 +300,9 @@ impl RingPair {
     /// may have revoked and reused them, so the pull cannot stand (on a
     /// device the responder sends the bytes before its answer leaves).
     pub(crate) fn peer_closed(&self) -> bool {
+        // A load orders only what comes after it: the fence keeps the
+        // pull's reads from completing after the look at the word.
+        std::sync::atomic::fence(Ordering::SeqCst);
         self.closed(self.rx()).load(Ordering::SeqCst) != 0
     }
 
