@@ -69,6 +69,64 @@ impl Device {
     }
 }
 
+/// What a device's connections hold of its shared resources, process-wide:
+/// the leak check of a chaos run or a test, all back to 0 (`lost_send_slots`
+/// and `leaked_buffers` on a healthy device too) once every connection has
+/// closed ([`Device::accounting`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Accounting {
+    /// `rdma://` connections alive in this process, on any device.
+    pub connections: usize,
+    /// Shared receive slots committed to connections (their peers' windows).
+    pub committed_receive_slots: usize,
+    /// The part of `committed_receive_slots` that windows grew by.
+    pub grown_receive_slots: usize,
+    /// Shared send slots taken or in flight, lost ones included.
+    pub send_slots_out: usize,
+    /// Send slots whose SEND never completed where it could be polled.
+    pub lost_send_slots: usize,
+    /// Rendezvous buffers taken from the pool and not returned (pull
+    /// destinations, exposed frames, received frames the application holds).
+    pub rendezvous_buffers_out: usize,
+    /// Bytes charged to the device's bound on rendezvous memory in use.
+    pub rendezvous_bytes_charged: usize,
+    /// Registered buffers given up for good, process-wide
+    /// ([`verbs::leaked_buffers`]).
+    pub leaked_buffers: u64,
+}
+
+impl Accounting {
+    /// Everything a connection holds is back: nothing alive, committed,
+    /// taken, charged, lost or leaked.
+    pub fn is_settled(&self) -> bool {
+        *self == Accounting::default()
+    }
+}
+
+impl Device {
+    /// What this device's connections hold now (see [`Accounting`]).
+    pub fn accounting(&self) -> Accounting {
+        let shared = self
+            .shared
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let mut accounting = Accounting {
+            connections: crate::link::live_links(),
+            rendezvous_buffers_out: self.large.buffers_out(),
+            rendezvous_bytes_charged: self.rendezvous.in_use(),
+            leaked_buffers: verbs::leaked_buffers(),
+            ..Accounting::default()
+        };
+        for pools in shared.values() {
+            accounting.committed_receive_slots += pools.receive.committed();
+            accounting.grown_receive_slots += pools.receive.grown();
+            accounting.send_slots_out += pools.send.out();
+            accounting.lost_send_slots += pools.send.lost();
+        }
+        accounting
+    }
+}
+
 impl Device {
     /// Starts (if none runs) the timer that gives the rendezvous pool's idle
     /// buffers back ([`LargePool::trim_idle`]) every half

@@ -595,6 +595,76 @@ async fn a_connection_torn_down_with_reads_in_flight_frees_nothing_the_device_ta
     }
 }
 
+/// `device`'s accounting once it equals `expected`, or after 10 s.
+async fn accounting_settled_at(
+    device: &rpc_transport_rdma::device::Device,
+    expected: rpc_transport_rdma::device::Accounting,
+) -> rpc_transport_rdma::device::Accounting {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let now = device.accounting();
+        if now == expected || std::time::Instant::now() > deadline {
+            return now;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Connections whose runtime is dropped in the middle of their calls (the
+/// end of a `block_on`, a test's runtime): their tasks are dropped where
+/// they wait, and whatever their connections held of the device comes back
+/// all the same: send slots (a connection keeps one spare between sends),
+/// receive slots, rendezvous buffers and charges. Found by the chaos run
+/// (`benches/src/bin/chaos.rs`): one send slot stayed taken after its
+/// client's runtime ended.
+async fn connections_dropped_with_their_runtime_give_everything_back(
+    server: &crate::suite::RunningServer,
+) {
+    let device = rpc_transport_rdma::device::open(&accounting_config()).unwrap();
+    let before = accounting_settled_at(&device, device.accounting()).await;
+    let endpoint = server.endpoint.clone();
+    let rounds = tokio::task::spawn_blocking(move || {
+        let mut calls_done = 0usize;
+        for round in 0..20u64 {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            calls_done += runtime.block_on(async {
+                let channel = Channel::connect(endpoint.clone()).await.unwrap();
+                let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                for task in 0..32u64 {
+                    let (channel, done) = (channel.clone(), done.clone());
+                    tokio::spawn(async move {
+                        for call in 0u64.. {
+                            let size = [64, 8000, 100_000][((task + call) % 3) as usize];
+                            if crate::common::try_echo(&channel, pattern(size, call))
+                                .await
+                                .is_ok()
+                            {
+                                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                    });
+                }
+                // Stop at a different point of the calls each round.
+                tokio::time::sleep(std::time::Duration::from_millis(5 + 3 * round)).await;
+                done.load(std::sync::atomic::Ordering::Relaxed)
+            });
+            drop(runtime);
+        }
+        calls_done
+    })
+    .await
+    .unwrap();
+    let after = accounting_settled_at(&device, before).await;
+    println!(
+        "20 runtimes dropped with 32 calls in flight each ({rounds} calls answered first): \
+         accounting {before:?} before, {after:?} after"
+    );
+    assert_eq!(after, before, "what the dropped connections held came back");
+}
+
 /// One test, so the phases never overlap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_memory_stays_flat_under_load() {
@@ -612,5 +682,6 @@ async fn registered_memory_stays_flat_under_load() {
     send_buffer_fields_go_out_without_a_copy(&channel).await;
     large_calls_register_nothing_after_warm_up_where_windows_bind(&channel).await;
     silent_set_ups_hold_bounded_registered_memory(&server, &channel).await;
+    connections_dropped_with_their_runtime_give_everything_back(&server).await;
     a_connection_torn_down_with_reads_in_flight_frees_nothing_the_device_targets().await;
 }

@@ -767,6 +767,12 @@ impl LinkState {
 
 impl Drop for LinkState {
     fn drop(&mut self) {
+        // A spare send slot is put back when the connection waits
+        // (`arm`) or drains; a state dropped where neither ran (its
+        // runtime dropped with its tasks) gives it back here.
+        if let Some(slot) = self.spare_send.take() {
+            self.queue.put_back(slot);
+        }
         // Rendezvous frames still counted when the connection ended.
         rendezvous_gauge(OUT, -(self.exposed.len() as f64));
         rendezvous_gauge(IN, -(self.queue.pulls() as f64));

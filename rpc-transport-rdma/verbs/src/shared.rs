@@ -534,6 +534,13 @@ impl SharedSendPool {
         }
     }
 
+    /// Slots taken by connections or named by SENDs in flight (lost ones
+    /// included): 0 once every connection has ended, on a healthy device.
+    pub fn out(&self) -> usize {
+        let state = lock(&self.state);
+        state.slots.len() - state.free.len()
+    }
+
     /// Send slots lost for good: their SEND never completed where a poller
     /// could see it, so they stay out of the pool.
     pub fn lost(&self) -> usize {
