@@ -216,8 +216,29 @@ impl std::fmt::Display for FaultPlan {
     }
 }
 
-/// The plan of a device context, if any, from `RDMA_SOFT_FAULTS`.
+/// A plan set in code for the whole process ([`set_process_plan`]).
+static PROCESS_PLAN: std::sync::Mutex<Option<FaultPlan>> = std::sync::Mutex::new(None);
+
+/// Sets (or clears) the plan every soft device of this process opens with
+/// from now on, in place of `RDMA_SOFT_FAULTS`: for a program or test that
+/// opens its device through layers it does not control (an `rdma://`
+/// transport) and would rather not change its own environment. Devices
+/// already open keep their plan.
+pub fn set_process_plan(plan: Option<FaultPlan>) {
+    *PROCESS_PLAN
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner()) = plan;
+}
+
+/// The plan of a device context, if any: [`set_process_plan`]'s, else
+/// `RDMA_SOFT_FAULTS`'s.
 pub(crate) fn plan_from_env() -> Result<Option<FaultPlan>, String> {
+    let set = *PROCESS_PLAN
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner());
+    if set.is_some() {
+        return Ok(set);
+    }
     let Ok(text) = std::env::var(FAULTS_ENV) else {
         return Ok(None);
     };

@@ -56,7 +56,10 @@ use std::time::{Duration, Instant};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
 #[cfg(feature = "fault-injection")]
-pub use faults::{FAULTS_ENV, FaultCounts, FaultKind, FaultPlan, injected_faults, pause_injection};
+pub use faults::{
+    FAULTS_ENV, FaultCounts, FaultKind, FaultPlan, injected_faults, pause_injection,
+    set_process_plan,
+};
 pub use peer::PeerPolicy;
 
 use super::{
