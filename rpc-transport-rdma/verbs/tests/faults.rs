@@ -313,3 +313,37 @@ fn a_bad_plan_in_the_environment_refuses_to_open_the_device() {
         "{error}"
     );
 }
+
+#[test]
+fn a_delay_holds_completions_and_requests_in_order_and_loses_nothing() {
+    let plan = FaultPlan {
+        delay: 0.05,
+        ..FaultPlan::new(7)
+    };
+    let before = injected_faults().of(FaultKind::Delay);
+    let started = std::time::Instant::now();
+    let (sent, received) = sends_under(plan, ConnectOptions::default());
+    let took = started.elapsed();
+    let delays = injected_faults().of(FaultKind::Delay) - before;
+    // Each side reads about 400 messages (requests at b, answers at a):
+    // 5 % of them held, 1-20 ms each.
+    assert!(delays >= 10, "{delays} delays injected");
+    assert!(
+        took >= Duration::from_millis(10),
+        "{delays} delays and the run took {took:?}"
+    );
+    assert!(sent.iter().all(|c| c.status == WcStatus::Success));
+    assert!(received.iter().all(|c| c.status == WcStatus::Success));
+    let order =
+        |completions: &[WorkCompletion]| completions.iter().map(|c| c.wr_id).collect::<Vec<_>>();
+    assert_eq!(
+        order(&sent),
+        (0..MESSAGES as u64).collect::<Vec<_>>(),
+        "sends complete in order"
+    );
+    assert_eq!(
+        order(&received),
+        (0..MESSAGES as u64).collect::<Vec<_>>(),
+        "receives in order"
+    );
+}

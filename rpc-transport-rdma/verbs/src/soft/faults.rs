@@ -39,15 +39,22 @@ pub enum FaultKind {
     RnrDrop,
     /// A memory registration or window bind fails with ENOMEM.
     Registration,
+    /// A message read from the wire (a request to execute, or the answer
+    /// that completes one of ours) is held for 1–20 ms, drawn from the same
+    /// stream, and nothing behind it is read meanwhile: a completion comes
+    /// late, and to the peer this side's doorbell looks stalled (its
+    /// requests wait unexecuted, their answers late). Order is kept.
+    Delay,
 }
 
 impl FaultKind {
     /// Every kind, in the order of [`FaultCounts`].
-    pub const ALL: [FaultKind; 4] = [
+    pub const ALL: [FaultKind; KINDS] = [
         FaultKind::ErrorCompletion,
         FaultKind::QpError,
         FaultKind::RnrDrop,
         FaultKind::Registration,
+        FaultKind::Delay,
     ];
 
     /// The name used in `RDMA_SOFT_FAULTS` and in tables.
@@ -57,6 +64,7 @@ impl FaultKind {
             FaultKind::QpError => "qp_error",
             FaultKind::RnrDrop => "rnr_drop",
             FaultKind::Registration => "registration",
+            FaultKind::Delay => "delay",
         }
     }
 
@@ -69,7 +77,7 @@ impl FaultKind {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FaultCounts {
     /// Indexed as [`FaultKind::ALL`].
-    pub by_kind: [u64; 4],
+    pub by_kind: [u64; KINDS],
 }
 
 impl FaultCounts {
@@ -84,12 +92,10 @@ impl FaultCounts {
     }
 }
 
-static INJECTED: [AtomicU64; 4] = [
-    AtomicU64::new(0),
-    AtomicU64::new(0),
-    AtomicU64::new(0),
-    AtomicU64::new(0),
-];
+/// How many kinds of fault there are.
+const KINDS: usize = 5;
+
+static INJECTED: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 
 /// Faults the soft provider has injected in this process so far.
 pub fn injected_faults() -> FaultCounts {
@@ -116,7 +122,7 @@ pub const FAULTS_ENV: &str = "RDMA_SOFT_FAULTS";
 /// A seed and a rate (0 to 1, per occasion) for each kind of fault.
 ///
 /// Its text form, as `RDMA_SOFT_FAULTS` takes it: `seed=N` and any of
-/// `error_completion=R`, `qp_error=R`, `rnr_drop=R`, `registration=R`,
+/// `error_completion=R`, `qp_error=R`, `rnr_drop=R`, `registration=R`, `delay=R`,
 /// comma-separated (`seed=7,error_completion=0.001,rnr_drop=0.05`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FaultPlan {
@@ -130,6 +136,8 @@ pub struct FaultPlan {
     pub rnr_drop: f64,
     /// Per registration or window bind: [`FaultKind::Registration`].
     pub registration: f64,
+    /// Per message read from the wire: [`FaultKind::Delay`].
+    pub delay: f64,
 }
 
 impl FaultPlan {
@@ -141,6 +149,7 @@ impl FaultPlan {
             qp_error: 0.0,
             rnr_drop: 0.0,
             registration: 0.0,
+            delay: 0.0,
         }
     }
 
@@ -151,6 +160,7 @@ impl FaultPlan {
             FaultKind::QpError => self.qp_error,
             FaultKind::RnrDrop => self.rnr_drop,
             FaultKind::Registration => self.registration,
+            FaultKind::Delay => self.delay,
         }
     }
 
@@ -160,6 +170,7 @@ impl FaultPlan {
             FaultKind::QpError => &mut self.qp_error,
             FaultKind::RnrDrop => &mut self.rnr_drop,
             FaultKind::Registration => &mut self.registration,
+            FaultKind::Delay => &mut self.delay,
         }
     }
 
@@ -257,7 +268,7 @@ pub(crate) fn plan_from_env() -> Result<Option<FaultPlan>, String> {
 pub(crate) struct FaultStream {
     plan: Option<FaultPlan>,
     stream: u64,
-    asked: [AtomicU64; 4],
+    asked: [AtomicU64; KINDS],
 }
 
 impl FaultStream {
@@ -314,6 +325,17 @@ impl FaultStream {
             occasion,
         );
         STATUSES[(pick % STATUSES.len() as u64) as usize]
+    }
+}
+
+impl FaultStream {
+    /// How long a [`FaultKind::Delay`] holds its message: 1–20 ms, drawn
+    /// from the same stream (so it replays too).
+    pub(crate) fn delay(&self) -> std::time::Duration {
+        let seed = self.plan.map_or(0, |plan| plan.seed);
+        let occasion = self.asked[FaultKind::Delay.index()].load(Ordering::Relaxed);
+        let pick = decision(seed ^ 0xde1a, self.stream, FaultKind::Delay, occasion);
+        std::time::Duration::from_millis(1 + pick % 20)
     }
 }
 

@@ -134,6 +134,9 @@ struct QpInner {
     rnr_retries_left: u8,
     /// Initiator: when to resend after an RNR NAK.
     rnr_resend_at: Option<Instant>,
+    /// A message read from the wire that the fault injector holds until the
+    /// instant ([`FaultKind::Delay`]): nothing behind it is read meanwhile.
+    held: Option<(Message, Instant)>,
 }
 
 pub(crate) struct QpShared {
@@ -161,6 +164,9 @@ pub(crate) struct QpShared {
     rnr_pending: AtomicBool,
     /// Responses a polling caller left unwritten (see `progress_polled`).
     responses_pending: AtomicBool,
+    /// A message is held ([`QpInner::held`]; mirrored for the lock-free
+    /// look of a polling caller).
+    held_pending: AtomicBool,
     /// The peer's completion-channel eventfds, once attached.
     peer_wakers: OnceLock<PeerWakers>,
     /// This QP's key at its engine (0 before the first attach): a caller
@@ -242,12 +248,14 @@ pub(crate) fn create(
             early_requests: VecDeque::new(),
             rnr_retries_left: 0,
             rnr_resend_at: None,
+            held: None,
         }),
         reader: Mutex::new(None),
         generation: AtomicU64::new(0),
         polled_ring: OnceLock::new(),
         rnr_pending: AtomicBool::new(false),
         responses_pending: AtomicBool::new(false),
+        held_pending: AtomicBool::new(false),
         peer_wakers: OnceLock::new(),
         engine_key: AtomicU64::new(0),
         ack_deadline: AtomicU64::new(0),
@@ -722,6 +730,8 @@ impl QpShared {
         inner.state = QpState::Error;
         inner.rnr_resend_at = None;
         self.rnr_pending.store(false, AtomicOrdering::Relaxed);
+        inner.held = None;
+        self.held_pending.store(false, AtomicOrdering::Relaxed);
         // Messages already queued (e.g. the NAK that explains this error)
         // still go out, best effort, before the wire closes.
         let unwritten = std::mem::take(&mut inner.unwritten);
@@ -817,7 +827,12 @@ impl QpShared {
                 // engine writes them, as far as the peer's ring has room.
                 self.flush_some(&mut inner);
             }
-            (inner.rnr_resend_at, !inner.unwritten.is_empty())
+            let held_until = inner.held.as_ref().map(|(_, until)| *until);
+            let due = match (inner.rnr_resend_at, held_until) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            (due, !inner.unwritten.is_empty())
         };
         // The second look catches a caller that stopped (and set the flag
         // for us) between the first look and the clearing.
@@ -886,7 +901,10 @@ impl QpShared {
         if self.responses_pending.load(AtomicOrdering::Relaxed) {
             self.flush(&mut self.lock());
         }
-        if ring.has_data() || self.rnr_pending.load(AtomicOrdering::Relaxed) {
+        if ring.has_data()
+            || self.rnr_pending.load(AtomicOrdering::Relaxed)
+            || self.held_pending.load(AtomicOrdering::Relaxed)
+        {
             self.progress_from(false);
         }
     }
@@ -898,7 +916,10 @@ impl QpShared {
         let Some(ring) = self.polled_ring.get() else {
             return;
         };
-        if ring.has_data() || self.rnr_pending.load(AtomicOrdering::Relaxed) {
+        if ring.has_data()
+            || self.rnr_pending.load(AtomicOrdering::Relaxed)
+            || self.held_pending.load(AtomicOrdering::Relaxed)
+        {
             self.progress_from(false);
         }
         if self.responses_pending.load(AtomicOrdering::Relaxed) {
@@ -942,6 +963,20 @@ impl QpShared {
             loop {
                 {
                     let mut inner = self.lock();
+                    if let Some((_, until)) = &inner.held {
+                        if Instant::now() < *until {
+                            // Held by the fault injector: nothing behind it
+                            // is read until it is handled.
+                            break;
+                        }
+                        let (message, _) = inner.held.take().expect("held");
+                        self.held_pending.store(false, AtomicOrdering::Relaxed);
+                        self.on_message(&mut inner, message);
+                        if inner.state == QpState::Error {
+                            return Some(false);
+                        }
+                        continue;
+                    }
                     if inner.unwritten.len() >= ENGINE_BACKLOG && !self.flush_some(&mut inner) {
                         // The peer does not drain its ring: read no more of
                         // its requests (each owes it a response) until it
@@ -959,12 +994,18 @@ impl QpShared {
                 };
                 let mut inner = self.lock();
                 match outcome {
-                    Ok(ReadOutcome::Message(Message::Request(request))) => {
-                        self.on_request(&mut inner, request)
+                    Ok(ReadOutcome::Message(message)) if self.faults.roll(FaultKind::Delay) => {
+                        let until = Instant::now() + self.faults.delay();
+                        inner.held = Some((message, until));
+                        self.held_pending.store(true, AtomicOrdering::Relaxed);
+                        // The engine keeps the timer (a caller that polls
+                        // may sleep on its CQ before the hold ends).
+                        let key = self.engine_key.load(AtomicOrdering::Acquire);
+                        if key != 0 {
+                            super::engine::poke(self.qp_num, key);
+                        }
                     }
-                    Ok(ReadOutcome::Message(Message::Response(response))) => {
-                        self.on_response(&mut inner, response)
-                    }
+                    Ok(ReadOutcome::Message(message)) => self.on_message(&mut inner, message),
                     Ok(ReadOutcome::TimedOut) => {
                         // The wire is drained: acknowledge the whole batch at
                         // once. A polling caller leaves the acknowledgements
@@ -1000,6 +1041,14 @@ impl QpShared {
             self.send_unsent(&mut inner);
         }
         Some(inner.state != QpState::Error)
+    }
+
+    /// A message read from the wire: a request to execute or an answer.
+    fn on_message(&self, inner: &mut QpInner, message: Message) {
+        match message {
+            Message::Request(request) => self.on_request(inner, request),
+            Message::Response(response) => self.on_response(inner, response),
+        }
     }
 
     // ------------------------------------------------------------ responder
