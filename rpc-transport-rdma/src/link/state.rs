@@ -19,6 +19,7 @@ use crate::device::{Device, SharedPools};
 use crate::protocol::{Event, Inbound, Protocol, Route};
 use crate::rendezvous_budget::{BudgetWaiter, Charge};
 use crate::verbs::pooled::{POLL_BATCH, Polled, PolledCompletion, PooledQp, SendSlot};
+use crate::verbs::shared::WindowBooks;
 use crate::verbs::{AsyncCompletionChannel, CmConnection, WcOpcode, WcStatus, WorkCompletion};
 
 use super::expose::{Exposed, IN, OUT, forge_batch, rendezvous_gauge};
@@ -29,8 +30,7 @@ use super::expose::{Exposed, IN, OUT, forge_batch, rendezvous_gauge};
 /// QP, see [`LinkState`]).
 pub(crate) struct Commitment {
     pub(crate) pools: Arc<SharedPools>,
-    initial: usize,
-    grown: usize,
+    books: WindowBooks,
 }
 
 impl Commitment {
@@ -42,33 +42,30 @@ impl Commitment {
         let initial = pools.receive.commit(initial, initial)?;
         Ok(Commitment {
             pools,
-            initial,
-            grown: 0,
+            books: WindowBooks { initial, grown: 0 },
         })
     }
 
     /// Grows the window by up to `want` slots; returns how many.
     fn grow(&mut self, want: usize) -> Result<usize, crate::verbs::VerbsError> {
         let grown = self.pools.receive.grow(want)?;
-        self.grown += grown;
+        self.books.grown += grown;
         Ok(grown)
     }
 
     /// The peer gave back `slots` (what the window grew by first).
     fn give_back(&mut self, slots: usize) {
-        let from_grown = slots.min(self.grown);
-        self.grown -= from_grown;
-        self.pools.receive.release_grown(from_grown);
-        let from_initial = (slots - from_grown).min(self.initial);
-        self.initial -= from_initial;
-        self.pools.receive.release(from_initial);
+        let (grown, initial) = self.books.give_back(slots);
+        self.pools.receive.release_grown(grown);
+        self.pools.receive.release(initial);
     }
 }
 
 impl Drop for Commitment {
     fn drop(&mut self) {
-        self.pools.receive.release_grown(self.grown);
-        self.pools.receive.release(self.initial);
+        let (grown, initial) = self.books.take_all();
+        self.pools.receive.release_grown(grown);
+        self.pools.receive.release(initial);
     }
 }
 

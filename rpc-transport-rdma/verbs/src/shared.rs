@@ -184,9 +184,101 @@ struct ReceiveState {
     chunks: Chunks,
     /// Slots posted to the SRQ (the device's until their completion).
     posted: Vec<bool>,
+    books: SlotLedger,
+}
+
+/// The receive pool's books: slots committed to connections, and the part
+/// of them that windows grew by. Pure arithmetic: the pool keeps it under
+/// its lock, and `loom_model` runs the same methods from connections on
+/// several threads, with [`WindowBooks`], checking that nothing is
+/// committed past what is registered and everything comes back.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SlotLedger {
     committed: usize,
-    /// The part of `committed` that windows grew by ([`SharedReceivePool::grow`]).
     grown: usize,
+}
+
+impl SlotLedger {
+    /// Commits at least `at_least` and at most `want` (or `at_least`, if
+    /// more) of the `registered` slots; `None` when fewer than `at_least`
+    /// are free (nothing committed).
+    pub(crate) fn commit(
+        &mut self,
+        registered: usize,
+        at_least: usize,
+        want: usize,
+    ) -> Option<usize> {
+        let free = registered.saturating_sub(self.committed);
+        if free < at_least {
+            return None;
+        }
+        let committed = free.min(want.max(at_least));
+        self.committed += committed;
+        Some(committed)
+    }
+
+    /// How many of `want` slots windows may still grow by, all together,
+    /// within `max_grown`.
+    pub(crate) fn growth_allowed(&self, want: usize, max_grown: usize) -> usize {
+        want.min(max_grown.saturating_sub(self.grown))
+    }
+
+    /// `slots` just committed grew a window.
+    pub(crate) fn grew(&mut self, slots: usize) {
+        self.grown += slots;
+    }
+
+    /// Gives back `slots` of a connection's initial window.
+    pub(crate) fn release(&mut self, slots: usize) {
+        self.committed = self.committed.saturating_sub(slots);
+    }
+
+    /// Gives back `slots` a window grew by.
+    pub(crate) fn release_grown(&mut self, slots: usize) {
+        self.grown = self.grown.saturating_sub(slots);
+        self.committed = self.committed.saturating_sub(slots);
+    }
+
+    /// Slots committed.
+    pub(crate) fn committed(&self) -> usize {
+        self.committed
+    }
+
+    /// The part of them windows grew by.
+    pub(crate) fn grown(&self) -> usize {
+        self.grown
+    }
+}
+
+/// One connection's part of the receive pool: its initial slots and what
+/// its window grew by, in the order they go back (what it grew by first).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WindowBooks {
+    /// Slots of the initial window still held.
+    pub initial: usize,
+    /// Slots the window grew by, still held.
+    pub grown: usize,
+}
+
+impl WindowBooks {
+    /// The peer gave back `slots`: takes them from what the window grew by
+    /// first, then from the initial slots; returns (grown, initial) to give
+    /// back to the pool ([`SharedReceivePool::release_grown`],
+    /// [`SharedReceivePool::release`]).
+    pub fn give_back(&mut self, slots: usize) -> (usize, usize) {
+        let from_grown = slots.min(self.grown);
+        self.grown -= from_grown;
+        let from_initial = (slots - from_grown).min(self.initial);
+        self.initial -= from_initial;
+        (from_grown, from_initial)
+    }
+
+    /// Everything still held, as (grown, initial); the books are empty after.
+    pub fn take_all(&mut self) -> (usize, usize) {
+        let all = (self.grown, self.initial);
+        *self = WindowBooks::default();
+        all
+    }
 }
 
 /// An SRQ and the receive slots posted to it (see the module docs).
@@ -205,7 +297,7 @@ impl std::fmt::Debug for SharedReceivePool {
         f.debug_struct("SharedReceivePool")
             .field("slot_len", &state.chunks.slot_len)
             .field("slots", &state.chunks.slots())
-            .field("committed", &state.committed)
+            .field("committed", &state.books.committed())
             .field("max_slots", &self.max_slots)
             .finish()
     }
@@ -233,8 +325,7 @@ impl SharedReceivePool {
                     chunks: Vec::new(),
                 },
                 posted: Vec::new(),
-                committed: 0,
-                grown: 0,
+                books: SlotLedger::default(),
             }),
         })
     }
@@ -257,7 +348,7 @@ impl SharedReceivePool {
 
     /// Slots committed to connections.
     pub fn committed(&self) -> usize {
-        lock(&self.state).committed
+        lock(&self.state).books.committed()
     }
 
     /// Slots registered and posted (or being handled by a driver).
@@ -278,7 +369,7 @@ impl SharedReceivePool {
     /// [`SharedReceivePool::release_grown`].
     pub fn grow(&self, want: usize) -> Result<usize, VerbsError> {
         let mut state = lock(&self.state);
-        let want = want.min(self.max_grown.saturating_sub(state.grown));
+        let want = state.books.growth_allowed(want, self.max_grown);
         if want == 0 {
             return Ok(0);
         }
@@ -287,20 +378,18 @@ impl SharedReceivePool {
             Err(CommitError::Full(_)) => 0,
             Err(CommitError::Verbs(error)) => return Err(error),
         };
-        state.grown += committed;
+        state.books.grew(committed);
         Ok(committed)
     }
 
     /// Slots committed by [`SharedReceivePool::grow`], all connections together.
     pub fn grown(&self) -> usize {
-        lock(&self.state).grown
+        lock(&self.state).books.grown()
     }
 
     /// A connection gives back `slots` its window grew by.
     pub fn release_grown(&self, slots: usize) {
-        let mut state = lock(&self.state);
-        state.grown = state.grown.saturating_sub(slots);
-        state.committed = state.committed.saturating_sub(slots);
+        lock(&self.state).books.release_grown(slots);
     }
 
     fn commit_locked(
@@ -310,31 +399,30 @@ impl SharedReceivePool {
         want: usize,
     ) -> Result<usize, CommitError> {
         let want = want.max(at_least);
-        while state.chunks.slots() - state.committed < want
+        while state.chunks.slots() - state.books.committed() < want
             && state.chunks.slots() + CHUNK_SLOTS <= self.max_slots
         {
             let slots = state.chunks.grow(&self.pd)?;
             state.posted.resize(slots.end, false);
             Self::post(&self.srq, state, slots)?;
         }
-        let free = state.chunks.slots() - state.committed;
-        if free < at_least {
-            return Err(PoolFull {
-                committed: state.committed,
-                max: self.max_slots,
-            }
-            .into());
-        }
-        let committed = free.min(want);
-        state.committed += committed;
-        Ok(committed)
+        let registered = state.chunks.slots();
+        state
+            .books
+            .commit(registered, at_least, want)
+            .ok_or_else(|| {
+                PoolFull {
+                    committed: state.books.committed(),
+                    max: self.max_slots,
+                }
+                .into()
+            })
     }
 
     /// A connection no longer needs `slots` of its commitment (its peer gave
     /// them back, or it ended).
     pub fn release(&self, slots: usize) {
-        let mut state = lock(&self.state);
-        state.committed = state.committed.saturating_sub(slots);
+        lock(&self.state).books.release(slots);
     }
 
     fn post(
@@ -603,6 +691,80 @@ impl Drop for SharedReceivePool {
 mod tests {
     use super::*;
     use crate::mock::MockContext;
+
+    /// loom: three connections of one device, on threads of their own,
+    /// commit their initial windows, grow them, are given back part of
+    /// them and end, each step under the pool's lock on its own (as
+    /// `SharedReceivePool` and rpc-transport-rdma's `Commitment` take it),
+    /// over the very books the pool keeps ([`SlotLedger`], [`WindowBooks`]).
+    /// In every interleaving: nothing is committed past what is registered,
+    /// growth stays within its cap, and once every connection ended the
+    /// books are back to zero (no slot lost or counted twice).
+    #[test]
+    fn the_receive_books_balance_in_every_interleaving() {
+        const REGISTERED: usize = 8;
+        const MAX_GROWN: usize = 3;
+        fn check(books: &SlotLedger) {
+            assert!(books.committed() <= REGISTERED, "{books:?}");
+            assert!(books.grown() <= books.committed(), "{books:?}");
+            assert!(books.grown() <= MAX_GROWN, "{books:?}");
+        }
+        // Three threads of seven lock steps each: every interleaving is too
+        // many; loom's preemption bound keeps those with at most three forced
+        // switches (loom's docs: a bound of 2 or 3 catches most bugs).
+        let mut model = loom::model::Builder::new();
+        model.preemption_bound = Some(3);
+        model.check(|| {
+            let ledger = loom::sync::Arc::new(loom::sync::Mutex::new(SlotLedger::default()));
+            let connections: Vec<_> = (0..3usize)
+                .map(|connection| {
+                    let ledger = ledger.clone();
+                    loom::thread::spawn(move || {
+                        let mut window = WindowBooks::default();
+                        {
+                            let mut books = ledger.lock().unwrap();
+                            // All or nothing, as `Commitment::new`.
+                            if let Some(initial) = books.commit(REGISTERED, 3, 3) {
+                                window.initial = initial;
+                            }
+                            check(&books);
+                        }
+                        if window.initial == 0 {
+                            return; // refused: the pool is full
+                        }
+                        {
+                            // As `SharedReceivePool::grow`.
+                            let mut books = ledger.lock().unwrap();
+                            let want = books.growth_allowed(2, MAX_GROWN);
+                            if let Some(grown) = books.commit(REGISTERED, 0, want) {
+                                books.grew(grown);
+                                window.grown += grown;
+                            }
+                            check(&books);
+                        }
+                        // The peer gives some back (`Commitment::give_back`).
+                        let (grown, initial) = window.give_back(1 + connection);
+                        for release in [grown, initial].into_iter().enumerate() {
+                            let mut books = ledger.lock().unwrap();
+                            match release {
+                                (0, slots) => books.release_grown(slots),
+                                (_, slots) => books.release(slots),
+                            }
+                            check(&books);
+                        }
+                        // The connection ends (`Commitment`'s drop).
+                        let (grown, initial) = window.take_all();
+                        ledger.lock().unwrap().release_grown(grown);
+                        ledger.lock().unwrap().release(initial);
+                    })
+                })
+                .collect();
+            for connection in connections {
+                connection.join().unwrap();
+            }
+            assert_eq!(*ledger.lock().unwrap(), SlotLedger::default());
+        });
+    }
 
     /// Issue 30, attack 6: windows grow only within the growth cap that all
     /// connections share, and the send pool stops registering at its cap;
