@@ -55,7 +55,7 @@ const DEADLINE: Duration = Duration::from_secs(3);
 const GRACE: Duration = Duration::from_secs(2);
 /// Default fault rates (per occasion; see `docs/faults.md`).
 const DEFAULT_RATES: &str =
-    "error_completion=0.0005,qp_error=0.0002,rnr_drop=0.01,registration=0.001";
+    "error_completion=0.0005,qp_error=0.0002,rnr_drop=0.01,registration=0.001,delay=0.0005";
 /// Messages of one server stream, of one client stream and of one
 /// bidirectional stream.
 const STREAM_MESSAGES: usize = 12;
