@@ -129,12 +129,12 @@ const FAILING_PLAN: &str = "seed=4,error_completion=0.001,qp_error=0.0005";
 /// with its own bytes or an error status other than `INTERNAL`, never
 /// another call's bytes (each payload is unique to its call).
 ///
-/// What it does not do: replay the race fixed in `8da554b` (a soft READ
-/// granted by a responder whose QP then failed, pulled after the responder's
-/// pool had handed the buffer to another message). That race needs the two
-/// sides in two processes; the chaos run found it with seed 4 in 45 s, and
-/// with the fix removed this test still passes (three runs). The fix's ring
-/// word has a unit test of its own (`soft::ring`).
+/// It does not replay the race fixed in `8da554b` (a soft READ granted by a
+/// responder whose QP then failed, pulled after the responder's pool had
+/// handed the buffer to another message): in one process the pull comes
+/// first, and with the fix removed this test still passes. The verbs test
+/// `a_read_pulled_after_its_responder_failed_fails_instead_of_returning_reused_bytes`
+/// (`verbs/tests/faults.rs`) forces that race with the `delay` fault.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rendezvous_answers_over_failing_connections_are_their_own_or_an_error() {
     let (_server, channel) = faulty_pair(&FaultyBed::new("rdmaread", 63 << 20), FAILING_PLAN).await;

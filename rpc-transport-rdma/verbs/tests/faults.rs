@@ -314,8 +314,13 @@ fn a_bad_plan_in_the_environment_refuses_to_open_the_device() {
     );
 }
 
+/// The tests that count `delay` faults, one at a time (the count is the
+/// process's).
+static DELAYS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn a_delay_holds_completions_and_requests_in_order_and_loses_nothing() {
+    let _alone = DELAYS.lock().unwrap_or_else(|poison| poison.into_inner());
     let plan = FaultPlan {
         delay: 0.05,
         ..FaultPlan::new(7)
@@ -346,4 +351,86 @@ fn a_delay_holds_completions_and_requests_in_order_and_loses_nothing() {
         (0..MESSAGES as u64).collect::<Vec<_>>(),
         "receives in order"
     );
+}
+
+/// Before `8da554b` (found by the chaos run, seed 4, as a wrong answer): a
+/// soft READ is granted by the responder and pulled by the initiator when it
+/// handles the grant; a responder whose QP failed in between had revoked its
+/// frame and its pool had handed the buffer to the next message, and the
+/// pull copied those bytes as a success. Here the initiator holds every
+/// message it reads (`delay` at rate 1: 1–20 ms), so the grant waits; the
+/// moment it is held (the injector counts it), the responder's QP goes to
+/// ERROR and its buffer is rewritten. The READ must then fail
+/// (RETRY_EXC_ERR, as when a responder dies), never complete with the new
+/// bytes. Seeds 0..20 replay the same schedules.
+#[test]
+fn a_read_pulled_after_its_responder_failed_fails_instead_of_returning_reused_bytes() {
+    let _alone = DELAYS.lock().unwrap_or_else(|poison| poison.into_inner());
+    const LEN: usize = 8 << 10;
+    let mut caught = 0;
+    for seed in 0..20 {
+        let initiator = device(FaultPlan {
+            delay: 1.0,
+            ..FaultPlan::new(seed)
+        });
+        let responder = Device {
+            context: SoftProvider
+                .open(rdma_verbs::soft::DEVICE_NAME)
+                .expect("open soft0"),
+            caps: initiator.caps.clone(),
+            quirks: Quirks::default(),
+        };
+        let (pd_a, pd_b) = (
+            initiator.context.alloc_pd().expect("pd"),
+            responder.context.alloc_pd().expect("pd"),
+        );
+        let a = harness::Side::new(&initiator, &pd_a, SideOptions::default());
+        let b = harness::Side::new(&responder, &pd_b, SideOptions::default());
+        let _cm = harness::connect_qps(&initiator, &a.qp, &b.qp, ConnectOptions::default());
+        let sink = Buffer::new(&pd_a, LEN, AccessFlags::LOCAL_WRITE);
+        // Read-only to the peer: written here while its READ is outstanding,
+        // which is what the bug's pool did (the soft provider pulls with
+        // process_vm_readv, a kernel copy).
+        let mut source = RegisteredBuffer::new(
+            &pd_b,
+            LEN,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        )
+        .expect("register");
+        source.as_mut_slice().fill(0xaa);
+        let held_before = injected_faults().of(FaultKind::Delay);
+        a.post_send(wr(
+            1,
+            SendOp::RdmaRead {
+                remote_addr: source.addr(),
+                rkey: source.rkey(),
+            },
+            vec![sink.sge(0, LEN)],
+        ));
+        // Poll a's CQ, as a driver does (a polling caller progresses its QP),
+        // until the grant is read and held.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut none = [harness::BLANK; 1];
+        while injected_faults().of(FaultKind::Delay) == held_before {
+            assert!(std::time::Instant::now() < deadline, "the grant never came");
+            let polled = a.send_cq.poll(&mut none).expect("poll");
+            assert_eq!(polled, 0, "the READ completed without its grant being held");
+        }
+        b.qp.to_error().expect("responder to ERROR");
+        source.as_mut_slice().fill(0xbb);
+        let done = wait(&a.send_cq, 1)[0];
+        if done.status == WcStatus::Success {
+            // The pull came before the rewrite (this thread was slow): the
+            // race was not met, and the bytes must be the granted ones.
+            assert!(
+                sink.bytes().iter().all(|&byte| byte == 0xaa),
+                "seed {seed}: a READ completed with bytes written after its responder failed"
+            );
+        } else {
+            assert_eq!(done.status, WcStatus::RetryExcErr, "seed {seed}");
+            caught += 1;
+        }
+    }
+    println!("20 READs whose responder failed before the pull: {caught} failed as they must");
+    assert!(caught > 0, "no seed met the race: nothing was tested");
 }
