@@ -1,9 +1,10 @@
 //! [`BalancedChannel`]: calls spread over several servers.
 //!
 //! One lazily connected [`Channel`] per endpoint (rdma://, tcp://, any
-//! scheme, mixed), behind tower's power-of-two-choices balancer on pending
-//! calls: each call goes to the less loaded of two endpoints picked at
-//! random. An endpoint whose call fails `Unavailable` (its connection failed
+//! scheme, mixed), behind tower's power-of-two-choices balancer: each call
+//! goes to the less loaded of two endpoints picked at random, loaded as
+//! [`LoadSignal`] says (calls in flight by default, or a peak-EWMA of their
+//! latency). An endpoint whose call fails `Unavailable` (its connection failed
 //! or its server is gone), or `ResourceExhausted` because it refused the
 //! connection for want of room, is ejected — not picked — for a backoff that
 //! doubles with each consecutive failure (100 ms up to 10 s, ±50% jitter);
@@ -31,7 +32,7 @@ use tokio::sync::mpsc;
 use tower::ServiceExt;
 use tower::buffer::Buffer;
 use tower::discover::Change;
-use tower::load::{CompleteOnResponse, PendingRequests};
+use tower::load::{CompleteOnResponse, Load, PeakEwma, PendingRequests};
 use tower_service::Service;
 
 use super::Channel;
@@ -72,6 +73,39 @@ impl Resolve for SystemResolver {
 
 type Call = Pin<Box<dyn Future<Output = Result<Response<Bytes>, Status>> + Send>>;
 
+/// What the balancer compares when it picks the less loaded of two
+/// endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum LoadSignal {
+    /// Calls in flight to the endpoint (tower's `PendingRequests`): cheap,
+    /// and blind to an endpoint that answers slowly while few calls wait on
+    /// it.
+    #[default]
+    PendingRequests,
+    /// The peak-EWMA of the endpoint's response latency, times its calls in
+    /// flight plus one (tower's `PeakEwma`, after Finagle): a latency spike
+    /// counts at once and is forgotten over `decay`, so an endpoint that
+    /// slows down is picked less before its queue grows. `default_rtt` is
+    /// what an endpoint that has not answered yet is assumed to take.
+    PeakEwma {
+        /// The latency assumed before the first answer.
+        default_rtt: Duration,
+        /// How long a latency takes to be forgotten (the EWMA's time constant).
+        decay: Duration,
+    },
+}
+
+impl LoadSignal {
+    /// [`LoadSignal::PeakEwma`] with a 1 ms default latency and a 10 s decay
+    /// (Finagle's).
+    pub fn peak_ewma() -> LoadSignal {
+        LoadSignal::PeakEwma {
+            default_rtt: Duration::from_millis(1),
+            decay: Duration::from_secs(10),
+        }
+    }
+}
+
 /// Several endpoints behind one cloneable service (see the module docs).
 /// Create it inside a tokio runtime.
 #[derive(Clone)]
@@ -87,6 +121,31 @@ impl std::fmt::Debug for BalancedChannel {
 
 type Balanced = tower::balance::p2c::Balance<Changes, Request<Payload>>;
 
+/// Everything a [`BalancedChannel`] is built with beyond its endpoints.
+#[derive(Clone)]
+struct Membership {
+    make: Arc<dyn Fn(Endpoint) -> Channel + Send + Sync>,
+    load: LoadSignal,
+}
+
+impl Membership {
+    fn member(&self, endpoint: Endpoint) -> Member {
+        let ejecting = Ejecting::new((self.make)(endpoint));
+        match self.load {
+            LoadSignal::PendingRequests => Member::Pending(PendingRequests::new(
+                ejecting,
+                CompleteOnResponse::default(),
+            )),
+            LoadSignal::PeakEwma { default_rtt, decay } => Member::Ewma(PeakEwma::new(
+                ejecting,
+                default_rtt,
+                decay.as_nanos() as f64,
+                CompleteOnResponse::default(),
+            )),
+        }
+    }
+}
+
 impl BalancedChannel {
     /// Balances over `endpoints` (default channel settings).
     pub fn from_endpoints(endpoints: impl IntoIterator<Item = Endpoint>) -> BalancedChannel {
@@ -99,9 +158,25 @@ impl BalancedChannel {
         endpoints: impl IntoIterator<Item = Endpoint>,
         make: impl Fn(Endpoint) -> Channel + Send + Sync + 'static,
     ) -> BalancedChannel {
+        Self::from_endpoints_with_load(endpoints, make, LoadSignal::default())
+    }
+
+    /// [`BalancedChannel::from_endpoints_with`], comparing endpoints by `load`.
+    pub fn from_endpoints_with_load(
+        endpoints: impl IntoIterator<Item = Endpoint>,
+        make: impl Fn(Endpoint) -> Channel + Send + Sync + 'static,
+        load: LoadSignal,
+    ) -> BalancedChannel {
+        let membership = Membership {
+            make: Arc::new(make),
+            load,
+        };
         let (changes, receiver) = mpsc::unbounded_channel();
         for endpoint in endpoints {
-            let _ = changes.send(Change::Insert(endpoint.clone(), member(make(endpoint))));
+            let _ = changes.send(Change::Insert(
+                endpoint.clone(),
+                membership.member(endpoint),
+            ));
         }
         // The list never changes: the sender lives as long as the balancer.
         Self::start(Changes {
@@ -118,12 +193,28 @@ impl BalancedChannel {
         interval: Duration,
         resolver: Arc<dyn Resolve>,
     ) -> BalancedChannel {
+        Self::from_dns_with_load(scheme, host_port, interval, resolver, LoadSignal::default())
+    }
+
+    /// [`BalancedChannel::from_dns`], comparing endpoints by `load`.
+    pub fn from_dns_with_load(
+        scheme: &str,
+        host_port: &str,
+        interval: Duration,
+        resolver: Arc<dyn Resolve>,
+        load: LoadSignal,
+    ) -> BalancedChannel {
+        let membership = Membership {
+            make: Arc::new(Channel::from_endpoint),
+            load,
+        };
         let (changes, receiver) = mpsc::unbounded_channel();
         tokio::spawn(follow_dns(
             scheme.to_owned(),
             host_port.to_owned(),
             interval,
             resolver,
+            membership,
             changes,
         ));
         Self::start(Changes {
@@ -213,10 +304,51 @@ impl Stream for Changes {
     }
 }
 
-type Member = PendingRequests<Ejecting>;
+/// One endpoint of the balancer, with the load it reports.
+enum Member {
+    Pending(PendingRequests<Ejecting>),
+    Ewma(PeakEwma<Ejecting>),
+}
 
-fn member(channel: Channel) -> Member {
-    PendingRequests::new(Ejecting::new(channel), CompleteOnResponse::default())
+/// A [`Member`]'s load: one kind for every member of a balancer.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+enum MemberLoad {
+    Pending(tower::load::pending_requests::Count),
+    Ewma(tower::load::peak_ewma::Cost),
+}
+
+impl Load for Member {
+    type Metric = MemberLoad;
+
+    fn load(&self) -> MemberLoad {
+        match self {
+            Member::Pending(member) => MemberLoad::Pending(member.load()),
+            Member::Ewma(member) => MemberLoad::Ewma(member.load()),
+        }
+    }
+}
+
+impl Service<Request<Payload>> for Member {
+    type Response = Response<Bytes>;
+    type Error = Status;
+    type Future = futures_util::future::Either<
+        <PendingRequests<Ejecting> as Service<Request<Payload>>>::Future,
+        <PeakEwma<Ejecting> as Service<Request<Payload>>>::Future,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        match self {
+            Member::Pending(member) => member.poll_ready(cx),
+            Member::Ewma(member) => member.poll_ready(cx),
+        }
+    }
+
+    fn call(&mut self, request: Request<Payload>) -> Self::Future {
+        match self {
+            Member::Pending(member) => futures_util::future::Either::Left(member.call(request)),
+            Member::Ewma(member) => futures_util::future::Either::Right(member.call(request)),
+        }
+    }
 }
 
 async fn follow_dns(
@@ -224,6 +356,7 @@ async fn follow_dns(
     host_port: String,
     interval: Duration,
     resolver: Arc<dyn Resolve>,
+    membership: Membership,
     changes: mpsc::UnboundedSender<Change<Endpoint, Member>>,
 ) {
     let mut current: BTreeSet<Endpoint> = BTreeSet::new();
@@ -242,9 +375,8 @@ async fn follow_dns(
                 }
                 for new in resolved.difference(&current) {
                     tracing::debug!(endpoint = %new, "resolved: added");
-                    let channel = Channel::from_endpoint(new.clone());
                     if changes
-                        .send(Change::Insert(new.clone(), member(channel)))
+                        .send(Change::Insert(new.clone(), membership.member(new.clone())))
                         .is_err()
                     {
                         return;
