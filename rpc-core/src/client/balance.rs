@@ -223,6 +223,30 @@ impl BalancedChannel {
         })
     }
 
+    /// Balances over the endpoints a discovery system reports as they come
+    /// and go (`rpc-etcd` feeds it from etcd), each channel made by `make`,
+    /// compared by `load`. An endpoint removed leaves once its calls are
+    /// done; when `discovered` ends, the endpoints stay as they are.
+    pub fn from_discovery<S>(
+        discovered: S,
+        make: impl Fn(Endpoint) -> Channel + Send + Sync + 'static,
+        load: LoadSignal,
+    ) -> BalancedChannel
+    where
+        S: Stream<Item = Discovered> + Send + 'static,
+    {
+        let membership = Membership {
+            make: Arc::new(make),
+            load,
+        };
+        let (changes, receiver) = mpsc::unbounded_channel();
+        tokio::spawn(follow_discovery(Box::pin(discovered), membership, changes));
+        Self::start(Changes {
+            receiver,
+            _keep: None,
+        })
+    }
+
     fn start(changes: Changes) -> BalancedChannel {
         let balanced = tower::balance::p2c::Balance::new(changes);
         BalancedChannel {
@@ -390,6 +414,48 @@ async fn follow_dns(
         tokio::select! {
             () = tokio::time::sleep(interval) => {}
             () = changes.closed() => return,
+        }
+    }
+}
+
+/// A change to the endpoints a discovery system reports
+/// ([`BalancedChannel::from_discovery`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Discovered {
+    /// An endpoint to send calls to.
+    Insert(Endpoint),
+    /// An endpoint that is gone (or going): no new calls.
+    Remove(Endpoint),
+}
+
+async fn follow_discovery(
+    mut discovered: Pin<Box<dyn Stream<Item = Discovered> + Send>>,
+    membership: Membership,
+    changes: mpsc::UnboundedSender<Change<Endpoint, Member>>,
+) {
+    use futures_util::StreamExt;
+    loop {
+        let next = tokio::select! {
+            next = discovered.next() => next,
+            () = changes.closed() => return,
+        };
+        let change = match next {
+            Some(Discovered::Insert(endpoint)) => {
+                tracing::debug!(%endpoint, "discovered: added");
+                Change::Insert(endpoint.clone(), membership.member(endpoint))
+            }
+            Some(Discovered::Remove(endpoint)) => {
+                tracing::debug!(%endpoint, "discovered: removed");
+                Change::Remove(endpoint)
+            }
+            None => {
+                // Discovery ended: keep what we have while the balancer lives.
+                changes.closed().await;
+                return;
+            }
+        };
+        if changes.send(change).is_err() {
+            return;
         }
     }
 }

@@ -11,7 +11,9 @@ mod reader;
 mod retry;
 mod rpc;
 
-pub use balance::{BalancedChannel, EJECT_BASE, EJECT_MAX, LoadSignal, Resolve, SystemResolver};
+pub use balance::{
+    BalancedChannel, Discovered, EJECT_BASE, EJECT_MAX, LoadSignal, Resolve, SystemResolver,
+};
 pub use channel::{Backoff, Channel, ChannelBuilder, ResponseFuture};
 pub use connection::Keepalive;
 pub use deadline::{Deadline, DeadlineLayer};
