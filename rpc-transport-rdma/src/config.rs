@@ -118,6 +118,12 @@ pub struct RdmaConfig {
     pub large_pool: LargePoolConfig,
     /// QP reliability settings.
     pub connect: ConnectOptions,
+    /// The port a listener's rdma_cm listens on, beside its TCP set-up port,
+    /// for peers whose device connects only through rdma_cm (iWARP): 0 (the
+    /// default) picks a free one and announces it in the hello; a fixed one
+    /// (`RDMA_CM_PORT`) is what a firewall between hosts can open. One
+    /// listener per port and address.
+    pub cm_port: u16,
     /// Test-only (feature `fault-injection`): break the protocol on purpose.
     #[cfg(feature = "fault-injection")]
     pub fault: Option<Fault>,
@@ -139,6 +145,7 @@ impl Default for RdmaConfig {
             poll_mode: PollMode::Adaptive { spin: DEFAULT_SPIN },
             large_pool: LargePoolConfig::default(),
             connect: ConnectOptions::default(),
+            cm_port: 0,
             #[cfg(feature = "fault-injection")]
             fault: None,
         }
@@ -159,7 +166,8 @@ impl std::fmt::Debug for ConfigError {
 
 impl RdmaConfig {
     /// The defaults with `RDMA_PROVIDER`, `RDMA_DEVICE`, `RDMA_POLL`
-    /// (`event` | `busy` | `spin=<µs>`) and `RDMA_EAGER_THRESHOLD` applied.
+    /// (`event` | `busy` | `spin=<µs>`), `RDMA_EAGER_THRESHOLD` and
+    /// `RDMA_CM_PORT` applied.
     /// (`RDMA_GID_INDEX` is read by the ibverbs provider itself.)
     pub fn from_env() -> Result<RdmaConfig, ConfigError> {
         let mut config = RdmaConfig::default();
@@ -171,6 +179,11 @@ impl RdmaConfig {
                 ConfigError(format!(
                     "RDMA_POLL={poll:?}: expected event, busy or spin=<microseconds>"
                 ))
+            })?;
+        }
+        if let Some(port) = var("RDMA_CM_PORT") {
+            config.cm_port = port.parse().map_err(|_| {
+                ConfigError(format!("RDMA_CM_PORT={port:?}: expected a port number"))
             })?;
         }
         if let Some(threshold) = var("RDMA_EAGER_THRESHOLD") {

@@ -214,17 +214,19 @@ impl Transport for RdmaTransport {
             // hello) for peers whose device connects only through it (iWARP).
             let cm = match device.context.connection_manager() {
                 Some(manager) => {
-                    let addr = SocketAddr::new(listener.local_addr()?.ip(), 0);
+                    let addr = SocketAddr::new(listener.local_addr()?.ip(), rdma.cm_port);
+                    let any_port = rdma.cm_port == 0;
                     // On iWARP the port rdma_cm picks must also be free in the
                     // kernel's TCP port space, where an ephemeral port of an
                     // unrelated connection may already hold it (EADDRINUSE):
-                    // another pick then succeeds.
+                    // another pick then succeeds (a fixed port is not retried).
                     let listen = move || {
                         let mut attempt = 1;
                         loop {
                             match manager.listen(addr) {
                                 Err(VerbsError::Io(error))
                                     if error.kind() == std::io::ErrorKind::AddrInUse
+                                        && any_port
                                         && attempt < CM_LISTEN_ATTEMPTS =>
                                 {
                                     attempt += 1;

@@ -230,6 +230,52 @@ async fn killed_peer_process_fails_pending_calls_within_a_second() {
     }
 }
 
+/// A listener whose rdma_cm takes a fixed port (`RdmaConfig::cm_port`,
+/// `RDMA_CM_PORT`): what a firewall between two hosts can open.
+struct FixedCmPortBed(u16);
+
+impl crate::suite::Bed for FixedCmPortBed {
+    fn listen_endpoint(&self) -> String {
+        let mut config = strict_config();
+        config.cm_port = self.0;
+        register_scheme("rdmacmport", config);
+        format!("rdmacmport://{}:0", crate::common::test_addr())
+    }
+}
+
+/// Calls go through a listener whose rdma_cm is on a fixed port; on a
+/// device that connects only through rdma_cm (iWARP) every connection uses
+/// that port, and the kernel's TCP port is taken by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_cm_listens_on_the_port_it_is_given() {
+    crate::require_device!();
+    let addr: std::net::IpAddr = crate::common::test_addr().parse().unwrap();
+    let port = std::net::TcpListener::bind((addr, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let server = start_with(&FixedCmPortBed(port), |s| s).await;
+    let channel = Channel::connect(server.endpoint.clone()).await.unwrap();
+    for round in 0..20u64 {
+        let payload = Bytes::from(round.to_le_bytes().to_vec());
+        assert_eq!(echo(&channel, payload.clone()).await, payload);
+    }
+    let device = rpc_transport_rdma::device::open(&strict_config()).unwrap();
+    if device.context.requires_connection_manager() {
+        assert!(
+            std::net::TcpListener::bind((addr, port)).is_err(),
+            "rdma_cm does not hold port {port}"
+        );
+        println!("rdma_cm on port {port}: 20 calls through it");
+    } else {
+        println!(
+            "{}: connects without rdma_cm; 20 calls with cm_port {port} set",
+            device.name
+        );
+    }
+}
+
 /// Both ends in pure event mode: every wait goes through arm → event → ack →
 /// re-arm → poll, so a lost wake-up shows up as a call that never ends.
 struct EventBed;
