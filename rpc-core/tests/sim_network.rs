@@ -156,6 +156,18 @@ async fn echo(channel: &Channel, len: usize, seed: u64, deadline: Duration) -> O
     outcome
 }
 
+/// Every call answered, or failed as a network fault makes calls fail:
+/// `DEADLINE_EXCEEDED` or `UNAVAILABLE` (its time was checked by [`echo`]).
+fn assert_answered_or_failed_in_time(outcomes: &[Outcome]) {
+    assert!(
+        outcomes.iter().all(|o| matches!(
+            o,
+            Outcome::Answered | Outcome::Failed(Code::DeadlineExceeded | Code::Unavailable)
+        )),
+        "{outcomes:?}"
+    );
+}
+
 /// `count` calls at once of sizes up to 256 KiB (many segments each);
 /// returns how they ended.
 async fn calls_at_once(
@@ -244,13 +256,7 @@ fn one_simulation(seed: u64) {
         let cut = calls.await?;
         let failed = cut.iter().filter(|o| **o != Outcome::Answered).count();
         assert!(failed > 0, "the partition cut no call: {cut:?}");
-        assert!(
-            cut.iter().all(|o| matches!(
-                o,
-                Outcome::Answered | Outcome::Failed(Code::DeadlineExceeded | Code::Unavailable)
-            )),
-            "{cut:?}"
-        );
+        assert_answered_or_failed_in_time(&cut);
         tokio::time::sleep(Duration::from_secs(3)).await;
         turmoil::repair("client", "server");
         // The stalled stream never resumes (nothing retransmits what was
@@ -269,13 +275,7 @@ fn one_simulation(seed: u64) {
         tokio::time::sleep(Duration::from_millis(3)).await;
         turmoil::partition_oneway("server", "client");
         let cut = calls.await?;
-        assert!(
-            cut.iter().all(|o| matches!(
-                o,
-                Outcome::Answered | Outcome::Failed(Code::DeadlineExceeded | Code::Unavailable)
-            )),
-            "{cut:?}"
-        );
+        assert_answered_or_failed_in_time(&cut);
         tokio::time::sleep(Duration::from_secs(3)).await;
         turmoil::repair_oneway("server", "client");
         let recovered_oneway = until_served(&channel, 2_800, Duration::from_secs(30)).await;
@@ -331,13 +331,7 @@ fn one_simulation(seed: u64) {
         tokio::time::sleep(Duration::from_millis(50)).await;
         client_signal.store(CRASH_NOW, Ordering::SeqCst);
         let crashed = calls.await?;
-        assert!(
-            crashed.iter().all(|o| matches!(
-                o,
-                Outcome::Answered | Outcome::Failed(Code::DeadlineExceeded | Code::Unavailable)
-            )),
-            "{crashed:?}"
-        );
+        assert_answered_or_failed_in_time(&crashed);
         let mut hung = Vec::new();
         for call in hanging {
             let (code, took) = call.await?;
