@@ -8,9 +8,9 @@
 //! an error status within its deadline and a bound, never a hang or another
 //! call's bytes; the channel serves again once the network does.
 //!
-//! The transport is rpc-core's length-prefixed framing ([`FrameReader`],
-//! [`FrameWriter`], what tcp:// runs over a socket) over turmoil's TCP
-//! streams, injected as a value (`ChannelBuilder::transport`).
+//! The transport is rpc-core's length-prefixed framing (`framed_connection`,
+//! what tcp:// runs over a socket) over turmoil's TCP streams, injected as a
+//! value (`ChannelBuilder::transport`).
 
 #[path = "suite/mod.rs"]
 mod suite;
@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, Stream, StreamExt};
-use rpc_core::transport::tcp::{FrameReader, FrameWriter};
+use rpc_core::transport::tcp::framed_connection;
 use rpc_core::transport::{
     Connection, Endpoint, Listener, Transport, TransportConfig, TransportError,
 };
@@ -39,11 +39,7 @@ fn framed(stream: turmoil::net::TcpStream, max_frame_len: usize) -> Connection {
         .map(|addr| addr.to_string())
         .unwrap_or_default();
     let (read, write) = stream.into_split();
-    Connection {
-        sink: Box::pin(FrameWriter::new(write)),
-        stream: Box::pin(FrameReader::new(read, max_frame_len, None)),
-        peer,
-    }
+    framed_connection(read, write, peer, max_frame_len, None)
 }
 
 impl Transport for SimTransport {

@@ -499,9 +499,12 @@ fn into_connection(
     Ok(framed_connection(read, write, peer, max_frame_len, budget))
 }
 
-/// A [`Connection`] of length-prefixed frames over a byte stream's halves
-/// (tcp://, and tls:// inside TLS).
-pub(crate) fn framed_connection<R, W>(
+/// A [`Connection`] of length-prefixed frames over a byte stream's halves:
+/// what tcp:// runs over a socket (and tls:// inside TLS), for any other
+/// stream too (a Unix socket, a simulated network's stream in tests). Frames
+/// over `max_frame_len` are refused; `budget`, a server's, is where each
+/// received frame is reserved before it is buffered.
+pub fn framed_connection<R, W>(
     read: R,
     write: W,
     peer: String,
