@@ -202,9 +202,7 @@ impl Etcd {
             prefer.iter().map(|scheme| (*scheme).to_owned()).collect(),
             sender,
         ));
-        futures_util::stream::unfold(receiver, |mut receiver| async move {
-            receiver.recv().await.map(|change| (change, receiver))
-        })
+        unbounded_stream(receiver)
     }
 
     /// A [`BalancedChannel`] over `service`'s instances ([`Etcd::discover`]),
@@ -231,6 +229,23 @@ impl Etcd {
             .await?;
         Ok(())
     }
+}
+
+/// What a channel's sender sends, as a stream (a bidirectional call's
+/// outgoing messages; discovery's changes).
+fn bounded_stream<T: Send + 'static>(receiver: mpsc::Receiver<T>) -> impl Stream<Item = T> + Send {
+    futures_util::stream::unfold(receiver, |mut receiver| async move {
+        receiver.recv().await.map(|item| (item, receiver))
+    })
+}
+
+/// [`bounded_stream`] for an unbounded channel.
+fn unbounded_stream<T: Send + 'static>(
+    receiver: mpsc::UnboundedReceiver<T>,
+) -> impl Stream<Item = T> + Send {
+    futures_util::stream::unfold(receiver, |mut receiver| async move {
+        receiver.recv().await.map(|item| (item, receiver))
+    })
 }
 
 fn check_name(what: &'static str, name: &str) -> Result<(), EtcdError> {
@@ -301,9 +316,7 @@ async fn keep_alive(etcd: Etcd, lease: i64, ttl: Duration) {
     let period = ttl / 3;
     loop {
         let (requests, outgoing) = mpsc::channel::<LeaseKeepAliveRequest>(1);
-        let outgoing = futures_util::stream::unfold(outgoing, |mut outgoing| async move {
-            outgoing.recv().await.map(|request| (request, outgoing))
-        });
+        let outgoing = bounded_stream(outgoing);
         // The first keep-alive goes with the call: a gRPC server may send
         // its response headers only with its first answer, which waits for
         // a request.
@@ -404,9 +417,7 @@ async fn follow(
                 })),
             })
             .await;
-        let outgoing = futures_util::stream::unfold(outgoing, |mut outgoing| async move {
-            outgoing.recv().await.map(|request| (request, outgoing))
-        });
+        let outgoing = bounded_stream(outgoing);
         match WatchClient::new(etcd.channel.clone()).watch(outgoing).await {
             Ok(response) => {
                 let mut events = response.into_inner();
