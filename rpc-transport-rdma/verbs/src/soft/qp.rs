@@ -139,6 +139,17 @@ struct QpInner {
     held: Option<(Message, Instant)>,
 }
 
+impl QpInner {
+    /// The earliest timer set: an RNR resend, or the end of a held message.
+    fn timer_due(&self) -> Option<Instant> {
+        let held_until = self.held.as_ref().map(|(_, until)| *until);
+        match (self.rnr_resend_at, held_until) {
+            (Some(rnr), Some(held)) => Some(rnr.min(held)),
+            (rnr, held) => rnr.or(held),
+        }
+    }
+}
+
 pub(crate) struct QpShared {
     pub(crate) qp_num: u32,
     /// Presented by whoever attaches to this QP over the Unix socket: only
@@ -159,14 +170,12 @@ pub(crate) struct QpShared {
     generation: AtomicU64,
     /// The rings, once attached: a polling caller looks at them without a lock.
     polled_ring: OnceLock<Arc<RingPair>>,
-    /// An RNR resend is scheduled (mirrors `rnr_resend_at.is_some()` for the
-    /// lock-free look of a polling caller).
-    rnr_pending: AtomicBool,
+    /// A timer of this QP is set: an RNR resend, or a message the fault
+    /// injector holds (mirrors [`QpInner::timer_due`] for the lock-free look
+    /// of a polling caller; [`QpShared::note_timers`] keeps it).
+    timer_pending: AtomicBool,
     /// Responses a polling caller left unwritten (see `progress_polled`).
     responses_pending: AtomicBool,
-    /// A message is held ([`QpInner::held`]; mirrored for the lock-free
-    /// look of a polling caller).
-    held_pending: AtomicBool,
     /// The peer's completion-channel eventfds, once attached.
     peer_wakers: OnceLock<PeerWakers>,
     /// This QP's key at its engine (0 before the first attach): a caller
@@ -253,9 +262,8 @@ pub(crate) fn create(
         reader: Mutex::new(None),
         generation: AtomicU64::new(0),
         polled_ring: OnceLock::new(),
-        rnr_pending: AtomicBool::new(false),
+        timer_pending: AtomicBool::new(false),
         responses_pending: AtomicBool::new(false),
-        held_pending: AtomicBool::new(false),
         peer_wakers: OnceLock::new(),
         engine_key: AtomicU64::new(0),
         ack_deadline: AtomicU64::new(0),
@@ -729,9 +737,8 @@ impl QpShared {
         self.ack_deadline.store(0, AtomicOrdering::Relaxed);
         inner.state = QpState::Error;
         inner.rnr_resend_at = None;
-        self.rnr_pending.store(false, AtomicOrdering::Relaxed);
         inner.held = None;
-        self.held_pending.store(false, AtomicOrdering::Relaxed);
+        self.note_timers(inner);
         // Messages already queued (e.g. the NAK that explains this error)
         // still go out, best effort, before the wire closes.
         let unwritten = std::mem::take(&mut inner.unwritten);
@@ -802,7 +809,7 @@ impl QpShared {
                 None => caller_active = true,
             }
         }
-        let (rnr_due, backlogged) = {
+        let (timer_due, backlogged) = {
             let mut inner = self.lock();
             if inner
                 .backlog_since
@@ -827,12 +834,7 @@ impl QpShared {
                 // engine writes them, as far as the peer's ring has room.
                 self.flush_some(&mut inner);
             }
-            let held_until = inner.held.as_ref().map(|(_, until)| *until);
-            let due = match (inner.rnr_resend_at, held_until) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            (due, !inner.unwritten.is_empty())
+            (inner.timer_due(), !inner.unwritten.is_empty())
         };
         // The second look catches a caller that stopped (and set the flag
         // for us) between the first look and the clearing.
@@ -845,12 +847,12 @@ impl QpShared {
             // the peer's ring was full) are looked at again after a nap;
             // meanwhile the peer's requests wait in its ring.
             let nap = Instant::now() + super::ring::POLLED_ENGINE_NAP;
-            return Ok(Next::Wait(Some(rnr_due.map_or(nap, |at| at.min(nap)))));
+            return Ok(Next::Wait(Some(timer_due.map_or(nap, |at| at.min(nap)))));
         }
         // Say we sleep, look once more, then sleep: a producer that
         // publishes after our look sees the flag and rings the doorbell.
         if ring.may_sleep() {
-            Ok(Next::Wait(rnr_due))
+            Ok(Next::Wait(timer_due))
         } else {
             Err(())
         }
@@ -901,10 +903,7 @@ impl QpShared {
         if self.responses_pending.load(AtomicOrdering::Relaxed) {
             self.flush(&mut self.lock());
         }
-        if ring.has_data()
-            || self.rnr_pending.load(AtomicOrdering::Relaxed)
-            || self.held_pending.load(AtomicOrdering::Relaxed)
-        {
+        if ring.has_data() || self.timer_pending.load(AtomicOrdering::Relaxed) {
             self.progress_from(false);
         }
     }
@@ -916,10 +915,7 @@ impl QpShared {
         let Some(ring) = self.polled_ring.get() else {
             return;
         };
-        if ring.has_data()
-            || self.rnr_pending.load(AtomicOrdering::Relaxed)
-            || self.held_pending.load(AtomicOrdering::Relaxed)
-        {
+        if ring.has_data() || self.timer_pending.load(AtomicOrdering::Relaxed) {
             self.progress_from(false);
         }
         if self.responses_pending.load(AtomicOrdering::Relaxed) {
@@ -970,7 +966,7 @@ impl QpShared {
                             break;
                         }
                         let (message, _) = inner.held.take().expect("held");
-                        self.held_pending.store(false, AtomicOrdering::Relaxed);
+                        self.note_timers(&inner);
                         self.on_message(&mut inner, message);
                         if inner.state == QpState::Error {
                             return Some(false);
@@ -997,7 +993,7 @@ impl QpShared {
                     Ok(ReadOutcome::Message(message)) if self.faults.roll(FaultKind::Delay) => {
                         let until = Instant::now() + self.faults.delay();
                         inner.held = Some((message, until));
-                        self.held_pending.store(true, AtomicOrdering::Relaxed);
+                        self.note_timers(&inner);
                         // The engine keeps the timer (a caller that polls
                         // may sleep on its CQ before the hold ends).
                         let key = self.engine_key.load(AtomicOrdering::Acquire);
@@ -1037,7 +1033,7 @@ impl QpShared {
         let mut inner = self.lock();
         if inner.rnr_resend_at.is_some_and(|at| Instant::now() >= at) {
             inner.rnr_resend_at = None;
-            self.rnr_pending.store(false, AtomicOrdering::Relaxed);
+            self.note_timers(&inner);
             self.send_unsent(&mut inner);
         }
         Some(inner.state != QpState::Error)
@@ -1049,6 +1045,13 @@ impl QpShared {
             Message::Request(request) => self.on_request(inner, request),
             Message::Response(response) => self.on_response(inner, response),
         }
+    }
+
+    /// Mirrors whether a timer is set ([`QpShared::timer_pending`]); call
+    /// after setting or clearing one.
+    fn note_timers(&self, inner: &QpInner) {
+        self.timer_pending
+            .store(inner.timer_due().is_some(), AtomicOrdering::Relaxed);
     }
 
     // ------------------------------------------------------------ responder
@@ -1401,7 +1404,7 @@ impl QpShared {
                         inner.rnr_retries_left -= 1;
                     }
                     inner.rnr_resend_at = Some(Instant::now() + inner.options.rnr_timer);
-                    self.rnr_pending.store(true, AtomicOrdering::Relaxed);
+                    self.note_timers(inner);
                     // A polling caller read this NAK, most often, and may be
                     // asleep on its CQ when the timer is due: the engine
                     // keeps the timer (a turn now arms it). Without it the
