@@ -253,9 +253,10 @@ impl RingPair {
     /// `half`, each on its own cache line.
     fn control(&self, half: usize, slot: usize) -> *mut u8 {
         assert!(half < 2 && slot < 4, "no such ring control word");
-        // SAFETY: half * HALF + slot * 64 ≤ HALF + 192 < MAPPED (asserted
-        // just above), and slot * 64 + 8 ≤ CONTROL: the offset and the word
-        // there stay inside the mapping `base` starts.
+        // SAFETY: half * HALF + slot * 64 ≤ HALF + 192 < MAPPED (the bounds
+        // asserted just above), and slot * 64 + 8 ≤ CONTROL (the constant
+        // assertion beside CONTROL): the offset and the word there stay
+        // inside the mapping `base` starts, before the data bytes.
         unsafe { self.mapping.base.add(half * HALF + slot * 64) }
     }
 
