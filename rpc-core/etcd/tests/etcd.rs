@@ -29,9 +29,16 @@ impl Echo for Named {
     }
 }
 
-/// etcd, or why not.
+/// etcd, or why not: `RDMA_RPC_ETCD`'s, else one at 127.0.0.1:2379, else
+/// one this test binary starts where the `etcd` program is installed (the
+/// distribution's `etcd-server`), on ports of its own, stopped when the
+/// binary exits.
 async fn etcd() -> Result<Etcd, String> {
-    let address = std::env::var("RDMA_RPC_ETCD").unwrap_or_else(|_| "127.0.0.1:2379".into());
+    let address = match std::env::var("RDMA_RPC_ETCD") {
+        Ok(address) => address,
+        Err(_) if reachable("127.0.0.1:2379").await => "127.0.0.1:2379".to_owned(),
+        Err(_) => own_etcd()?,
+    };
     let etcd = Etcd::connect_lazy(&address).map_err(|error| error.to_string())?;
     match tokio::time::timeout(Duration::from_secs(5), etcd.clear("probe")).await {
         Ok(Ok(())) => Ok(etcd),
@@ -40,6 +47,64 @@ async fn etcd() -> Result<Etcd, String> {
     }
 }
 
+async fn reachable(address: &str) -> bool {
+    tokio::net::TcpStream::connect(address).await.is_ok()
+}
+
+/// An etcd of this process's own (once), or why there is none.
+fn own_etcd() -> Result<String, String> {
+    static OWN: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
+    OWN.get_or_init(|| {
+        let free = || -> Result<u16, String> {
+            Ok(std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|listener| listener.local_addr())
+                .map_err(|error| error.to_string())?
+                .port())
+        };
+        let (client, peer) = (free()?, free()?);
+        let data = std::env::temp_dir().join(format!("rpc-etcd-test-{}", std::process::id()));
+        // etcd under a watchdog that stops it, and removes its data, once
+        // this test process is gone (statics are never dropped).
+        let script = format!(
+            "etcd --data-dir {data} --listen-client-urls http://127.0.0.1:{client} \
+             --advertise-client-urls http://127.0.0.1:{client} \
+             --listen-peer-urls http://127.0.0.1:{peer} \
+             --initial-advertise-peer-urls http://127.0.0.1:{peer} \
+             --initial-cluster default=http://127.0.0.1:{peer} >/dev/null 2>&1 & etcd=$!; \
+             while kill -0 {parent} 2>/dev/null && kill -0 $etcd 2>/dev/null; do sleep 0.5; done; \
+             kill $etcd 2>/dev/null; wait $etcd; rm -rf {data}",
+            data = data.display(),
+            parent = std::process::id(),
+        );
+        if std::process::Command::new("etcd")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            return Err(
+                "no etcd at 127.0.0.1:2379 and no `etcd` program to start: install etcd-server"
+                    .into(),
+            );
+        }
+        std::process::Command::new("sh")
+            .args(["-c", &script])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|error| format!("starting etcd: {error}"))?;
+        let address = format!("127.0.0.1:{client}");
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(&address).is_ok() {
+                return Ok(address);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(format!(
+            "the etcd started at {address} did not listen within 10 s"
+        ))
+    })
+    .clone()
+}
 macro_rules! require_etcd {
     () => {
         match etcd().await {
