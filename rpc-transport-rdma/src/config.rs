@@ -116,7 +116,12 @@ pub struct RdmaConfig {
     /// [`crate::rendezvous_budget`]). Part of the device's identity: a
     /// different setting opens a device of its own.
     pub large_pool: LargePoolConfig,
-    /// QP reliability settings.
+    /// QP reliability settings. Their [`ConnectOptions::retry_budget`] (about
+    /// 0.54 s by default on InfiniBand and RoCE) is how long a cut link or a
+    /// dead peer is retried before a connection with sends in flight ends
+    /// and its calls fail `Unavailable`; a connection that is only waiting
+    /// learns of it from the channel's keepalive
+    /// (`rpc_core::ChannelBuilder::keepalive`).
     pub connect: ConnectOptions,
     /// The port a listener's rdma_cm listens on, beside its TCP set-up port,
     /// for peers whose device connects only through rdma_cm (iWARP): 0 (the
@@ -166,12 +171,18 @@ impl std::fmt::Debug for ConfigError {
 
 impl RdmaConfig {
     /// The defaults with `RDMA_PROVIDER`, `RDMA_DEVICE`, `RDMA_POLL`
-    /// (`event` | `busy` | `spin=<µs>`), `RDMA_EAGER_THRESHOLD` and
-    /// `RDMA_CM_PORT` applied.
+    /// (`event` | `busy` | `spin=<µs>`), `RDMA_EAGER_THRESHOLD`,
+    /// `RDMA_CM_PORT`, `RDMA_ACK_TIMEOUT_MS` and `RDMA_RETRY_COUNT` (the QPs'
+    /// ACK timeout and retries: [`ConnectOptions::retry_budget`]) applied.
     /// (`RDMA_GID_INDEX` is read by the ibverbs provider itself.)
     pub fn from_env() -> Result<RdmaConfig, ConfigError> {
+        RdmaConfig::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`RdmaConfig::from_env`] over any source of variables.
+    fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<RdmaConfig, ConfigError> {
         let mut config = RdmaConfig::default();
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let var = |name: &str| lookup(name).filter(|v| !v.is_empty());
         config.provider = var("RDMA_PROVIDER");
         config.device = var("RDMA_DEVICE");
         if let Some(poll) = var("RDMA_POLL") {
@@ -185,6 +196,24 @@ impl RdmaConfig {
             config.cm_port = port.parse().map_err(|_| {
                 ConfigError(format!("RDMA_CM_PORT={port:?}: expected a port number"))
             })?;
+        }
+        if let Some(millis) = var("RDMA_ACK_TIMEOUT_MS") {
+            let millis: f64 = millis
+                .parse()
+                .ok()
+                .filter(|m: &f64| *m >= 0.0 && m.is_finite())
+                .ok_or_else(|| {
+                    ConfigError(format!(
+                        "RDMA_ACK_TIMEOUT_MS={millis:?}: expected milliseconds"
+                    ))
+                })?;
+            config.connect.ack_timeout = Duration::from_secs_f64(millis / 1000.0);
+        }
+        if let Some(retries) = var("RDMA_RETRY_COUNT") {
+            config.connect.retry_count =
+                retries.parse().ok().filter(|r| *r <= 7).ok_or_else(|| {
+                    ConfigError(format!("RDMA_RETRY_COUNT={retries:?}: expected 0..=7"))
+                })?;
         }
         if let Some(threshold) = var("RDMA_EAGER_THRESHOLD") {
             config.eager_threshold = threshold.parse().map_err(|_| {
@@ -293,5 +322,35 @@ mod tests {
             ..RdmaConfig::default()
         };
         assert!(tiny.validate().is_err());
+    }
+
+    #[test]
+    fn the_retry_budget_comes_from_the_environment() {
+        let from = |pairs: &[(&str, &str)]| {
+            let pairs: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            RdmaConfig::from_vars(move |name| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.clone())
+            })
+        };
+        let config = from(&[("RDMA_ACK_TIMEOUT_MS", "100"), ("RDMA_RETRY_COUNT", "3")]).unwrap();
+        assert_eq!(config.connect.retry_count, 3);
+        assert_eq!(config.connect.ack_timeout, Duration::from_millis(100));
+        // 4.096 µs × 2^15 per try, four tries.
+        assert_eq!(
+            config.connect.retry_budget(),
+            Duration::from_nanos(4 * (4096 << 15))
+        );
+        let defaults = from(&[]).unwrap();
+        assert_eq!(defaults.connect, ConnectOptions::default());
+        let bad = from(&[("RDMA_RETRY_COUNT", "8")]).unwrap_err();
+        assert!(bad.0.contains("0..=7"), "{bad}");
+        let bad = from(&[("RDMA_ACK_TIMEOUT_MS", "soon")]).unwrap_err();
+        assert!(bad.0.contains("milliseconds"), "{bad}");
     }
 }

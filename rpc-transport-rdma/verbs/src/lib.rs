@@ -395,8 +395,40 @@ pub struct ConnectOptions {
     pub rnr_timer: Duration,
     /// Transport retries before RETRY_EXC_ERR, 0..=7.
     pub retry_count: u8,
+    /// How long a request waits for its acknowledgement before it is sent
+    /// again (the QP's local ACK timeout). The hardware takes it as an
+    /// exponent, 4.096 µs × 2^n: this is rounded up to the next such value
+    /// (see [`ConnectOptions::ack_timeout_exponent`]). With `retry_count` it
+    /// sets how long a silent peer or a cut link is retried before the QP
+    /// fails: [`ConnectOptions::retry_budget`]. iWARP leaves retransmission
+    /// to TCP and ignores both; the soft provider does not lose packets.
+    pub ack_timeout: Duration,
     /// Outstanding RDMA READs / atomics this QP may have at the peer.
     pub max_rd_atomic: u8,
+}
+
+impl ConnectOptions {
+    /// The local ACK timeout as the verbs take it: the smallest `n` in
+    /// 1..=31 with 4.096 µs × 2^n ≥ `ack_timeout` (31 for anything longer;
+    /// 0, "wait forever", is never chosen).
+    pub fn ack_timeout_exponent(&self) -> u8 {
+        let nanos = self.ack_timeout.as_nanos();
+        (1u8..=31).find(|&n| 4096u128 << n >= nanos).unwrap_or(31)
+    }
+
+    /// The ACK timeout the device is given: 4.096 µs × 2^exponent.
+    pub fn effective_ack_timeout(&self) -> Duration {
+        Duration::from_nanos(4096u64 << self.ack_timeout_exponent())
+    }
+
+    /// How long an RC QP (InfiniBand, RoCE) keeps resending to a peer that
+    /// does not acknowledge before its work requests fail with
+    /// RETRY_EXC_ERR and the connection ends: the first try and
+    /// `retry_count` retries, each waiting [`Self::effective_ack_timeout`].
+    /// Devices may wait somewhat longer (timer granularity).
+    pub fn retry_budget(&self) -> Duration {
+        self.effective_ack_timeout() * (u32::from(self.retry_count.min(7)) + 1)
+    }
 }
 
 impl Default for ConnectOptions {
@@ -405,6 +437,8 @@ impl Default for ConnectOptions {
             rnr_retry: 7,
             rnr_timer: Duration::from_micros(640),
             retry_count: 7,
+            // 4.096 µs × 2^14: retried for about 0.54 s in all.
+            ack_timeout: Duration::from_nanos(4096 << 14),
             max_rd_atomic: 16,
         }
     }
@@ -1803,6 +1837,40 @@ pub fn provider(name: &str) -> Result<Arc<dyn Provider>, VerbsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ack_timeout_rounds_up_to_the_exponent_the_verbs_take() {
+        let with = |ack_timeout| ConnectOptions {
+            ack_timeout,
+            ..ConnectOptions::default()
+        };
+        // The default is what the QPs were given before it was a setting.
+        assert_eq!(ConnectOptions::default().ack_timeout_exponent(), 14);
+        let budget = ConnectOptions::default().retry_budget();
+        assert!(budget > Duration::from_millis(530) && budget < Duration::from_millis(540));
+        assert_eq!(with(Duration::ZERO).ack_timeout_exponent(), 1);
+        assert_eq!(with(Duration::from_nanos(8192)).ack_timeout_exponent(), 1);
+        assert_eq!(with(Duration::from_nanos(8193)).ack_timeout_exponent(), 2);
+        // 4.096 µs × 2^18 ≈ 1.07 s: one second rounds up to it.
+        assert_eq!(with(Duration::from_secs(1)).ack_timeout_exponent(), 18);
+        assert_eq!(
+            with(Duration::from_secs(1_000_000)).ack_timeout_exponent(),
+            31
+        );
+        let options = ConnectOptions {
+            retry_count: 3,
+            ..with(Duration::from_millis(100))
+        };
+        // 4.096 µs × 2^15 ≈ 134 ms per try, four tries.
+        assert_eq!(
+            options.effective_ack_timeout(),
+            Duration::from_nanos(4096 << 15)
+        );
+        assert_eq!(
+            options.retry_budget(),
+            Duration::from_nanos(4 * (4096 << 15))
+        );
+    }
 
     /// A protection domain that registers more rights than asked (what an
     /// `unsafe impl` that broke its contract would do).

@@ -234,8 +234,15 @@ fn ibv_qp(qp: &Arc<dyn QueuePair>) -> Result<&IbvQp, VerbsError> {
     )
 }
 
-/// Moves `qp` to `state` with the attributes the cm id gives for it.
-fn apply(qp: &IbvQp, id: *mut sys::rdma_cm_id, state: QpState) -> Result<(), VerbsError> {
+/// Moves `qp` to `state` with the attributes the cm id gives for it; on the
+/// way to RTS, the ACK timeout is ours (`options`), not rdma_cm's (which
+/// derives it from the path's packet lifetime: about 1 s per try on RoCE).
+fn apply(
+    qp: &IbvQp,
+    id: *mut sys::rdma_cm_id,
+    state: QpState,
+    options: &ConnectOptions,
+) -> Result<(), VerbsError> {
     // SAFETY: zeroed POD.
     let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
     attr.qp_state = match state {
@@ -249,12 +256,12 @@ fn apply(qp: &IbvQp, id: *mut sys::rdma_cm_id, state: QpState) -> Result<(), Ver
     if rc != 0 {
         return Err(os_error("rdma_init_qp_attr"));
     }
-    qp.modify(
-        &mut attr,
-        mask as u32,
-        state,
-        "modify QP with rdma_cm attributes",
-    )
+    let mask = mask as u32;
+    // (rdma_cm sets a timeout for InfiniBand and RoCE only: iWARP's is TCP's.)
+    if state == QpState::Rts && mask & sys::ibv_qp_attr_mask::IBV_QP_TIMEOUT.0 != 0 {
+        attr.timeout = options.ack_timeout_exponent();
+    }
+    qp.modify(&mut attr, mask, state, "modify QP with rdma_cm attributes")
 }
 
 fn conn_param(
@@ -422,7 +429,7 @@ impl IbvConnectionManager {
             "resolving the route",
         )?;
         if ibv.state() == QpState::Reset {
-            apply(ibv, id.id, QpState::Init)?;
+            apply(ibv, id.id, QpState::Init, options)?;
         }
         let token = token.to_le_bytes();
         let mut param = conn_param(ibv, options, Some(&token));
@@ -442,8 +449,8 @@ impl IbvConnectionManager {
         match event.kind() {
             e::RDMA_CM_EVENT_CONNECT_RESPONSE => {
                 drop(event);
-                apply(ibv, id.id, QpState::Rtr)?;
-                apply(ibv, id.id, QpState::Rts)?;
+                apply(ibv, id.id, QpState::Rtr, options)?;
+                apply(ibv, id.id, QpState::Rts, options)?;
                 // SAFETY: live id after CONNECT_RESPONSE.
                 let rc = unsafe { sys::rdma_establish(id.id) };
                 if rc != 0 {
@@ -581,10 +588,10 @@ impl CmListener for IbvCmListener {
         let id = Id { id: raw, channel };
         check_device(&id, &self.device)?;
         if ibv.state() == QpState::Reset {
-            apply(ibv, id.id, QpState::Init)?;
+            apply(ibv, id.id, QpState::Init, options)?;
         }
         if !self.iwarp {
-            apply(ibv, id.id, QpState::Rtr)?;
+            apply(ibv, id.id, QpState::Rtr, options)?;
         }
         let mut param = conn_param(ibv, options, None);
         // SAFETY: live request id; `param` outlives the call.
@@ -600,7 +607,7 @@ impl CmListener for IbvCmListener {
         if self.iwarp {
             *lock(&ibv.state) = QpState::Rts;
         } else {
-            apply(ibv, id.id, QpState::Rts)?;
+            apply(ibv, id.id, QpState::Rts, options)?;
         }
         Ok(CmConnection(Box::new(id)))
     }

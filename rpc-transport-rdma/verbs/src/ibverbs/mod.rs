@@ -1398,7 +1398,7 @@ unsafe impl QueuePair for IbvQp {
         // SAFETY: zeroed POD.
         let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = sys::ibv_qp_state::IBV_QPS_RTS;
-        attr.timeout = 14;
+        attr.timeout = options.ack_timeout_exponent();
         attr.retry_cnt = options.retry_count.min(7);
         attr.rnr_retry = options.rnr_retry.min(7);
         attr.sq_psn = self.psn;
