@@ -14,6 +14,7 @@ fn main() -> std::io::Result<()> {
                 "../proto/echo.proto",
                 "../proto/kv.proto",
                 "../proto/streams.proto",
+                "../proto/cross_host.proto",
             ],
             &["../proto"],
         )

@@ -25,6 +25,12 @@ pub mod streams {
     rpc_core::include_proto!("streams.v1");
 }
 
+/// `proto/cross_host.proto`: the two-host suite's service.
+pub mod cross_host {
+    #![allow(missing_docs)]
+    rpc_core::include_proto!("crosshost.v1");
+}
+
 /// The encoded descriptors of the example protos, for server reflection.
 pub const DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"));
 

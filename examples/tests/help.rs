@@ -259,3 +259,114 @@ fn tls_example_calls_with_a_trusted_ca_and_refuses_a_stranger() {
     }
     assert!(stdout.ends_with("done\n"), "{stdout}");
 }
+
+/// A `cross_host serve` on rdma:// (the soft provider here), and where it
+/// listens.
+fn cross_host_server() -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut server = Command::new(example("cross_host"))
+        .args(["serve", "rdma://127.0.0.1:0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start cross_host serve");
+    let mut line = String::new();
+    std::io::BufReader::new(server.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .expect("the server's first line");
+    let endpoint = line
+        .trim()
+        .strip_prefix("cross_host server listening on ")
+        .unwrap_or_else(|| panic!("cross_host serve said {line:?}"))
+        .to_owned();
+    (server, endpoint)
+}
+
+/// The two-host suite's tool (the VM stage runs it between two guests),
+/// here between two processes: its checks pass against a live server, and
+/// its load runs tell a fault that was expected from one that was not.
+#[test]
+fn cross_host_checks_a_server_and_tells_expected_faults_from_violations() {
+    let help = run("cross_host", &["--help"]);
+    assert!(
+        help.status.success() && text(&help.stdout).contains("Usage: cross_host <COMMAND>"),
+        "{}",
+        text(&help.stdout)
+    );
+
+    let (mut server, endpoint) = cross_host_server();
+    let check = run(
+        "cross_host",
+        &[
+            "check",
+            &endpoint,
+            "--concurrent",
+            "500",
+            "--large-mib",
+            "4",
+        ],
+    );
+    let stdout = text(&check.stdout);
+    assert!(
+        check.status.success() && stdout.contains("test result: ok. 8 passed; 0 failed"),
+        "{stdout}\n{}",
+        text(&check.stderr)
+    );
+
+    let load = |expect: &str, fault: &str| {
+        let mut args = vec![
+            "load",
+            &endpoint,
+            "--label",
+            "test",
+            "--seconds",
+            "2",
+            "--fault-at",
+            "0.5",
+            "--large-kib",
+            "256",
+            "--expect",
+            expect,
+        ];
+        if !fault.is_empty() {
+            args.extend(["--fault", fault]);
+        }
+        let output = run("cross_host", &args);
+        (output.status.success(), text(&output.stdout))
+    };
+    let (ok, row) = load("complete", "");
+    assert!(
+        ok && row.contains("| none |") && row.ends_with("| 0 | ok |\n"),
+        "{row}"
+    );
+    // Killing the server where every call must complete is a violation...
+    let kill = format!("kill -9 {}", server.id());
+    let (ok, row) = load("complete", &kill);
+    assert!(!ok && row.contains("VIOLATED: calls failed"), "{row}");
+    let _ = server.wait();
+    // ... and where the server's death is the point, it is what must happen.
+    let (mut server, endpoint) = cross_host_server();
+    let kill = format!("kill -9 {}", server.id());
+    let output = run(
+        "cross_host",
+        &[
+            "load",
+            &endpoint,
+            "--label",
+            "killed",
+            "--seconds",
+            "2",
+            "--fault-at",
+            "0.5",
+            "--expect",
+            "dead",
+            "--fault",
+            &kill,
+        ],
+    );
+    let row = text(&output.stdout);
+    assert!(
+        output.status.success() && row.contains("Unavailable") && row.contains("| ok |"),
+        "{row}"
+    );
+    let _ = server.wait();
+}
