@@ -84,9 +84,10 @@ enum Cli {
         /// The retry budget the fault must be noticed within (plus 1 s), in milliseconds.
         #[arg(long, default_value_t = 1000)]
         budget_ms: u64,
-        /// Keepalive interval and timeout of the channel, in milliseconds each.
-        #[arg(long, default_value_t = 500)]
-        keepalive_ms: u64,
+        /// Keepalive interval and timeout of the channel, in milliseconds each
+        /// (default: the channel's, 30 s and 20 s).
+        #[arg(long)]
+        keepalive_ms: Option<u64>,
         /// Small (64 B) calls in flight.
         #[arg(long, default_value_t = 16)]
         small: usize,
@@ -145,7 +146,7 @@ fn main() -> Result<(), Error> {
                     fault_for: Duration::from_secs_f64(fault_for),
                     expect,
                     budget: Duration::from_millis(budget_ms),
-                    keepalive: Duration::from_millis(keepalive_ms),
+                    keepalive: keepalive_ms.map(Duration::from_millis),
                     small,
                     large,
                     large_len: large_kib << 10,
@@ -291,10 +292,15 @@ async fn serve(listen: &str) -> Result<(), Error> {
 
 // ------------------------------------------------------------------ check
 
-fn channel(endpoint: &str, keepalive: Duration) -> Result<Channel, Error> {
+/// A channel to `endpoint` with keepalive probes `keepalive` apart (and
+/// `keepalive` to answer), or the channel's default ones.
+fn channel(endpoint: &str, keepalive: Option<Duration>) -> Result<Channel, Error> {
     let endpoint: Endpoint = endpoint.parse()?;
-    Ok(Channel::builder(endpoint)
-        .keepalive(keepalive, keepalive)
+    let mut builder = Channel::builder(endpoint);
+    if let Some(keepalive) = keepalive {
+        builder = builder.keepalive(keepalive, keepalive);
+    }
+    Ok(builder
         // Back within half a second of a link's return, not the default 5 s.
         .backoff(Backoff {
             initial: Duration::from_millis(50),
@@ -304,13 +310,22 @@ fn channel(endpoint: &str, keepalive: Duration) -> Result<Channel, Error> {
         .connect_lazy())
 }
 
+/// The longest one check may take (TCG-emulated guests are slow, not this slow).
+const STEP_TIMEOUT: Duration = Duration::from_secs(180);
+
 /// One named check: passes or says why not.
 async fn step<F>(passed: &mut u32, failed: &mut u32, name: &str, check: F)
 where
     F: std::future::Future<Output = Result<String, Error>>,
 {
     let started = Instant::now();
-    match check.await {
+    // A stalled link fails the step instead of hanging the suite.
+    let bounded = async {
+        tokio::time::timeout(STEP_TIMEOUT, check)
+            .await
+            .unwrap_or_else(|_| Err(format!("not done within {STEP_TIMEOUT:?}").into()))
+    };
+    match bounded.await {
         Ok(detail) => {
             *passed += 1;
             println!("ok {name}: {detail} ({:.2?})", started.elapsed());
@@ -343,7 +358,7 @@ fn expect_blob(got: &Blob, seq: u64, len: usize) -> Result<(), Error> {
 }
 
 async fn check(endpoint: &str, concurrent: usize, large_len: usize) -> Result<(), Error> {
-    let client = CrossHostClient::new(channel(endpoint, Duration::from_secs(5))?);
+    let client = CrossHostClient::new(channel(endpoint, None)?);
     let (mut passed, mut failed) = (0, 0);
     let (p, f) = (&mut passed, &mut failed);
 
@@ -547,7 +562,7 @@ where
 /// but that connection: no other connection, no rendezvous buffer out or
 /// charged, nothing leaked.
 async fn server_accounting(endpoint: &str) -> Result<AccountingReply, Error> {
-    let client = CrossHostClient::new(channel(endpoint, Duration::from_secs(5))?);
+    let client = CrossHostClient::new(channel(endpoint, None)?);
     let only_this = |a: &AccountingReply| {
         a.connections == 1
             && a.rendezvous_buffers_out == 0
@@ -557,7 +572,11 @@ async fn server_accounting(endpoint: &str) -> Result<AccountingReply, Error> {
     let now = settle(
         || {
             let mut client = client.clone();
-            async move { Ok(client.accounting(AccountingRequest {}).await?.into_inner()) }
+            async move {
+                let mut request = Request::new(AccountingRequest {});
+                request.set_timeout(Duration::from_secs(10));
+                Ok(client.accounting(request).await?.into_inner())
+            }
         },
         only_this,
     )
@@ -580,7 +599,7 @@ struct LoadPlan {
     fault_for: Duration,
     expect: Expect,
     budget: Duration,
-    keepalive: Duration,
+    keepalive: Option<Duration>,
     small: usize,
     large: usize,
     large_len: usize,
@@ -604,27 +623,38 @@ struct Outcome {
     wrong: bool,
 }
 
-/// Runs `command` with `sh -c`, and says when (from `start`) and how it went.
+/// Runs `command` with `sh -c`, and says when it started (from `start`);
+/// a command that has not finished within 10 s is killed and fails.
 async fn run_command(command: &str, start: Instant) -> Result<Duration, Error> {
     let at = start.elapsed();
-    let shell = command.to_owned();
-    let status = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("sh")
-            .arg("-c")
-            .arg(shell)
-            .status()
-    })
-    .await??;
-    if !status.success() {
-        return Err(format!("`{command}` failed: {status}").into());
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .stdin(std::process::Stdio::null())
+        .spawn()?;
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            if !status.success() {
+                return Err(format!("`{command}` failed: {status}").into());
+            }
+            return Ok(at);
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("`{command}` did not finish within 10 s").into());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    Ok(at)
 }
 
 async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
     let client = CrossHostClient::new(channel(endpoint, plan.keepalive)?);
     // Connected before the clock starts.
-    client.clone().echo(blob(0, 64)).await?;
+    let mut first = Request::new(blob(0, 64));
+    first.set_timeout(Duration::from_secs(30));
+    client.clone().echo(first).await?;
     let start = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let (record, mut recorded) = tokio::sync::mpsc::unbounded_channel::<Outcome>();
@@ -944,6 +974,8 @@ impl Report {
     fn recovered(&self, expect: Expect) -> String {
         match (self.fault_at, self.recovered) {
             _ if expect == Expect::Dead => "- (gone)".to_owned(),
+            // The fault lasts the whole run: nothing is restored to recover from.
+            _ if expect == Expect::Complete => "-".to_owned(),
             (None, _) => "-".to_owned(),
             (Some(_), None) => "never".to_owned(),
             (Some(_), Some(after)) => format!("{:.2} s", after.as_secs_f64()),
@@ -1004,7 +1036,10 @@ impl Report {
                 ));
             }
         }
-        if plan.expect != Expect::Dead && !self.answered.contains_key(&Kind::Large) {
+        if plan.expect != Expect::Dead
+            && plan.large > 0
+            && !self.answered.contains_key(&Kind::Large)
+        {
             broken.push("no large echo completed".to_owned());
         }
         broken
