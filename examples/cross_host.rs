@@ -96,6 +96,9 @@ enum Cli {
         large: usize,
         #[arg(long, default_value_t = 1024)]
         large_kib: usize,
+        /// Seconds a call (or a stream round trip) may take before it counts as hung.
+        #[arg(long, default_value_t = 20)]
+        deadline_s: u64,
     },
 }
 
@@ -136,6 +139,7 @@ fn main() -> Result<(), Error> {
                 small,
                 large,
                 large_kib,
+                deadline_s,
             } => {
                 let plan = LoadPlan {
                     label,
@@ -150,6 +154,7 @@ fn main() -> Result<(), Error> {
                     small,
                     large,
                     large_len: large_kib << 10,
+                    deadline: Duration::from_secs(deadline_s),
                 };
                 load(&endpoint, plan).await
             }
@@ -618,6 +623,8 @@ struct LoadPlan {
     small: usize,
     large: usize,
     large_len: usize,
+    /// Past this a call counts as hung.
+    deadline: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -673,8 +680,7 @@ async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
     let start = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let (record, mut recorded) = tokio::sync::mpsc::unbounded_channel::<Outcome>();
-    // Past this a call counts as hung: no fault here lasts near it.
-    let call_deadline = Duration::from_secs(20);
+    let call_deadline = plan.deadline;
     let mut workers = tokio::task::JoinSet::new();
     let unary_worker = |kind: Kind, len: usize, worker: u64| {
         let (mut client, stop, record) = (client.clone(), stop.clone(), record.clone());
@@ -705,7 +711,7 @@ async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
     }
     {
         let (client, stop, record) = (client.clone(), stop.clone(), record.clone());
-        workers.spawn(stream_worker(client, stop, record, start));
+        workers.spawn(stream_worker(client, stop, record, start, call_deadline));
     }
     drop(record);
 
@@ -817,6 +823,7 @@ async fn stream_worker(
     stop: Arc<AtomicBool>,
     record: tokio::sync::mpsc::UnboundedSender<Outcome>,
     start: Instant,
+    deadline: Duration,
 ) {
     let mut seq = u64::MAX >> 1;
     while !stop.load(Ordering::Relaxed) {
@@ -842,12 +849,11 @@ async fn stream_worker(
                     .await?
                     .ok_or_else(|| Status::unavailable("the stream ended"))
             };
-            let (code, wrong) =
-                match tokio::time::timeout(Duration::from_secs(20), round_trip).await {
-                    Ok(Ok(got)) => (Code::Ok, expect_blob(&got, seq, 4096).is_err()),
-                    Ok(Err(status)) => (status.code(), false),
-                    Err(_) => (Code::DeadlineExceeded, false),
-                };
+            let (code, wrong) = match tokio::time::timeout(deadline, round_trip).await {
+                Ok(Ok(got)) => (Code::Ok, expect_blob(&got, seq, 4096).is_err()),
+                Ok(Err(status)) => (status.code(), false),
+                Err(_) => (Code::DeadlineExceeded, false),
+            };
             note_outcome(&record, Kind::Stream, began, start, code, wrong).await;
             if code != Code::Ok {
                 break;
@@ -1010,7 +1016,10 @@ impl Report {
             ));
         }
         if let Some(n) = self.errors.get("DeadlineExceeded") {
-            broken.push(format!("{n} calls hung until their 20 s deadline"));
+            broken.push(format!(
+                "{n} calls hung until their {:?} deadline",
+                plan.deadline
+            ));
         }
         let other: Vec<_> = self
             .errors
