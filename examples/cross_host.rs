@@ -679,7 +679,7 @@ async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
     client.clone().echo(first).await?;
     let start = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
-    let (record, mut recorded) = tokio::sync::mpsc::unbounded_channel::<Outcome>();
+    let (record, recorded) = tokio::sync::mpsc::unbounded_channel::<Outcome>();
     let call_deadline = plan.deadline;
     let mut workers = tokio::task::JoinSet::new();
     let unary_worker = |kind: Kind, len: usize, worker: u64| {
@@ -714,6 +714,7 @@ async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
         workers.spawn(stream_worker(client, stop, record, start, call_deadline));
     }
     drop(record);
+    let collector = tokio::spawn(collect_outcomes(recorded, start));
 
     let mut fault_error = None;
     let mut fault_at = None;
@@ -744,10 +745,8 @@ async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
         hung = workers.len();
         workers.abort_all();
     }
-    let mut outcomes = Vec::new();
-    while let Ok(outcome) = recorded.try_recv() {
-        outcomes.push(outcome);
-    }
+    drop(workers);
+    let outcomes = collector.await?;
     drop(client);
 
     let report = Report::of(&plan, &outcomes, ran, fault_at, restore_at, hung);
@@ -791,6 +790,37 @@ async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
         Ok(())
     } else {
         Err(violations.join("; ").into())
+    }
+}
+
+/// Gathers the workers' outcomes until they are all gone. When nothing at
+/// all completes for 3 s it prints what this side's connections hold then
+/// (once per such silence): a stalled pull shows as rendezvous buffers out.
+async fn collect_outcomes(
+    mut recorded: tokio::sync::mpsc::UnboundedReceiver<Outcome>,
+    start: Instant,
+) -> Vec<Outcome> {
+    let mut outcomes = Vec::new();
+    let mut silent_since = Instant::now();
+    let mut told = false;
+    loop {
+        match tokio::time::timeout(Duration::from_millis(500), recorded.recv()).await {
+            Ok(Some(outcome)) => {
+                outcomes.push(outcome);
+                silent_since = Instant::now();
+                told = false;
+            }
+            Ok(None) => return outcomes,
+            Err(_) if !told && silent_since.elapsed() >= Duration::from_secs(3) => {
+                told = true;
+                let holds = rdma_accounting().map_or_else(|e| e.to_string(), |a| format!("{a:?}"));
+                println!(
+                    "silent: nothing completed for 3 s at {:.1} s; this side holds {holds}",
+                    start.elapsed().as_secs_f64()
+                );
+            }
+            Err(_) => {}
+        }
     }
 }
 
