@@ -23,6 +23,8 @@ case "$command" in
   ready) if [ -f /tmp/ready ]; then echo ready; else echo waiting; fi ;;
   tc) if /usr/bin/tc $rest > /tmp/tc.out 2>&1; then echo ok; else echo "tc $rest: $(cat /tmp/tc.out)"; fi ;;
   # The host dies at once: no FIN, no disconnect, no flush reaches the peer.
+  # rxe0's retry counters on this side (printed by the client after each row).
+  counters) cd /sys/class/infiniband/rxe0/ports/1/hw_counters && for f in completer_retry_err duplicate_request retry_exceeded_err rcvd_seq_err out_of_seq_request; do printf '%s %s, ' "$f" "$(cat $f)"; done; echo ;;
   # (Its output away from the connection, which must close for the asker.)
   die) echo ok; (sleep 0.2; echo o > /proc/sysrq-trigger) < /dev/null > /dev/null 2>&1 & ;;
   *) echo "unknown command: $command" ;;
@@ -87,7 +89,10 @@ row() {
   rc=$(cat /tmp/rc)
   table="$table
 $(grep -a '^FAULT' "/tmp/row-$dev")"
-  [ "$dev" = rxe0 ] && echo "rxe0 counters: $(cd /sys/class/infiniband/rxe0/ports/1/hw_counters && for f in completer_retry_err duplicate_request retry_exceeded_err rcvd_seq_err out_of_seq_request; do printf '%s %s, ' "$f" "$(cat $f)"; done)"
+  if [ "$dev" = rxe0 ]; then
+    echo "rxe0 counters, client: $(cd /sys/class/infiniband/rxe0/ports/1/hw_counters && for f in completer_retry_err duplicate_request retry_exceeded_err rcvd_seq_err out_of_seq_request; do printf '%s %s, ' "$f" "$(cat $f)"; done)"
+    echo "rxe0 counters, server: $(echo counters | nc 10.0.9.1 7000)"
+  fi
   if [ "$rc" -eq 0 ]; then
     note "RESULT $dev faults, $label: 1 passed, 0 failed, 0 skipped"
   elif [ -n "$deviation" ]; then
