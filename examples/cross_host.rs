@@ -261,10 +261,15 @@ impl CrossHost for CrossHostService {
     }
 }
 
+/// This process's rdma:// accounting.
+fn device_accounting() -> Result<rpc_transport_rdma::device::Accounting, Error> {
+    let config = rpc_transport_rdma::RdmaConfig::from_env()?;
+    Ok(rpc_transport_rdma::device::open(&config)?.accounting())
+}
+
 /// This process's rdma:// accounting, as the proto carries it.
 fn rdma_accounting() -> Result<AccountingReply, Error> {
-    let config = rpc_transport_rdma::RdmaConfig::from_env()?;
-    let a = rpc_transport_rdma::device::open(&config)?.accounting();
+    let a = device_accounting()?;
     Ok(AccountingReply {
         connections: a.connections as u64,
         committed_receive_slots: a.committed_receive_slots as u64,
@@ -539,13 +544,10 @@ fn tokio_stream_from<T: Send + 'static>(
 }
 
 /// Asks `measure` until `settled` holds, for up to 10 s; the last answer.
-async fn settle<F, Fut>(
-    measure: F,
-    settled: impl Fn(&AccountingReply) -> bool,
-) -> Result<AccountingReply, Error>
+async fn settle<T, F, Fut>(measure: F, settled: impl Fn(&T) -> bool) -> Result<T, Error>
 where
     F: Fn() -> Fut,
-    Fut: std::future::Future<Output = Result<AccountingReply, Error>>,
+    Fut: std::future::Future<Output = Result<T, Error>>,
 {
     let until = Instant::now() + Duration::from_secs(10);
     loop {
@@ -557,21 +559,13 @@ where
     }
 }
 
-/// Waits (up to 10 s) until this process's connections hold nothing:
-/// nothing alive, committed, taken, charged or leaked, every send slot back
-/// but those the device never completed and the connection gave up for
-/// good when it was torn down (counted lost: never reused; siw completes a
-/// destroyed QP's flushes late, docs/providers.md). Returns how many those
-/// are.
-async fn client_settled() -> Result<u64, Error> {
-    let settled = |a: &AccountingReply| {
-        *a == AccountingReply {
-            send_slots_out: a.lost_send_slots,
-            lost_send_slots: a.lost_send_slots,
-            ..AccountingReply::default()
-        }
-    };
-    let now = settle(|| async { rdma_accounting() }, settled).await?;
+/// Waits (up to 10 s) until this process's connections hold nothing but
+/// send slots given up as lost
+/// ([`rpc_transport_rdma::device::Accounting::is_settled_but_lost_slots`]);
+/// returns how many those are.
+async fn client_settled() -> Result<usize, Error> {
+    let settled = |a: &rpc_transport_rdma::device::Accounting| a.is_settled_but_lost_slots();
+    let now = settle(|| async { device_accounting() }, settled).await?;
     if !settled(&now) {
         return Err(format!("this side still holds {now:?}").into());
     }

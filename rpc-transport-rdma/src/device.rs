@@ -101,6 +101,19 @@ impl Accounting {
     pub fn is_settled(&self) -> bool {
         *self == Accounting::default()
     }
+
+    /// Settled but for send slots given up as lost: SENDs a torn-down QP's
+    /// device never completed where the connection could poll them (siw
+    /// flushes a destroyed QP late, docs/providers.md). Those stay out for
+    /// good and are never reused; everything else is back.
+    pub fn is_settled_but_lost_slots(&self) -> bool {
+        *self
+            == Accounting {
+                send_slots_out: self.lost_send_slots,
+                lost_send_slots: self.lost_send_slots,
+                ..Accounting::default()
+            }
+    }
 }
 
 impl Device {
@@ -268,6 +281,47 @@ pub fn open(config: &RdmaConfig) -> Result<Arc<Device>, VerbsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_lost_send_slots_may_stay_out_of_a_settled_but_lost_account() {
+        let lost = Accounting {
+            send_slots_out: 3,
+            lost_send_slots: 3,
+            ..Accounting::default()
+        };
+        assert!(lost.is_settled_but_lost_slots() && !lost.is_settled());
+        assert!(Accounting::default().is_settled_but_lost_slots());
+        // A slot out that is not counted lost is still held.
+        let held = Accounting {
+            send_slots_out: 4,
+            ..lost
+        };
+        assert!(!held.is_settled_but_lost_slots());
+        for other in [
+            Accounting {
+                connections: 1,
+                ..lost
+            },
+            Accounting {
+                rendezvous_buffers_out: 1,
+                ..lost
+            },
+            Accounting {
+                rendezvous_bytes_charged: 1,
+                ..lost
+            },
+            Accounting {
+                committed_receive_slots: 1,
+                ..lost
+            },
+            Accounting {
+                leaked_buffers: 1,
+                ..lost
+            },
+        ] {
+            assert!(!other.is_settled_but_lost_slots(), "{other:?}");
+        }
+    }
 
     fn with(provider: Option<&str>, device: Option<&str>) -> RdmaConfig {
         RdmaConfig {
