@@ -198,16 +198,16 @@ impl RdmaConfig {
             })?;
         }
         if let Some(millis) = var("RDMA_ACK_TIMEOUT_MS") {
-            let millis: f64 = millis
-                .parse()
+            // (A value too large for a Duration is refused, not a panic.)
+            config.connect.ack_timeout = millis
+                .parse::<f64>()
                 .ok()
-                .filter(|m: &f64| *m >= 0.0 && m.is_finite())
+                .and_then(|m| Duration::try_from_secs_f64(m / 1000.0).ok())
                 .ok_or_else(|| {
                     ConfigError(format!(
                         "RDMA_ACK_TIMEOUT_MS={millis:?}: expected milliseconds"
                     ))
                 })?;
-            config.connect.ack_timeout = Duration::from_secs_f64(millis / 1000.0);
         }
         if let Some(retries) = var("RDMA_RETRY_COUNT") {
             config.connect.retry_count =
@@ -350,7 +350,9 @@ mod tests {
         assert_eq!(defaults.connect, ConnectOptions::default());
         let bad = from(&[("RDMA_RETRY_COUNT", "8")]).unwrap_err();
         assert!(bad.0.contains("0..=7"), "{bad}");
-        let bad = from(&[("RDMA_ACK_TIMEOUT_MS", "soon")]).unwrap_err();
-        assert!(bad.0.contains("milliseconds"), "{bad}");
+        for bad in ["soon", "-1", "NaN", "inf", "1e308"] {
+            let refused = from(&[("RDMA_ACK_TIMEOUT_MS", bad)]).unwrap_err();
+            assert!(refused.0.contains("milliseconds"), "{bad}: {refused}");
+        }
     }
 }
