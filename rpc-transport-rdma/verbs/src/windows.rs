@@ -142,15 +142,18 @@ pub(crate) fn count_window_bound() {
     WINDOWS_BOUND.fetch_add(1, Ordering::Relaxed);
 }
 
-/// `RDMA_MEMORY_WINDOWS=off` makes every READ window a registration of its
-/// own even where the device has memory windows (for comparisons, and as a
-/// way around a device whose windows misbehave); providers ask this when
-/// they allocate a protection domain.
-pub(crate) fn memory_windows_wanted() -> bool {
-    !matches!(
-        std::env::var("RDMA_MEMORY_WINDOWS").as_deref(),
-        Ok("off" | "0" | "false" | "no")
-    )
+/// Whether a protection domain binds type-2 windows for READ windows, on a
+/// device that has them: `RDMA_MEMORY_WINDOWS=off` makes every READ window
+/// a registration of its own (for comparisons, and as a way around a device
+/// whose windows misbehave), `=on` binds windows even where the provider
+/// would not by default (`device_default`: rxe's is off, see the ibverbs
+/// provider); providers ask this when they allocate a protection domain.
+pub(crate) fn memory_windows_wanted(device_default: bool) -> bool {
+    match std::env::var("RDMA_MEMORY_WINDOWS").as_deref() {
+        Ok("off" | "0" | "false" | "no") => false,
+        Ok("on" | "1" | "true" | "yes") => true,
+        _ => device_default,
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -321,7 +321,7 @@ unsafe impl Context for IbvContext {
             max_cqe: attr.max_cqe.max(0) as u32,
             max_qp_wr: attr.max_qp_wr.max(0) as u32,
             max_srq_wr: attr.max_srq_wr.max(0) as u32,
-            memory_windows: memory_windows(attr),
+            memory_windows: binds_windows(attr),
         }
     }
 
@@ -331,13 +331,12 @@ unsafe impl Context for IbvContext {
         if pd.is_null() {
             return Err(os_error("ibv_alloc_pd"));
         }
-        let windows =
-            (memory_windows(&self.device_attr) && windows::memory_windows_wanted()).then(|| {
-                WindowCache::new(
-                    windows::MAX_CACHED_BYTES,
-                    !window_reads_confined(&self.device_attr),
-                )
-            });
+        let windows = binds_windows(&self.device_attr).then(|| {
+            WindowCache::new(
+                windows::MAX_CACHED_BYTES,
+                !window_reads_confined(&self.device_attr),
+            )
+        });
         Ok(Arc::new(IbvPd {
             windows,
             raw: Arc::new(RawPd {
@@ -447,6 +446,28 @@ fn memory_windows(attr: &sys::ibv_device_attr) -> bool {
 
 /// The vendor id of Soft-RoCE (`RXE_VENDOR_ID` in the kernel's rxe driver).
 const RXE_VENDOR_ID: u32 = 0xff_ffff;
+
+/// Whether this device's protection domains bind type-2 windows for READ
+/// windows ([`super::DeviceCaps::memory_windows`]): where the device has
+/// them, as `RDMA_MEMORY_WINDOWS` says ([`windows::memory_windows_wanted`]),
+/// by default everywhere but on rxe.
+///
+/// rxe (kernel 6.1) breaks a queue pair that retransmits while a bind sits
+/// in its send queue behind an unacknowledged request: `req_retry()` in
+/// `rxe_req.c` rewinds the requester to the oldest unacknowledged request
+/// and `rxe_requester()` executes the local operations after it again; the
+/// second bind of a type-2 window fails (`rxe_bind_mw()`: the window's key
+/// changed the first time, -EINVAL) and puts the requester in ERROR with no
+/// completion and no further retransmission. The QP stays RTS and falls
+/// silent: requests posted after it never go out. Traced across two hosts
+/// under netem loss and delay (`scripts/rdma-vm/pair-guest.sh`): every
+/// stall came with a `rxe_bind_mw` returning -EINVAL from `rxe_requester`
+/// (a kretprobe), none without; siw has no windows and never stalled. So on
+/// rxe every READ window is a registration of exactly its bytes, unless
+/// `RDMA_MEMORY_WINDOWS=on` (the conformance suite's window checks).
+fn binds_windows(attr: &sys::ibv_device_attr) -> bool {
+    memory_windows(attr) && windows::memory_windows_wanted(attr.vendor_id != RXE_VENDOR_ID)
+}
 
 /// False for a device known to check a READ through a memory window only
 /// against the registration under the window, not against the window's own

@@ -548,7 +548,7 @@ unsafe impl Context for SoftContext {
             max_cqe: 1 << 20,
             max_qp_wr: 1 << 14,
             max_srq_wr: 1 << 20,
-            memory_windows: super::windows::memory_windows_wanted(),
+            memory_windows: super::windows::memory_windows_wanted(true),
         }
     }
 
@@ -557,7 +557,7 @@ unsafe impl Context for SoftContext {
         Ok(Arc::new(SoftPd {
             context: self.shared.clone(),
             id,
-            windows: super::windows::memory_windows_wanted()
+            windows: super::windows::memory_windows_wanted(true)
                 .then(|| super::WindowCache::new(super::windows::MAX_CACHED_BYTES, false)),
         }))
     }
