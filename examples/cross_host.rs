@@ -572,6 +572,14 @@ async fn client_settled() -> Result<usize, Error> {
     Ok(now.lost_send_slots)
 }
 
+/// The server's accounting now, asked once over a new connection (5 s).
+async fn server_accounting_now(endpoint: &str) -> Result<AccountingReply, Error> {
+    let mut client = CrossHostClient::new(channel(endpoint, None)?);
+    let mut request = Request::new(AccountingRequest {});
+    request.set_timeout(Duration::from_secs(5));
+    Ok(client.accounting(request).await?.into_inner())
+}
+
 /// The server's accounting over a fresh connection, once it shows nothing
 /// but that connection: no other connection, no rendezvous buffer out or
 /// charged, nothing leaked.
@@ -708,7 +716,7 @@ async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
         workers.spawn(stream_worker(client, stop, record, start, call_deadline));
     }
     drop(record);
-    let collector = tokio::spawn(collect_outcomes(recorded, start));
+    let collector = tokio::spawn(collect_outcomes(recorded, start, endpoint.to_owned()));
 
     let mut fault_error = None;
     let mut fault_at = None;
@@ -788,11 +796,14 @@ async fn load(endpoint: &str, plan: LoadPlan) -> Result<(), Error> {
 }
 
 /// Gathers the workers' outcomes until they are all gone. When nothing at
-/// all completes for 3 s it prints what this side's connections hold then
-/// (once per such silence): a stalled pull shows as rendezvous buffers out.
+/// all completes for 3 s it prints what this side's connections hold then,
+/// and what the server holds, asked over a connection of its own (once per
+/// such silence): a stalled pull shows as rendezvous buffers out, a send
+/// the device never completed as a send slot out.
 async fn collect_outcomes(
     mut recorded: tokio::sync::mpsc::UnboundedReceiver<Outcome>,
     start: Instant,
+    endpoint: String,
 ) -> Vec<Outcome> {
     let mut outcomes = Vec::new();
     let mut silent_since = Instant::now();
@@ -807,11 +818,13 @@ async fn collect_outcomes(
             Ok(None) => return outcomes,
             Err(_) if !told && silent_since.elapsed() >= Duration::from_secs(3) => {
                 told = true;
+                let at = start.elapsed().as_secs_f64();
                 let holds = rdma_accounting().map_or_else(|e| e.to_string(), |a| format!("{a:?}"));
-                println!(
-                    "silent: nothing completed for 3 s at {:.1} s; this side holds {holds}",
-                    start.elapsed().as_secs_f64()
-                );
+                println!("silent: nothing completed for 3 s at {at:.1} s; this side holds {holds}");
+                let server = server_accounting_now(&endpoint)
+                    .await
+                    .map_or_else(|e| e.to_string(), |a| format!("{a:?}"));
+                println!("silent: the server holds {server} (with the asking connection)");
             }
             Err(_) => {}
         }
