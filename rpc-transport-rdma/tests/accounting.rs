@@ -315,10 +315,11 @@ async fn send_buffer_fields_go_out_without_a_copy(channel: &Channel) {
 /// whose payloads are built in `SendBuffer`s (recycled memory, as encoded
 /// large messages are) and echoed back (the response lies in the server's
 /// pooled destination). Where the device binds type-2 memory windows
-/// (rxe, soft), every frame's READ window is a window bound over a cached
-/// registration and revoked at its DONE, and after warm-up nothing is
-/// registered at all (on ibverbs: no `ibv_reg_mr`). Where it does not
-/// (siw), each frame gets its own exact registration, and revoking them
+/// (soft; rxe with `RDMA_MEMORY_WINDOWS=on`), every frame's READ window is
+/// a window bound over a cached registration and revoked at its DONE, and
+/// after warm-up nothing is registered at all (on ibverbs: no `ibv_reg_mr`). Where it does not
+/// (siw, and rxe by default: its binds break a retransmitting QP), each
+/// frame gets its own exact registration, and revoking them
 /// leaves live registrations where they were.
 async fn large_calls_register_nothing_after_warm_up_where_windows_bind(channel: &Channel) {
     let config = accounting_config();
@@ -382,7 +383,7 @@ async fn large_calls_register_nothing_after_warm_up_where_windows_bind(channel: 
         );
     } else {
         println!(
-            "skipped: memory-window binds: {} has no type-2 memory windows; checked its exact registration per frame instead",
+            "skipped: memory-window binds: {} binds no type-2 memory windows (none, or rxe by default); checked its exact registration per frame instead",
             device.name
         );
         assert_eq!(bound, 0, "no windows bound");
