@@ -149,9 +149,18 @@ pub(crate) fn count_window_bound() {
 /// would not by default (`device_default`: rxe's is off, see the ibverbs
 /// provider); providers ask this when they allocate a protection domain.
 pub(crate) fn memory_windows_wanted(device_default: bool) -> bool {
-    match std::env::var("RDMA_MEMORY_WINDOWS").as_deref() {
-        Ok("off" | "0" | "false" | "no") => false,
-        Ok("on" | "1" | "true" | "yes") => true,
+    windows_setting(
+        std::env::var("RDMA_MEMORY_WINDOWS").ok().as_deref(),
+        device_default,
+    )
+}
+
+/// What a value of `RDMA_MEMORY_WINDOWS` (if set) says, on a device whose
+/// default is `device_default`.
+fn windows_setting(value: Option<&str>, device_default: bool) -> bool {
+    match value {
+        Some("off" | "0" | "false" | "no") => false,
+        Some("on" | "1" | "true" | "yes") => true,
         _ => device_default,
     }
 }
@@ -956,6 +965,27 @@ mod tests {
         let mut buffer = recycle::take(len);
         buffer.resize(len, fill);
         recycle::into_bytes(buffer)
+    }
+
+    /// `RDMA_MEMORY_WINDOWS`: `off` wins over a device that binds by
+    /// default, `on` over one that does not (rxe), anything else leaves the
+    /// device's default.
+    #[test]
+    fn the_windows_setting_overrides_the_device_default_both_ways() {
+        for default in [true, false] {
+            assert_eq!(windows_setting(None, default), default, "unset");
+            assert_eq!(
+                windows_setting(Some("maybe"), default),
+                default,
+                "unknown value"
+            );
+            for off in ["off", "0", "false", "no"] {
+                assert!(!windows_setting(Some(off), default), "{off}");
+            }
+            for on in ["on", "1", "true", "yes"] {
+                assert!(windows_setting(Some(on), default), "{on}");
+            }
+        }
     }
 
     #[test]

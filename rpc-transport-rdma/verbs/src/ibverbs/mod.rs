@@ -459,12 +459,13 @@ const RXE_VENDOR_ID: u32 = 0xff_ffff;
 /// second bind of a type-2 window fails (`rxe_bind_mw()`: the window's key
 /// changed the first time, -EINVAL) and puts the requester in ERROR with no
 /// completion and no further retransmission. The QP stays RTS and falls
-/// silent: requests posted after it never go out. Traced across two hosts
-/// under netem loss and delay (`scripts/rdma-vm/pair-guest.sh`): every
-/// stall came with a `rxe_bind_mw` returning -EINVAL from `rxe_requester`
-/// (a kretprobe), none without; siw has no windows and never stalled. So on
-/// rxe every READ window is a registration of exactly its bytes, unless
-/// `RDMA_MEMORY_WINDOWS=on` (the conformance suite's window checks).
+/// silent: requests posted after it never go out. Found across two hosts
+/// under netem loss and delay (`scripts/rdma-vm/pair-guest.sh`): the stall
+/// traced came with one `rxe_bind_mw` returning -EINVAL to `rxe_requester`
+/// (a kretprobe); without binds no row stalled, and siw, which has no
+/// windows, never did. So on rxe every READ window is a registration of
+/// exactly its bytes, unless `RDMA_MEMORY_WINDOWS=on` (the conformance
+/// suite's window checks).
 fn binds_windows(attr: &sys::ibv_device_attr) -> bool {
     memory_windows(attr) && windows::memory_windows_wanted(attr.vendor_id != RXE_VENDOR_ID)
 }
