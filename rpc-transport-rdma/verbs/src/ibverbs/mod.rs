@@ -467,7 +467,12 @@ const RXE_VENDOR_ID: u32 = 0xff_ffff;
 /// exactly its bytes, unless `RDMA_MEMORY_WINDOWS=on` (the conformance
 /// suite's window checks).
 fn binds_windows(attr: &sys::ibv_device_attr) -> bool {
-    memory_windows(attr) && windows::memory_windows_wanted(attr.vendor_id != RXE_VENDOR_ID)
+    memory_windows(attr) && windows::memory_windows_wanted(binds_windows_by_default(attr))
+}
+
+/// Everywhere but on rxe (see [`binds_windows`]).
+fn binds_windows_by_default(attr: &sys::ibv_device_attr) -> bool {
+    attr.vendor_id != RXE_VENDOR_ID
 }
 
 /// False for a device known to check a READ through a memory window only
@@ -1592,6 +1597,23 @@ unsafe impl QueuePair for IbvQp {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// rxe (vendor id 0xffffff) binds no windows unless asked: its binds
+    /// break a retransmitting QP. Other devices with windows bind them.
+    #[test]
+    fn rxe_binds_no_windows_by_default_and_others_do() {
+        // SAFETY: ibv_device_attr is plain data (integers and arrays).
+        let mut attr: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
+        attr.device_cap_flags = sys::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0;
+        attr.max_mw = 1024;
+        assert!(memory_windows(&attr));
+        attr.vendor_id = RXE_VENDOR_ID;
+        assert!(!binds_windows_by_default(&attr), "rxe");
+        attr.vendor_id = 0x02c9;
+        assert!(binds_windows_by_default(&attr), "a Mellanox NIC");
+        attr.max_mw = 0;
+        assert!(!memory_windows(&attr), "no windows to bind (siw: max_mw 0)");
+    }
 
     #[test]
     fn rnr_timer_codes_round_up_to_the_iba_table() {
