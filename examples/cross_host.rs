@@ -572,12 +572,20 @@ async fn client_settled() -> Result<usize, Error> {
     Ok(now.lost_send_slots)
 }
 
+/// The server's accounting, asked once through `client` within `timeout`.
+async fn ask_accounting(
+    mut client: CrossHostClient<Channel>,
+    timeout: Duration,
+) -> Result<AccountingReply, Error> {
+    let mut request = Request::new(AccountingRequest {});
+    request.set_timeout(timeout);
+    Ok(client.accounting(request).await?.into_inner())
+}
+
 /// The server's accounting now, asked once over a new connection (5 s).
 async fn server_accounting_now(endpoint: &str) -> Result<AccountingReply, Error> {
-    let mut client = CrossHostClient::new(channel(endpoint, None)?);
-    let mut request = Request::new(AccountingRequest {});
-    request.set_timeout(Duration::from_secs(5));
-    Ok(client.accounting(request).await?.into_inner())
+    let client = CrossHostClient::new(channel(endpoint, None)?);
+    ask_accounting(client, Duration::from_secs(5)).await
 }
 
 /// The server's accounting over a fresh connection, once it shows nothing
@@ -592,14 +600,7 @@ async fn server_accounting(endpoint: &str) -> Result<AccountingReply, Error> {
             && a.leaked_buffers == 0
     };
     let now = settle(
-        || {
-            let mut client = client.clone();
-            async move {
-                let mut request = Request::new(AccountingRequest {});
-                request.set_timeout(Duration::from_secs(10));
-                Ok(client.accounting(request).await?.into_inner())
-            }
-        },
+        || ask_accounting(client.clone(), Duration::from_secs(10)),
         only_this,
     )
     .await?;

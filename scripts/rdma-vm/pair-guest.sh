@@ -22,19 +22,19 @@ read -r command rest
 case "$command" in
   ready) if [ -f /tmp/ready ]; then echo ready; else echo waiting; fi ;;
   tc) if /usr/bin/tc $rest > /tmp/tc.out 2>&1; then echo ok; else echo "tc $rest: $(cat /tmp/tc.out)"; fi ;;
-  # The host dies at once: no FIN, no disconnect, no flush reaches the peer.
   # rxe0's retry counters on this side (printed by the client after each row).
-  counters) cd /sys/class/infiniband/rxe0/ports/1/hw_counters && for f in completer_retry_err duplicate_request retry_exceeded_err rcvd_seq_err out_of_seq_request; do printf '%s %s, ' "$f" "$(cat $f)"; done; echo ;;
+  counters) /tmp/retries ;;
   # rxe0's QPs (state, the PSN its requester sends next, the PSN its
   # responder expects next) and every counter that is not 0.
   qps) /tmp/qps ;;
+  # The host dies at once: no FIN, no disconnect, no flush reaches the peer.
   # (Its output away from the connection, which must close for the asker.)
   die) echo ok; (sleep 0.2; echo o > /proc/sysrq-trigger) < /dev/null > /dev/null 2>&1 & ;;
   *) echo "unknown command: $command" ;;
 esac
 EOF
   chmod +x /tmp/control.sh
-  qps_script
+  rxe_scripts
   nc -ll -p 7000 -e /tmp/control.sh &
   for dev in rxe0 siw0; do
     case "$dev" in rxe0) addr=10.0.2.1 ;; siw0) addr=10.0.3.1 ;; esac
@@ -52,10 +52,19 @@ EOF
   while true; do sleep 60; done
 }
 
-# /tmp/qps: rxe0's queue pairs and its counters that are not 0, on one line
-# each: what a connection that fell silent was waiting for (sq-psn is the
-# next PSN its requester sends, rq-psn the next its responder expects).
-qps_script() {
+# Two views of rxe0, used on both guests. /tmp/retries: its retry counters,
+# on one line. /tmp/qps: its queue pairs and its counters that are not 0,
+# on one line each: what a connection that fell silent was waiting for
+# (sq-psn is the next PSN its requester sends, rq-psn the next its
+# responder expects).
+rxe_scripts() {
+  cat > /tmp/retries <<'EOF'
+#!/bin/sh
+cd /sys/class/infiniband/rxe0/ports/1/hw_counters && for f in completer_retry_err duplicate_request retry_exceeded_err rcvd_seq_err out_of_seq_request; do
+  printf '%s %s, ' "$f" "$(cat $f)"
+done
+echo
+EOF
   cat > /tmp/qps <<'EOF'
 #!/bin/sh
 /usr/bin/rdma res show qp link rxe0/1 2>&1 | grep -v 'type GSI' | tr -s ' '
@@ -64,7 +73,7 @@ cd /sys/class/infiniband/rxe0/ports/1/hw_counters && for f in *; do
 done
 echo
 EOF
-  chmod +x /tmp/qps
+  chmod +x /tmp/retries /tmp/qps
 }
 
 ctl_script() {
@@ -112,7 +121,7 @@ row() {
   table="$table
 $(grep -a '^FAULT' "/tmp/row-$dev")"
   if [ "$dev" = rxe0 ]; then
-    echo "rxe0 counters, client: $(cd /sys/class/infiniband/rxe0/ports/1/hw_counters && for f in completer_retry_err duplicate_request retry_exceeded_err rcvd_seq_err out_of_seq_request; do printf '%s %s, ' "$f" "$(cat $f)"; done)"
+    echo "rxe0 counters, client: $(/tmp/retries)"
     echo "rxe0 counters, server: $(echo counters | nc 10.0.9.1 7000)"
   fi
   if [ "$rc" -eq 0 ]; then
@@ -140,7 +149,7 @@ unnetem() { echo "/usr/bin/tc qdisc del dev $netdev root; /tmp/ctl tc qdisc del 
 
 check() {
   ctl_script
-  qps_script
+  rxe_scripts
   echo "== waiting for the server guest"
   for _ in $(seq 360); do
     [ "$(echo ready | nc 10.0.9.1 7000 2>/dev/null)" = ready ] && break

@@ -604,9 +604,12 @@ pub struct DeviceCaps {
     pub max_qp_wr: u32,
     /// Deepest shared receive queue.
     pub max_srq_wr: u32,
-    /// Type-2 memory windows can be bound over registered memory
-    /// ([`ProtectionDomain::bind_window`]): a READ window per large frame
-    /// costs a posted work request instead of a registration.
+    /// This device's protection domains bind type-2 memory windows over
+    /// registered memory ([`ProtectionDomain::bind_window`]): a READ window
+    /// per large frame costs a posted work request instead of a
+    /// registration. False where the device has none, with
+    /// `RDMA_MEMORY_WINDOWS=off`, and on rxe unless `RDMA_MEMORY_WINDOWS=on`
+    /// (its binds break a retransmitting QP: docs/providers.md).
     pub memory_windows: bool,
 }
 
