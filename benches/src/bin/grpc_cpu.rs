@@ -26,6 +26,10 @@ enum Workload {
     Bidi,
     /// 64 B unary calls, `--in-flight` at a time.
     Unary,
+    /// 64 B unary calls one at a time from the runtime's `block_on` (as a
+    /// `#[tokio::main]` body calls; `compare`'s latency rows), with their
+    /// p50 and p99.
+    Latency,
 }
 
 /// CPU per message or call of the grpc:// and tonic servers (tonic's client).
@@ -78,10 +82,19 @@ fn main() {
         for contender in [Contender::RpcGrpc, Contender::Tonic] {
             let (server, addr) = contenders::spawn_server(contender.key(), contender.poll_mode());
             let measured = contenders::runtime().block_on(measure(&cli, &addr, &server));
-            let (count, elapsed, server_cpu, client_cpu) = measured;
+            let (count, elapsed, server_cpu, client_cpu, latency) = measured;
             let per = |cpu: Duration| cpu.as_nanos() as f64 / count as f64;
+            let latency = latency
+                .map(|h| {
+                    format!(
+                        "   p50 {:>6.1} µs   p99 {:>6.1} µs",
+                        h.value_at_quantile(0.5) as f64 / 1e3,
+                        h.value_at_quantile(0.99) as f64 / 1e3
+                    )
+                })
+                .unwrap_or_default();
             println!(
-                "round {round} {:<32} {:>10.0} /s   server {:>8.1} ns   client {:>8.1} ns",
+                "round {round} {:<32} {:>10.0} /s   server {:>8.1} ns   client {:>8.1} ns{latency}",
                 contender.label(),
                 count as f64 / elapsed.as_secs_f64(),
                 per(server_cpu),
@@ -91,18 +104,40 @@ fn main() {
     }
 }
 
-/// One workload against the server at `addr`: (messages or calls, time,
-/// server CPU, client CPU), after a warm-up of a tenth of it.
-async fn measure(
-    cli: &Cli,
-    addr: &str,
-    server: &contenders::ServerProcess,
-) -> (u64, Duration, Duration, Duration) {
+/// What one workload measured: (messages or calls, time, server CPU, client
+/// CPU, each call's latency where the workload times calls).
+type Measured = (
+    u64,
+    Duration,
+    Duration,
+    Duration,
+    Option<hdrhistogram::Histogram<u64>>,
+);
+
+/// One workload against the server at `addr`, after a warm-up of a tenth
+/// of it.
+async fn measure(cli: &Cli, addr: &str, server: &contenders::ServerProcess) -> Measured {
     let client = Client::connect(Contender::Tonic, addr).await;
+    let latencies =
+        std::cell::RefCell::new(hdrhistogram::Histogram::<u64>::new(3).expect("a histogram"));
     let run = |count: u64| {
         let client = client.clone();
+        let latencies = &latencies;
         async move {
             match cli.workload {
+                Workload::Latency => {
+                    let mut client = client;
+                    let payload = bytes::Bytes::from_static(&[7u8; 64]);
+                    let mut latencies = latencies.borrow_mut();
+                    latencies.reset();
+                    for _ in 0..count {
+                        let started = Instant::now();
+                        client.say(&payload).await;
+                        latencies
+                            .record(started.elapsed().as_nanos() as u64)
+                            .expect("a latency in range");
+                    }
+                }
                 Workload::Flood | Workload::Bidi => {
                     let mut streams: StreamClient = client.streams().expect("tonic streams");
                     let got = if cli.workload == Workload::Flood {
@@ -129,6 +164,7 @@ async fn measure(
         elapsed,
         server_after.cpu - server_before.cpu,
         client_after.cpu - client_before.cpu,
+        (cli.workload == Workload::Latency).then(|| latencies.into_inner()),
     )
 }
 

@@ -36,7 +36,7 @@ use rpc_core::metadata::Metadata;
 use rpc_core::server::front_end::{CallEnd, Calls, FrontEndConnection, FrontEndListener};
 use rpc_core::stream::{MessageSink, MessageTarget, ServerStream, Streaming};
 use rpc_core::transport::{ConnectionBudget, Endpoint, TransportError};
-use rpc_core::wake_gate::WakeGate;
+use rpc_core::wake_gate::{RepollOnWake, WakeGate};
 use rpc_core::{Code, Payload, Request, Status};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -232,7 +232,9 @@ where
         queued: AtomicUsize::new(0),
     });
     match role {
-        Role::Serve(calls) => serve_calls(h2, calls, shared, &cork).await,
+        // h2 wakes a call's waker (the task's) while this task reads the
+        // call's body: polled again at once, not rescheduled.
+        Role::Serve(calls) => RepollOnWake::new(serve_calls(h2, calls, shared, &cork)).await,
         Role::Refuse(status) => refuse_calls(h2, &status, &shared.accept).await,
     }
     // What h2 wrote while corked, if the connection ended in a burst.
