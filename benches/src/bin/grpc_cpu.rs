@@ -128,15 +128,15 @@ async fn measure(cli: &Cli, addr: &str, server: &contenders::ServerProcess) -> M
                 Workload::Latency => {
                     let mut client = client;
                     let payload = bytes::Bytes::from_static(&[7u8; 64]);
-                    let mut latencies = latencies.borrow_mut();
-                    latencies.reset();
+                    let mut timed = hdrhistogram::Histogram::<u64>::new(3).expect("a histogram");
                     for _ in 0..count {
                         let started = Instant::now();
                         client.say(&payload).await;
-                        latencies
+                        timed
                             .record(started.elapsed().as_nanos() as u64)
                             .expect("a latency in range");
                     }
+                    *latencies.borrow_mut() = timed;
                 }
                 Workload::Flood | Workload::Bidi => {
                     let mut streams: StreamClient = client.streams().expect("tonic streams");
