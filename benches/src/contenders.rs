@@ -581,8 +581,23 @@ impl Drop for ServerProcess {
 /// Starts this binary again with `--serve <arg>` and `RDMA_POLL=<poll>`,
 /// and waits for its `LISTENING <address>` line.
 pub fn spawn_server(arg: &str, poll: &str) -> (ServerProcess, String) {
+    spawn_server_under(&[], arg, poll)
+}
+
+/// [`spawn_server`], run by `wrapper` (a program and its arguments, e.g.
+/// valgrind's; none: this binary itself).
+pub fn spawn_server_under(wrapper: &[&str], arg: &str, poll: &str) -> (ServerProcess, String) {
     use std::io::{BufRead, BufReader};
-    let mut child = std::process::Command::new(std::env::current_exe().expect("own path"))
+    let exe = std::env::current_exe().expect("own path");
+    let mut command = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut command = std::process::Command::new(program);
+            command.args(args).arg(exe);
+            command
+        }
+        None => std::process::Command::new(exe),
+    };
+    let mut child = command
         .args(["--serve", arg])
         .env("RDMA_POLL", poll)
         .env(

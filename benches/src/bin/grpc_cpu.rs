@@ -50,6 +50,12 @@ struct Cli {
     /// Multi-thread runtimes (2 workers) in both processes.
     #[arg(long)]
     multi_thread: bool,
+    /// Count the servers' instructions instead of timing them: each server
+    /// runs under valgrind's callgrind (slow: use counts in the tens of
+    /// thousands), collecting over the measured run only; prints
+    /// instructions per message or call.
+    #[arg(long)]
+    instructions: bool,
     /// The server process (internal).
     #[arg(long, hide = true)]
     serve: Option<String>,
@@ -80,8 +86,31 @@ fn main() {
     );
     for round in 1..=cli.rounds {
         for contender in [Contender::RpcGrpc, Contender::Tonic] {
-            let (server, addr) = contenders::spawn_server(contender.key(), contender.poll_mode());
+            let (server, addr) = if cli.instructions {
+                let out = format!(
+                    "--callgrind-out-file={}/callgrind.%p",
+                    results_dir().display()
+                );
+                let wrapper = ["valgrind", "--tool=callgrind", "--instr-atstart=no", &out];
+                contenders::spawn_server_under(&wrapper, contender.key(), contender.poll_mode())
+            } else {
+                contenders::spawn_server(contender.key(), contender.poll_mode())
+            };
             let measured = contenders::runtime().block_on(measure(&cli, &addr, &server));
+            if cli.instructions {
+                let instructions = server_instructions(&server);
+                println!(
+                    "round {round} {:<32} server {:>10.0} instructions per {}",
+                    contender.label(),
+                    instructions as f64 / measured.0 as f64,
+                    if cli.workload == Workload::Unary || cli.workload == Workload::Latency {
+                        "call"
+                    } else {
+                        "message"
+                    }
+                );
+                continue;
+            }
             let (count, elapsed, server_cpu, client_cpu, latency) = measured;
             let per = |cpu: Duration| cpu.as_nanos() as f64 / count as f64;
             let latency = latency
@@ -152,17 +181,32 @@ async fn measure(cli: &Cli, addr: &str, server: &contenders::ServerProcess) -> M
         }
     };
     run((cli.count / 10).max(1)).await;
-    let server_before = server.counters().expect("server counters");
+    if cli.instructions {
+        callgrind_control(&["--instr=on"], server);
+    }
+    // Under callgrind the server reads no counters (rustix's vDSO lookup
+    // faults under valgrind): its CPU time is not what is measured there.
+    let server_cpu = || {
+        if cli.instructions {
+            Duration::ZERO
+        } else {
+            server.counters().expect("server counters").cpu
+        }
+    };
+    let server_before = server_cpu();
     let client_before = ProcessCounters::now();
     let started = Instant::now();
     run(cli.count).await;
     let elapsed = started.elapsed();
-    let server_after = server.counters().expect("server counters");
+    if cli.instructions {
+        callgrind_control(&["--instr=off"], server);
+    }
+    let server_after = server_cpu();
     let client_after = ProcessCounters::now();
     (
         cli.count,
         elapsed,
-        server_after.cpu - server_before.cpu,
+        server_after - server_before,
         client_after.cpu - client_before.cpu,
         (cli.workload == Workload::Latency).then(|| latencies.into_inner()),
     )
@@ -183,4 +227,48 @@ async fn unary(client: &Client, count: u64, in_flight: u64) {
         });
     }
     workers.join_all().await;
+}
+
+/// Where the callgrind outputs go: `target/bench-results/`.
+fn results_dir() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
+    std::fs::create_dir_all(&dir).expect("target/bench-results");
+    dir
+}
+
+/// Runs `callgrind_control` with `args` against the server (under
+/// callgrind).
+fn callgrind_control(args: &[&str], server: &contenders::ServerProcess) {
+    let status = std::process::Command::new("callgrind_control")
+        .args(args)
+        .arg(server.id().to_string())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("callgrind_control (valgrind) installed");
+    assert!(status.success(), "callgrind_control {args:?}: {status}");
+}
+
+/// The instructions the server (under callgrind) executed while collection
+/// was on: its dump's `totals:` line.
+fn server_instructions(server: &contenders::ServerProcess) -> u64 {
+    callgrind_control(&["--dump"], server);
+    let prefix = format!("callgrind.{}", server.id());
+    let mut total = 0;
+    for entry in std::fs::read_dir(results_dir()).expect("target/bench-results") {
+        let path = entry.expect("an entry").path();
+        let name = path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .unwrap_or("");
+        if !name.starts_with(&prefix) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("a callgrind dump");
+        total += text
+            .lines()
+            .find_map(|line| line.strip_prefix("totals: "))
+            .and_then(|count| count.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    total
 }
