@@ -187,6 +187,10 @@ struct Shared {
     options: Arc<crate::GrpcOptions>,
     /// This server's `grpc-accept-encoding`.
     accept: HeaderValue,
+    /// What response headers say of it: nothing where the server takes
+    /// identity only (as tonic's server, and gRPC's spec allows), else
+    /// [`Shared::accept`]. A refusal always says it.
+    advertised: Option<HeaderValue>,
     /// Where assembled and inflated request messages reserve their bytes.
     budget: Option<tokio::sync::Mutex<ConnectionBudget>>,
     /// Bytes of answers not yet taken by HTTP/2 (see [`QUEUED_BYTES`]).
@@ -227,6 +231,8 @@ where
     let shared = Arc::new(Shared {
         max_message,
         accept: wire::accept_encoding_value(&settings.options.accept_compressed),
+        advertised: (!settings.options.accept_compressed.is_empty())
+            .then(|| wire::accept_encoding_value(&settings.options.accept_compressed)),
         options: settings.options.clone(),
         budget: budget.map(tokio::sync::Mutex::new),
         queued: AtomicUsize::new(0),
@@ -821,7 +827,7 @@ impl Writer {
             return Ok(());
         }
         let mut response = Response::new(());
-        grpc_headers(response.headers_mut(), &self.shared.accept);
+        grpc_headers(response.headers_mut(), self.shared.advertised.as_ref());
         self.coding.response = self.coding.choose(metadata);
         if let Some(encoding) = self.coding.response {
             response
@@ -1059,12 +1065,14 @@ fn h2_status(error: h2::Error) -> Status {
     }
 }
 
-fn grpc_headers(headers: &mut HeaderMap, accept: &HeaderValue) {
+fn grpc_headers(headers: &mut HeaderMap, accept: Option<&HeaderValue>) {
     headers.insert(
         http::header::CONTENT_TYPE,
         HeaderValue::from_static(wire::CONTENT_TYPE),
     );
-    headers.insert("grpc-accept-encoding", accept.clone());
+    if let Some(accept) = accept {
+        headers.insert("grpc-accept-encoding", accept.clone());
+    }
 }
 
 /// A response that is only headers, with the status in them.
@@ -1075,7 +1083,7 @@ fn trailers_only(
     accept: &HeaderValue,
 ) -> Response<()> {
     let mut response = Response::new(());
-    grpc_headers(response.headers_mut(), accept);
+    grpc_headers(response.headers_mut(), Some(accept));
     response
         .headers_mut()
         .extend(wire::trailers(code, message, metadata));

@@ -212,10 +212,15 @@ pub(crate) fn is_grpc_content_type(value: Option<&HeaderValue>) -> bool {
     let Some(value) = value.and_then(|value| value.to_str().ok()) else {
         return false;
     };
-    let value = value.to_ascii_lowercase();
-    value == CONTENT_TYPE
-        || value.starts_with("application/grpc+")
-        || value.starts_with("application/grpc;")
+    // Case-insensitive, without a lowercased copy per call.
+    let starts_with = |prefix: &str| {
+        value
+            .get(..prefix.len())
+            .is_some_and(|head| head.eq_ignore_ascii_case(prefix))
+    };
+    value.eq_ignore_ascii_case(CONTENT_TYPE)
+        || starts_with("application/grpc+")
+        || starts_with("application/grpc;")
 }
 
 /// The metadata in `headers`: every header that is not reserved and that
@@ -363,11 +368,23 @@ pub(crate) fn status_from_trailers(headers: &HeaderMap) -> Option<Status> {
     ))
 }
 
+/// `grpc-status`'s value for `code`, without formatting (and allocating)
+/// one per call.
+fn status_value(code: Code) -> HeaderValue {
+    const VALUES: [&str; 17] = [
+        "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
+    ];
+    match VALUES.get(code as usize) {
+        Some(value) => HeaderValue::from_static(value),
+        None => HeaderValue::from(code as i32),
+    }
+}
+
 /// The trailers that end a response with `status` (and `metadata`).
 pub(crate) fn trailers(code: Code, message: &str, metadata: &Metadata) -> HeaderMap {
     let mut headers = HeaderMap::new();
     metadata_into_headers(metadata, &mut headers);
-    headers.insert("grpc-status", HeaderValue::from(code as i32));
+    headers.insert("grpc-status", status_value(code));
     if !message.is_empty() {
         if let Ok(value) = HeaderValue::from_str(&encode_message(message)) {
             headers.insert("grpc-message", value);
@@ -852,7 +869,20 @@ mod tests {
         assert!(check("Application/GRPC;charset=utf-8"));
         assert!(!check("application/json"));
         assert!(!check("application/grpc-web"));
+        assert!(!check("APPLICATION/GRPC-WEB+proto"));
+        assert!(check("APPLICATION/GRPC+PROTO"));
+        assert!(!check("application/grp"));
+        assert!(!check(""));
         assert!(!is_grpc_content_type(None));
+    }
+
+    #[test]
+    fn every_status_code_is_its_number_in_grpc_status() {
+        for number in 0..=16 {
+            let code = Code::from(number);
+            assert_eq!(code as i32, number);
+            assert_eq!(status_value(code), HeaderValue::from(number));
+        }
     }
 
     #[test]

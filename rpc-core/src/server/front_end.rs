@@ -134,8 +134,13 @@ impl Calls {
         stream: ServerStream,
     ) -> impl Future<Output = CallEnd> + Send + 'static {
         let inner = self.inner.clone();
-        let method = request.method().unwrap_or_default().to_owned();
-        let log = CallLog::start(&method, 0, &inner.peer, 0, inner.config.access_log);
+        let log = CallLog::start(
+            request.method().unwrap_or_default(),
+            0,
+            &inner.peer,
+            0,
+            inner.config.access_log,
+        );
         let slot = ServerStreamSlot(TakeOnce::new(stream));
         let mut request = request.map(|()| Bytes::new());
         let extensions = request.extensions_mut();

@@ -223,6 +223,63 @@ async fn the_gzip_server_compresses_only_for_clients_that_accept_it() {
 
 /// Sends one `Unary` call with `headers` and one message (its compressed
 /// flag set when `compressed`) over a raw HTTP/2 connection; its response.
+/// What a server says of the encodings it takes (`grpc-accept-encoding`):
+/// the gzip server lists gzip on every answer; a default (identity-only)
+/// server says nothing on an answer, as tonic's does, and `identity` on the
+/// UNIMPLEMENTED it gives a compressed request.
+#[tokio::test]
+async fn servers_name_the_encodings_they_take_on_answers_only_where_they_take_more_than_identity() {
+    register();
+    let (gzip_addr, gzip_task) = server_on(GZIP).await;
+    let (plain_addr, plain_task) = server_on("grpc").await;
+    let ask = {
+        use prost::Message;
+        Ask {
+            body: vec![7u8; 16].into(),
+            ..Default::default()
+        }
+        .encode_to_vec()
+    };
+    let cases: [(&str, &[(&str, &str)], bool, &str, Option<&str>); 3] = [
+        (&gzip_addr, &[], false, "0", Some("gzip,identity")),
+        (&plain_addr, &[], false, "0", None),
+        (
+            &plain_addr,
+            &[("grpc-encoding", "gzip")],
+            true,
+            "12",
+            Some("identity"),
+        ),
+    ];
+    for (addr, headers, compressed, status, advertised) in cases {
+        let client = common::raw_http2_client(addr).await;
+        let response = send_message(&client, addr, headers, compressed, &ask).await;
+        let response = response.await.unwrap();
+        assert_eq!(
+            response
+                .headers()
+                .get("grpc-accept-encoding")
+                .map(|value| value.to_str().unwrap()),
+            advertised,
+            "{addr} {headers:?}"
+        );
+        let (head, mut body) = response.into_parts();
+        let code = match head.headers.get("grpc-status") {
+            // Trailers-only: the status came with the headers.
+            Some(code) => code.clone(),
+            None => {
+                while let Some(chunk) = body.data().await {
+                    let _ = body.flow_control().release_capacity(chunk.unwrap().len());
+                }
+                body.trailers().await.unwrap().unwrap()["grpc-status"].clone()
+            }
+        };
+        assert_eq!(code, status, "{addr} {headers:?}");
+    }
+    gzip_task.abort();
+    plain_task.abort();
+}
+
 async fn send_message(
     client: &h2::client::SendRequest<Bytes>,
     addr: &str,
