@@ -240,18 +240,46 @@ async fn servers_name_the_encodings_they_take_on_answers_only_where_they_take_mo
         }
         .encode_to_vec()
     };
-    let cases: [(&str, &[(&str, &str)], bool, &str, Option<&str>); 3] = [
-        (&gzip_addr, &[], false, "0", Some("gzip,identity")),
-        (&plain_addr, &[], false, "0", None),
-        (
-            &plain_addr,
-            &[("grpc-encoding", "gzip")],
-            true,
-            "12",
-            Some("identity"),
-        ),
+    /// A request to `addr` with `headers` (its message flagged compressed
+    /// or not), and what its answer says.
+    struct Case<'a> {
+        addr: &'a str,
+        headers: &'a [(&'a str, &'a str)],
+        compressed: bool,
+        status: &'a str,
+        advertised: Option<&'a str>,
+    }
+    let cases = [
+        Case {
+            addr: &gzip_addr,
+            headers: &[],
+            compressed: false,
+            status: "0",
+            advertised: Some("gzip,identity"),
+        },
+        Case {
+            addr: &plain_addr,
+            headers: &[],
+            compressed: false,
+            status: "0",
+            advertised: None,
+        },
+        Case {
+            addr: &plain_addr,
+            headers: &[("grpc-encoding", "gzip")],
+            compressed: true,
+            status: "12",
+            advertised: Some("identity"),
+        },
     ];
-    for (addr, headers, compressed, status, advertised) in cases {
+    for Case {
+        addr,
+        headers,
+        compressed,
+        status,
+        advertised,
+    } in cases
+    {
         let client = common::raw_http2_client(addr).await;
         let response = send_message(&client, addr, headers, compressed, &ask).await;
         let response = response.await.unwrap();
