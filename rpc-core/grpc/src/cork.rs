@@ -17,7 +17,13 @@
 //! 2-3 µs more per call (measured with `grpc_cpu`, 128 calls in flight:
 //! 52-57 k calls/s with 64 KiB, 4 KiB 59-61 k, 512 B to 2 KiB 63-67 k, no
 //! cork 62-66 k at 0.8 µs more server CPU per call; current-thread runtimes
-//! 85-88 k with 64 KiB, 100-102 k with 1 KiB).
+//! 85-88 k with 64 KiB, 100-102 k with 1 KiB). At 16 calls in flight even
+//! 1 KiB held too much (alternated `grpc_cpu` rounds, calls/s, limits 0 /
+//! 256 B / 512 B / 1 KiB: current-thread 87-88 k / 85-87 k / 75-83 k /
+//! 70-73 k; multi-thread 37 k / 38-39 k / 39 k / 35-37 k), while at 128 in
+//! flight 256 B was as good as 1 KiB (current-thread 84-95 k against
+//! 92-98 k, multi-thread 55-59 k against 56-60 k; no cork 51-52 k): about
+//! two small answers.
 
 use std::io::{self, IoSlice};
 use std::pin::Pin;
@@ -27,9 +33,9 @@ use std::task::{Context, Poll, ready};
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// Bytes kept while corked at most (about ten small answers): a write
+/// Bytes kept while corked at most (about two small answers): a write
 /// beyond it goes out (after what is kept) at once.
-pub(crate) const CORK_LIMIT: usize = 1 << 10;
+pub(crate) const CORK_LIMIT: usize = 256;
 
 /// The I/O and what was written to it while corked.
 struct CorkState<T> {
