@@ -48,8 +48,9 @@
 //!
 //! **Compression** (gzip) is off by default, as in tonic: a call compressed
 //! with an encoding this side does not accept gets `UNIMPLEMENTED`, and
-//! `grpc-accept-encoding` says `identity` there (an answer says nothing of
-//! it, as tonic's server, until the server takes more than identity).
+//! `grpc-accept-encoding` says `identity` there (the headers before an
+//! answer's messages say nothing of it, as tonic's server's, until the
+//! server takes more than identity).
 //! [`register_with`] turns it on:
 //! [`GrpcOptions::accept_compressed`] takes compressed messages from peers
 //! (requests on a server, responses on a client) and advertises it;

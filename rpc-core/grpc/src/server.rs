@@ -187,9 +187,10 @@ struct Shared {
     options: Arc<crate::GrpcOptions>,
     /// This server's `grpc-accept-encoding`.
     accept: HeaderValue,
-    /// What response headers say of it: nothing where the server takes
-    /// identity only (as tonic's server, and gRPC's spec allows), else
-    /// [`Shared::accept`]. A refusal always says it.
+    /// What the headers before an answer's messages say of it: nothing
+    /// where the server takes identity only (as tonic's server; gRPC's
+    /// spec allows it), else [`Shared::accept`]. A trailers-only answer (a
+    /// refusal, a status without messages) always says it.
     advertised: Option<HeaderValue>,
     /// Where assembled and inflated request messages reserve their bytes.
     budget: Option<tokio::sync::Mutex<ConnectionBudget>>,
@@ -228,11 +229,11 @@ where
         ),
         Role::Refuse(_) => (settings.max_message, None),
     };
+    let accept = wire::accept_encoding_value(&settings.options.accept_compressed);
     let shared = Arc::new(Shared {
         max_message,
-        accept: wire::accept_encoding_value(&settings.options.accept_compressed),
-        advertised: (!settings.options.accept_compressed.is_empty())
-            .then(|| wire::accept_encoding_value(&settings.options.accept_compressed)),
+        advertised: (!settings.options.accept_compressed.is_empty()).then(|| accept.clone()),
+        accept,
         options: settings.options.clone(),
         budget: budget.map(tokio::sync::Mutex::new),
         queued: AtomicUsize::new(0),
