@@ -606,4 +606,32 @@ mod tests {
         assert_eq!(woken.0.load(Ordering::Relaxed), 1);
         assert_eq!(future.as_mut().poll(&mut cx), Poll::Ready(2));
     }
+
+    #[test]
+    fn a_wake_from_another_thread_during_the_poll_is_taken_as_poll_again() {
+        /// Has another thread wake it during its first poll (joined before
+        /// the poll returns), then is ready.
+        struct WokenElsewhere(usize);
+        impl Future for WokenElsewhere {
+            type Output = usize;
+            fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<usize> {
+                self.0 += 1;
+                if self.0 > 1 {
+                    return Poll::Ready(self.0);
+                }
+                let waker = cx.waker().clone();
+                std::thread::spawn(move || waker.wake()).join().unwrap();
+                Poll::Pending
+            }
+        }
+        let (woken, task) = counting_waker();
+        let mut cx = Context::from_waker(&task);
+        let mut future = std::pin::pin!(RepollOnWake::new(WokenElsewhere(0)));
+        assert_eq!(future.as_mut().poll(&mut cx), Poll::Ready(2));
+        assert_eq!(
+            woken.0.load(Ordering::Relaxed),
+            0,
+            "polled again, not woken"
+        );
+    }
 }
