@@ -608,6 +608,8 @@ pub fn spawn_server_under(wrapper: &[&str], arg: &str, poll: &str) -> (ServerPro
                 "current"
             },
         )
+        // Its stdin is ours: when this process ends, so does the server.
+        .env(crate::stats::EXIT_WITH_STDIN, "1")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()

@@ -151,10 +151,16 @@ fn allocations() -> Option<u64> {
     (count > 0).then_some(count)
 }
 
+/// Set by the process that starts a server (and holds its stdin): when
+/// that stdin ends, the server exits. The starter ending any way at all (a
+/// signal included) ends its server, instead of leaving it running and
+/// serving the next run's measurements by mistake.
+pub const EXIT_WITH_STDIN: &str = "BENCH_EXIT_WITH_STDIN";
+
 /// Answers every [`COUNTERS_REQUEST`] line on stdin with this process's
 /// [`ProcessCounters`] on a line of stdout, from a thread of its own, until
 /// stdin ends (what a server process of the comparison runs beside its
-/// runtime).
+/// runtime); then, under [`EXIT_WITH_STDIN`], ends the process.
 pub fn answer_counter_requests() {
     std::thread::Builder::new()
         .name("counters".into())
@@ -167,6 +173,9 @@ pub fn answer_counter_requests() {
                     println!("{}", ProcessCounters::now().to_line());
                 }
                 line.clear();
+            }
+            if std::env::var_os(EXIT_WITH_STDIN).is_some() {
+                std::process::exit(0);
             }
         })
         .expect("counters thread");
