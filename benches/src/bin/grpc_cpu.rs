@@ -89,7 +89,7 @@ fn main() {
             let (server, addr) = if cli.instructions {
                 let out = format!(
                     "--callgrind-out-file={}/callgrind.%p",
-                    results_dir().display()
+                    callgrind_dir().display()
                 );
                 let wrapper = ["valgrind", "--tool=callgrind", "--instr-atstart=no", &out];
                 contenders::spawn_server_under(&wrapper, contender.key(), contender.poll_mode())
@@ -229,11 +229,19 @@ async fn unary(client: &Client, count: u64, in_flight: u64) {
     workers.join_all().await;
 }
 
-/// Where the callgrind outputs go: `target/bench-results/`.
-fn results_dir() -> std::path::PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
-    std::fs::create_dir_all(&dir).expect("target/bench-results");
-    dir
+/// Where this run's callgrind outputs go:
+/// `target/bench-results/callgrind-<this process's id>/`, emptied when
+/// this run first asks for it (so an earlier run's dumps never count).
+fn callgrind_dir() -> &'static std::path::Path {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/bench-results")
+            .join(format!("callgrind-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("target/bench-results/callgrind-<pid>");
+        dir
+    })
 }
 
 /// Runs `callgrind_control` with `args` against the server (under
@@ -249,18 +257,22 @@ fn callgrind_control(args: &[&str], server: &contenders::ServerProcess) {
 }
 
 /// The instructions the server (under callgrind) executed while collection
-/// was on: its dump's `totals:` line.
+/// was on: the `totals:` lines of its dumps (`callgrind.<pid>.<n>`).
 fn server_instructions(server: &contenders::ServerProcess) -> u64 {
     callgrind_control(&["--dump"], server);
-    let prefix = format!("callgrind.{}", server.id());
+    let output = format!("callgrind.{}", server.id());
     let mut total = 0;
-    for entry in std::fs::read_dir(results_dir()).expect("target/bench-results") {
+    for entry in std::fs::read_dir(callgrind_dir()).expect("the callgrind directory") {
         let path = entry.expect("an entry").path();
         let name = path
             .file_name()
             .and_then(|name| name.to_str())
             .unwrap_or("");
-        if !name.starts_with(&prefix) {
+        let ours = name == output
+            || name
+                .strip_prefix(&output)
+                .is_some_and(|rest| rest.starts_with('.'));
+        if !ours {
             continue;
         }
         let text = std::fs::read_to_string(&path).expect("a callgrind dump");
@@ -270,5 +282,12 @@ fn server_instructions(server: &contenders::ServerProcess) -> u64 {
             .and_then(|count| count.split_whitespace().next()?.parse::<u64>().ok())
             .unwrap_or(0);
     }
+    // callgrind_control exits 0 even when it found no such process.
+    assert!(
+        total > 0,
+        "no instructions in a callgrind dump of server {} in {}",
+        server.id(),
+        callgrind_dir().display()
+    );
     total
 }
