@@ -538,15 +538,19 @@ pub struct Streaming<T> {
 enum Inbound {
     /// A stream of rpc-core's own frames.
     Frames(RawInbound),
-    /// A front end's messages ([`Streaming::from_messages`]).
-    Messages(Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>>),
+    /// A front end's messages ([`Streaming::from_messages`],
+    /// [`Streaming::from_response`]), with the trailers of a response.
+    Messages(
+        Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>>,
+        Option<Arc<std::sync::OnceLock<Metadata>>>,
+    ),
 }
 
 impl Inbound {
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Status>>> {
         match self {
             Inbound::Frames(inbound) => inbound.poll_next(cx),
-            Inbound::Messages(messages) => messages.as_mut().poll_next(cx),
+            Inbound::Messages(messages, _) => messages.as_mut().poll_next(cx),
         }
     }
 }
@@ -571,7 +575,22 @@ impl Streaming<Bytes> {
         messages: impl Stream<Item = Result<Bytes, Status>> + Send + 'static,
     ) -> Streaming<Bytes> {
         Streaming {
-            inbound: Inbound::Messages(Box::pin(messages.fuse())),
+            inbound: Inbound::Messages(Box::pin(messages.fuse()), None),
+            decode: Box::new(Ok),
+        }
+    }
+
+    /// The response messages of a call a client front end made
+    /// ([`crate::client::front_end`]): as [`Streaming::from_messages`], and
+    /// [`Streaming::trailers`] gives what the front end puts in `trailers`
+    /// when the stream has ended well. Dropping it before its end should
+    /// cancel the call (the front end's stream sees to that).
+    pub fn from_response(
+        messages: impl Stream<Item = Result<Bytes, Status>> + Send + 'static,
+        trailers: Arc<std::sync::OnceLock<Metadata>>,
+    ) -> Streaming<Bytes> {
+        Streaming {
+            inbound: Inbound::Messages(Box::pin(messages.fuse()), Some(trailers)),
             decode: Box::new(Ok),
         }
     }
@@ -602,7 +621,51 @@ impl<T> Streaming<T> {
     pub fn trailers(&self) -> Option<Metadata> {
         match &self.inbound {
             Inbound::Frames(inbound) => inbound.trailers(),
-            Inbound::Messages(_) => None,
+            Inbound::Messages(_, trailers) => trailers.as_ref().and_then(|t| t.get().cloned()),
+        }
+    }
+
+    /// Ends the stream with `DeadlineExceeded` at `deadline` (a front end's
+    /// response stream; rpc-core's own carry their deadline already):
+    /// the front end's stream is dropped then, which cancels the call.
+    pub(crate) fn with_deadline(
+        mut self,
+        deadline: tokio::time::Instant,
+        budget: std::time::Duration,
+    ) -> Streaming<T> {
+        if let Inbound::Messages(messages, trailers) = self.inbound {
+            let mut messages = Some(messages);
+            let mut expiry = Box::pin(tokio::time::sleep_until(deadline));
+            let bounded = futures_util::stream::poll_fn(move |cx| {
+                let Some(inner) = messages.as_mut() else {
+                    return Poll::Ready(None);
+                };
+                if expiry.as_mut().poll(cx).is_ready() {
+                    messages = None;
+                    return Poll::Ready(Some(Err(Status::deadline_exceeded(format!(
+                        "deadline of {budget:?} exceeded"
+                    )))));
+                }
+                let next = inner.as_mut().poll_next(cx);
+                if matches!(next, Poll::Ready(None)) {
+                    messages = None;
+                }
+                next
+            });
+            self.inbound = Inbound::Messages(Box::pin(bounded), trailers);
+        }
+        self
+    }
+
+    /// The stream of raw messages `self` is (as rpc-core's and front ends'
+    /// streams are made), decoded with `decode` instead.
+    pub(crate) fn decoded_with<U>(
+        self,
+        decode: impl FnMut(Bytes) -> Result<U, Status> + Send + 'static,
+    ) -> Streaming<U> {
+        Streaming {
+            inbound: self.inbound,
+            decode: Box::new(decode),
         }
     }
 
@@ -695,6 +758,13 @@ pub trait MessageTarget: Send + 'static {
         Err(Status::internal(
             "this message target frames its messages itself",
         ))
+    }
+
+    /// No message follows (a client's half-close), called after the last
+    /// [`MessageTarget::poll_flush`] of a client front end's request stream
+    /// ([`OutgoingMessages::send_to`]). The default does nothing.
+    fn close(&mut self) -> Result<(), Status> {
+        Ok(())
     }
 }
 
@@ -1350,6 +1420,78 @@ impl Outbound {
     }
 }
 
+/// The request messages of a streaming call a [`crate::Channel`] hands to
+/// a client front end ([`crate::client::front_end`]): all of them at once
+/// when they were there as the call began, else a stream the front end
+/// sends through its [`MessageTarget`] as the peer's flow control allows.
+pub struct OutgoingMessages(pub(crate) Outbound);
+
+impl fmt::Debug for OutgoingMessages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.0 {
+            Outbound::One(_) => "one",
+            Outbound::Whole(_) => "whole",
+            Outbound::Many(_) => "stream",
+        };
+        f.debug_tuple("OutgoingMessages").field(&kind).finish()
+    }
+}
+
+impl OutgoingMessages {
+    /// The messages when every one of them was there as the call began
+    /// (see [`OutgoingMessages::into_ready`]), without taking them.
+    pub fn ready(&self) -> Option<&[Payload]> {
+        match &self.0 {
+            Outbound::One(message) => Some(std::slice::from_ref(message)),
+            Outbound::Whole(messages) => Some(messages),
+            Outbound::Many(_) => None,
+        }
+    }
+
+    /// The messages, when every one of them was there as the call began
+    /// (a server-streaming call's one request, or a short request stream
+    /// that had ended): they can go with the request's headers, and the
+    /// request ends after them. `Err(self)` for a stream still going.
+    pub fn into_ready(self) -> Result<Vec<Payload>, OutgoingMessages> {
+        match self.0 {
+            Outbound::One(message) => Ok(vec![message]),
+            Outbound::Whole(messages) => Ok(messages),
+            many @ Outbound::Many(_) => Err(OutgoingMessages(many)),
+        }
+    }
+
+    /// Sends every message to `target` in order, as it takes them (the ones
+    /// that are ready together framed at once where the target frames with
+    /// [`MessageTarget::framing`]), then flushes it and closes it
+    /// ([`MessageTarget::close`]). A message over `max_message` bytes, or an
+    /// error the application's stream yields, ends the sending with it.
+    pub async fn send_to(
+        self,
+        target: impl MessageTarget,
+        max_message: usize,
+    ) -> Result<(), Status> {
+        let mut sink = MessageSink::from_target(target, max_message);
+        let (mut sink, result) = match self.0 {
+            Outbound::One(message) => {
+                let result = sink.send(message).await;
+                (sink, result)
+            }
+            Outbound::Whole(messages) => {
+                let result = sink
+                    .send_all(futures_util::stream::iter(messages).map(Ok))
+                    .await;
+                (sink, result)
+            }
+            Outbound::Many(send) => send(sink).await,
+        };
+        result?;
+        match &mut sink.inner {
+            SinkInner::Target(target) => target.target.close(),
+            SinkInner::Frames(_) => unreachable!("a sink made from a target"),
+        }
+    }
+}
+
 /// The request extension that makes a call through a [`crate::Channel`] a
 /// streaming call: its messages.
 #[derive(Clone)]
@@ -1357,7 +1499,7 @@ pub(crate) struct OutboundMessages(pub(crate) TakeOnce<Outbound>);
 
 /// The response extension of a streaming call: the server's messages.
 #[derive(Clone)]
-pub(crate) struct InboundMessages(pub(crate) TakeOnce<RawInbound>);
+pub(crate) struct InboundMessages(pub(crate) TakeOnce<Streaming<Bytes>>);
 
 /// The request extension a server puts on a streaming call.
 #[derive(Clone)]
@@ -1384,7 +1526,7 @@ pub(crate) fn into_streaming_request(request: Request<Outbound>) -> Request<Payl
 /// streams.
 pub(crate) fn take_inbound<T>(
     mut response: crate::Response<T>,
-) -> Result<(Metadata, RawInbound), Status> {
+) -> Result<(Metadata, Streaming<Bytes>), Status> {
     let inbound = response
         .extensions_mut()
         .remove::<InboundMessages>()

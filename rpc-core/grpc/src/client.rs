@@ -1,44 +1,53 @@
-//! The connecting side: rdma-rpc calls out as standard gRPC over HTTP/2, to
-//! any gRPC server.
-//!
-//! One HTTP/2 connection is one rpc-core [`Connection`]; each call rpc-core
-//! opens is one HTTP/2 stream. The [`rpc_core::Channel`] above keeps doing
-//! what it does on every transport (deadlines, cancellation, reconnects):
-//! its deadline also goes to the server as `grpc-timeout`, and its cancel
-//! is an RST_STREAM(CANCEL).
+//! The connecting side: a client front end
+//! ([`rpc_core::client::front_end`]) that makes each call of a
+//! [`rpc_core::Channel`] one HTTP/2 stream to any gRPC server, straight
+//! from the call's own task, as tonic's client does: the request's metadata
+//! become its headers (its deadline `grpc-timeout`), its messages go into
+//! DATA frames under HTTP/2's flow control, and the response's messages are
+//! deframed from the received DATA as the application takes them. One task
+//! per connection drives HTTP/2 itself; no rpc-core frame is made. Dropping
+//! a call (or its response stream) before its end resets the stream
+//! (RST_STREAM CANCEL).
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
-use h2::SendStream;
+use futures_core::Stream;
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
 use h2::client::{ResponseFuture, SendRequest};
-use http::{HeaderValue, Request, StatusCode};
-use rpc_core::Payload;
-use rpc_core::frame::{Frame, FrameFlags, FrameKind};
+use h2::{RecvStream, SendStream};
+use http::{HeaderValue, StatusCode};
+use rpc_core::client::front_end::{
+    CallConnection, CallFailure, CallSettings, MessageTarget, OutgoingCall, OutgoingMessages,
+    StreamFailure,
+};
+use rpc_core::codec::PayloadBuf;
 use rpc_core::metadata::Metadata;
-use rpc_core::stream::SendWindow;
-use rpc_core::transport::{Connection, Endpoint, TransportError};
-use rpc_core::{Code, Status};
+use rpc_core::transport::{Endpoint, TransportError};
+use rpc_core::{Code, Payload, Response, Status, Streaming};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
-use tokio::task::JoinSet;
+use tokio::task::AbortHandle;
 
-use crate::link::{self, CallReceiver, CallSender, MessageBatch, StreamWindow, ToCore};
+use crate::H2Settings;
+use crate::data::FramedQueue;
 use crate::wire::{self, Deframer, Encoding};
-use crate::{H2Settings, data};
 
-/// Window given back to rpc-core once this much is owed: less than
-/// rpc-core's `GRANT_AT` outstanding never holds a sender back.
-const GRANT_BATCH: u64 = 64 << 10;
-const _: () = assert!(GRANT_BATCH < rpc_core::stream::GRANT_AT as u64);
+/// Bytes of a request stream's messages held before they are pushed into
+/// HTTP/2 and the sender waits for the server's window.
+const PENDING_BYTES: usize = 64 << 10;
 
 /// Opens an HTTP/2 connection to the gRPC server at `endpoint` (inside TLS
 /// when `settings` carry it).
 pub(crate) async fn connect(
     endpoint: &Endpoint,
     settings: H2Settings,
-) -> Result<Connection, TransportError> {
+    call_settings: &CallSettings,
+) -> Result<Arc<dyn CallConnection>, TransportError> {
     let port = endpoint
         .port()
         .ok_or_else(|| TransportError::InvalidEndpoint {
@@ -47,6 +56,16 @@ pub(crate) async fn connect(
         })?;
     let socket = TcpStream::connect((endpoint.host(), port)).await?;
     socket.set_nodelay(true)?;
+    if let Some(keepalive) = call_settings.keepalive {
+        // The kernel probes a silent connection: HTTP/2 PINGs would do it
+        // too, but gRPC servers limit how often a client may ping (grpc-go
+        // sends GOAWAY to one that pings more than every 5 minutes).
+        let probes = socket2::TcpKeepalive::new()
+            .with_time(keepalive.interval)
+            .with_interval(keepalive.timeout.max(Duration::from_secs(1)) / 4)
+            .with_retries(4);
+        socket2::SockRef::from(&socket).set_tcp_keepalive(&probes)?;
+    }
     #[cfg(feature = "tls")]
     if let Some(tls) = settings.tls.clone() {
         let stream = tls.client_handshake(socket, endpoint).await?;
@@ -60,7 +79,7 @@ async fn over<T>(
     io: T,
     endpoint: &Endpoint,
     settings: H2Settings,
-) -> Result<Connection, TransportError>
+) -> Result<Arc<dyn CallConnection>, TransportError>
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -69,461 +88,558 @@ where
         .handshake::<_, Bytes>(io)
         .await
         .map_err(|error| TransportError::Other(Box::new(error)))?;
-    let (core_connection, to_core, from_core, ended) = link::new_connection(endpoint.to_string());
-    let authority = endpoint.authority().to_owned();
-    tokio::spawn(async move {
-        drive(
+    let closed = Arc::new(AtomicBool::new(false));
+    let authority = http::uri::Authority::try_from(endpoint.authority()).map_err(|_| {
+        TransportError::InvalidEndpoint {
+            endpoint: endpoint.to_string(),
+            reason: "not a valid HTTP authority",
+        }
+    })?;
+    let peer = endpoint.to_string();
+    tokio::spawn({
+        let closed = closed.clone();
+        async move {
+            // Ends once the server closed it, or once every handle (the
+            // channel's connection and its calls' streams) is gone.
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, %peer, "grpc: HTTP/2 connection failed");
+            }
+            closed.store(true, Ordering::Release);
+        }
+    });
+    Ok(Arc::new(GrpcConnection {
+        inner: Arc::new(Inner {
             send_request,
-            connection,
-            to_core,
-            from_core,
+            closed,
             authority,
             settings,
-        )
-        .await;
-        ended.cancel();
-    });
-    Ok(core_connection)
+        }),
+    }))
 }
 
-/// What the gateway keeps of one call in flight.
-struct Call {
-    /// The server's messages towards rpc-core wait on this window.
-    window: Arc<StreamWindow>,
-    /// rpc-core's frames for the call, to its task.
-    out: CallSender<ClientOut>,
+/// One HTTP/2 connection of a channel.
+struct GrpcConnection {
+    inner: Arc<Inner>,
 }
 
-/// What rpc-core asks of a call after opening it.
-enum ClientOut {
-    /// Messages to send; `true` when they are the last.
-    Messages(Bytes, bool),
-    HalfClose,
-    Cancel,
-}
-
-async fn drive<T>(
+struct Inner {
     send_request: SendRequest<Bytes>,
-    connection: h2::client::Connection<T, Bytes>,
-    to_core: ToCore,
-    mut from_core: link::FromCore,
-    authority: String,
+    /// The connection ended, or refused a new stream (it is going away).
+    closed: Arc<AtomicBool>,
+    authority: http::uri::Authority,
     settings: H2Settings,
-) where
-    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    let mut connection = std::pin::pin!(connection);
-    let mut calls: HashMap<u64, Call> = HashMap::new();
-    let mut tasks = JoinSet::new();
-    let (finished_tx, mut finished) = mpsc::unbounded_channel::<u64>();
-    loop {
-        tokio::select! {
-            ended = &mut connection => {
-                if let Err(error) = ended {
-                    tracing::debug!(%error, %authority, "grpc: HTTP/2 connection failed");
-                }
-                break;
-            }
-            frame = from_core.recv() => {
-                let Some(frame) = frame else { break };
-                let frame = match link::decode(frame) {
-                    Ok(frame) => frame,
-                    Err(error) => {
-                        tracing::error!(%error, "grpc: rpc-core sent a frame it could not decode");
-                        break;
-                    }
-                };
-                let call_id = frame.call_id;
-                match frame.kind {
-                    FrameKind::Request => {
-                        let window = Arc::new(StreamWindow::default());
-                        let (out, out_rx) = link::call_queue();
-                        let call = run_call(
-                            send_request.clone(),
-                            frame,
-                            out_rx,
-                            to_core.clone(),
-                            window.clone(),
-                            authority.clone(),
-                            settings.clone(),
-                        );
-                        let finished_tx = finished_tx.clone();
-                        tasks.spawn(async move {
-                            call.await;
-                            let _ = finished_tx.send(call_id);
-                        });
-                        calls.insert(call_id, Call { window, out });
-                    }
-                    FrameKind::Message => {
-                        let last = frame.flags.contains(FrameFlags::END_STREAM);
-                        route(&calls, call_id, ClientOut::Messages(frame.payload.into_contiguous(), last));
-                    }
-                    FrameKind::Headers => route(&calls, call_id, ClientOut::HalfClose),
-                    FrameKind::Cancel => {
-                        if let Some(call) = calls.remove(&call_id) {
-                            call.out.send(ClientOut::Cancel);
-                        }
-                    }
-                    FrameKind::Window => {
-                        if let (Some(call), Some(grant)) = (calls.get(&call_id), frame.window_grant()) {
-                            call.window.grant(grant);
-                        }
-                    }
-                    FrameKind::Ping if !frame.flags.contains(FrameFlags::ACK) => {
-                        let pong = Frame::control(FrameKind::Ping, FrameFlags::ACK, call_id);
-                        if to_core.send(pong).await.is_err() {
-                            break;
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            Some(call_id) = finished.recv() => {
-                calls.remove(&call_id);
-            }
-        }
-    }
-    tasks.abort_all();
 }
 
-fn route(calls: &HashMap<u64, Call>, call_id: u64, out: ClientOut) {
-    if let Some(call) = calls.get(&call_id) {
-        call.out.send(out);
+impl CallConnection for GrpcConnection {
+    fn is_usable(&self) -> bool {
+        !self.inner.closed.load(Ordering::Acquire)
+    }
+
+    fn unary(
+        &self,
+        call: OutgoingCall<Payload>,
+    ) -> BoxFuture<'static, Result<Response<Bytes>, CallFailure>> {
+        unary(self.inner.clone(), call).boxed()
+    }
+
+    fn streaming(
+        &self,
+        call: OutgoingCall<OutgoingMessages>,
+    ) -> BoxFuture<'static, Result<Response<Streaming<Bytes>>, StreamFailure>> {
+        streaming(self.inner.clone(), call).boxed()
     }
 }
 
-/// One call: the HTTP/2 request, the client's messages, and the response
-/// back to rpc-core; ends silently when rpc-core cancels it.
-async fn run_call(
-    send_request: SendRequest<Bytes>,
-    opening: Frame,
-    mut out: CallReceiver<ClientOut>,
-    to_core: ToCore,
-    window: Arc<StreamWindow>,
-    authority: String,
-    settings: H2Settings,
-) {
-    let call_id = opening.call_id;
-    // This call's encoding: its own pick, else the channel's.
-    let encoding =
-        wire::requested_encoding(&opening.metadata).unwrap_or(settings.options.send_compressed);
-    let streaming = opening.is_streaming();
-    let ended_at_opening = streaming && opening.flags.contains(FrameFlags::END_STREAM);
-    // A whole stream (its messages in the opening frame) ends after them.
-    let whole = ended_at_opening && !opening.payload.is_empty();
-    let request = match build_request(&opening, &authority, encoding, &settings) {
-        Ok(request) => request,
-        Err(status) => {
-            let _ = to_core.send(status_frame(call_id, &status)).await;
-            return;
-        }
-    };
-    let opened = async {
-        let mut sender = send_request.ready().await?;
-        sender.send_request(request, ended_at_opening && !whole)
-    };
-    // rpc-core's frames for the call wait in `out` meanwhile; a cancel among
-    // them resets the stream as soon as it is open.
-    let (response, mut body) = match opened.await {
-        Ok(opened) => opened,
-        Err(error) => {
-            let _ = to_core
-                .send(status_frame(call_id, &error_status(&error)))
-                .await;
-            return;
-        }
-    };
-    let first = if !streaming {
-        Some(vec![opening.payload.into_contiguous()])
-    } else if whole {
-        Some(link::split_messages(opening.payload.into_contiguous()))
-    } else {
-        None
-    };
-    let write = write_requests(&mut body, &mut out, first, &to_core, call_id, encoding);
-    let read = read_response(response, call_id, streaming, &to_core, &window, &settings);
-    tokio::select! {
-        biased;
-        () = write => {}
-        end = read => {
-            let _ = to_core.send(end).await;
-        }
+impl Inner {
+    /// The encoding of a call's request messages: its own pick, else the
+    /// channel's.
+    fn encoding(&self, metadata: &Metadata) -> Option<Encoding> {
+        wire::requested_encoding(metadata).unwrap_or(self.settings.options.send_compressed)
     }
-}
 
-/// Sends the client's messages; returns only when rpc-core cancels the call
-/// (after resetting the stream). A failed write leaves the end to the
-/// response, which says why.
-async fn write_requests(
-    body: &mut SendStream<Bytes>,
-    out: &mut CallReceiver<ClientOut>,
-    first: Option<Vec<Bytes>>,
-    to_core: &ToCore,
-    call_id: u64,
-    encoding: Option<Encoding>,
-) {
-    let mut writing = true;
-    let mut ungranted = 0u64;
-    // A unary request's message, or a whole stream's: all there is.
-    if let Some(messages) = first {
-        writing = false;
-        let sent = data::write_messages(body, &messages, encoding)
-            .await
-            .and_then(|()| body.send_data(Bytes::new(), true));
-        if let Err(error) = sent {
-            tracing::debug!(call_id, %error, "grpc: request failed");
-        }
-    }
-    while let Some(next) = out.recv().await {
-        match next {
-            ClientOut::Cancel => {
-                body.send_reset(h2::Reason::CANCEL);
-                return;
-            }
-            ClientOut::Messages(payload, last) if writing => {
-                let messages = link::split_messages(payload);
-                let cost: u64 = messages.iter().map(|m| SendWindow::cost(m.len())).sum();
-                let mut sent = data::write_messages(body, &messages, encoding).await;
-                if last {
-                    sent = sent.and_then(|()| body.send_data(Bytes::new(), true));
-                    writing = false;
-                }
-                match sent {
-                    Ok(()) => {
-                        // HTTP/2 took the bytes: rpc-core may send as many
-                        // more (in batches: see GRANT_BATCH).
-                        ungranted += cost;
-                        if ungranted >= GRANT_BATCH {
-                            let grant = ungranted.min(u64::from(u32::MAX)) as u32;
-                            ungranted -= u64::from(grant);
-                            if to_core.send(Frame::window(call_id, grant)).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                    Err(error) => {
-                        tracing::debug!(call_id, %error, "grpc: request stream failed");
-                        writing = false;
-                    }
-                }
-            }
-            ClientOut::HalfClose if writing => {
-                writing = false;
-                if let Err(error) = body.send_data(Bytes::new(), true) {
-                    tracing::debug!(call_id, %error, "grpc: half-close failed");
-                }
-            }
-            ClientOut::Messages(..) | ClientOut::HalfClose => {}
-        }
-    }
-    // rpc-core dropped the call (its connection is ending): stop the stream.
-    body.send_reset(h2::Reason::CANCEL);
-}
-
-fn build_request(
-    opening: &Frame,
-    authority: &str,
-    encoding: Option<Encoding>,
-    settings: &H2Settings,
-) -> Result<Request<()>, Status> {
-    let options = &settings.options;
-    let uri = http::Uri::builder()
-        .scheme(if settings.is_secure() {
-            "https"
-        } else {
-            "http"
+    /// Opens the call's HTTP/2 stream; a failure here is a call the server
+    /// never saw.
+    async fn open(
+        &self,
+        request: http::Request<()>,
+        end_of_stream: bool,
+    ) -> Result<(ResponseFuture, SendStream<Bytes>), CallFailure> {
+        let opened = async {
+            let mut sender = self.send_request.clone().ready().await?;
+            sender.send_request(request, end_of_stream)
+        };
+        opened.await.map_err(|error| {
+            // A connection that takes no new stream is done for new calls.
+            self.closed.store(true, Ordering::Release);
+            CallFailure::unprocessed(Status::unavailable(format!(
+                "gRPC connection cannot take a new call: {error}"
+            )))
         })
-        .authority(authority)
-        .path_and_query(opening.path.as_str())
-        .build()
-        .map_err(|error| Status::internal(format!("cannot make a gRPC request URI: {error}")))?;
-    let mut request = Request::builder()
-        .method(http::Method::POST)
-        .uri(uri)
-        .body(())
-        .map_err(|error| Status::internal(format!("cannot make a gRPC request: {error}")))?;
-    let headers = request.headers_mut();
-    headers.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static(wire::CONTENT_TYPE),
-    );
-    headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
-    if let Some(encoding) = encoding {
-        headers.insert("grpc-encoding", HeaderValue::from_static(encoding.name()));
     }
-    if !options.accept_compressed.is_empty() {
-        headers.insert(
-            "grpc-accept-encoding",
-            wire::accept_encoding_value(&options.accept_compressed),
-        );
-    }
-    if let Some(deadline) = opening.deadline {
-        if let Ok(value) = HeaderValue::from_str(&wire::encode_timeout(deadline)) {
-            headers.insert("grpc-timeout", value);
-        }
-    }
-    wire::metadata_into_headers(&opening.metadata, headers);
-    if !headers.contains_key(http::header::USER_AGENT) {
-        headers.insert(
-            http::header::USER_AGENT,
-            HeaderValue::from_static(concat!("rdma-rpc/", env!("CARGO_PKG_VERSION"))),
-        );
-    }
-    Ok(request)
-}
 
-/// The server's response → rpc-core's frames; returns the final one.
-async fn read_response(
-    response: ResponseFuture,
-    call_id: u64,
-    streaming: bool,
-    to_core: &ToCore,
-    window: &StreamWindow,
-    settings: &H2Settings,
-) -> Frame {
-    let fail = |status: Status| status_frame(call_id, &status);
-    let response = match response.await {
-        Ok(response) => response,
-        Err(error) => return fail(error_status(&error)),
-    };
-    let (parts, mut body) = response.into_parts();
-    if parts.status != StatusCode::OK {
-        return fail(wire::status_from_http(parts.status));
+    fn request(
+        &self,
+        path: &str,
+        timeout: Option<Duration>,
+        metadata: &Metadata,
+        encoding: Option<Encoding>,
+    ) -> Result<http::Request<()>, Status> {
+        let options = &self.settings.options;
+        let uri = http::Uri::builder()
+            .scheme(if self.settings.is_secure() {
+                http::uri::Scheme::HTTPS
+            } else {
+                http::uri::Scheme::HTTP
+            })
+            .authority(self.authority.clone())
+            .path_and_query(path)
+            .build()
+            .map_err(|error| {
+                Status::internal(format!("cannot make a gRPC request URI: {error}"))
+            })?;
+        let mut request = http::Request::builder()
+            .method(http::Method::POST)
+            .uri(uri)
+            .body(())
+            .map_err(|error| Status::internal(format!("cannot make a gRPC request: {error}")))?;
+        let headers = request.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static(wire::CONTENT_TYPE),
+        );
+        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+        if let Some(encoding) = encoding {
+            headers.insert("grpc-encoding", HeaderValue::from_static(encoding.name()));
+        }
+        if !options.accept_compressed.is_empty() {
+            headers.insert(
+                "grpc-accept-encoding",
+                wire::accept_encoding_value(&options.accept_compressed),
+            );
+        }
+        if let Some(timeout) = timeout {
+            if let Ok(value) = HeaderValue::from_str(&wire::encode_timeout(timeout)) {
+                headers.insert("grpc-timeout", value);
+            }
+        }
+        wire::metadata_into_headers(metadata, headers);
+        if !headers.contains_key(http::header::USER_AGENT) {
+            headers.insert(
+                http::header::USER_AGENT,
+                HeaderValue::from_static(concat!("rdma-rpc/", env!("CARGO_PKG_VERSION"))),
+            );
+        }
+        Ok(request)
     }
-    if !wire::is_grpc_content_type(parts.headers.get(http::header::CONTENT_TYPE)) {
-        return fail(Status::unknown(format!(
-            "the server answered with content-type {:?}, not gRPC",
-            parts.headers.get(http::header::CONTENT_TYPE)
-        )));
-    }
-    if let Some(status) = wire::status_from_trailers(&parts.headers) {
-        // Trailers-only: the status and nothing else.
-        return end_frame(call_id, streaming, status, Metadata::new(), None);
-    }
-    let encoding = match wire::message_encoding(&parts.headers, &settings.options.accept_compressed)
-    {
-        Ok(encoding) => encoding,
-        Err(name) => {
-            return fail(Status::internal(format!(
-                "the server compressed its response with {name:?}, which this channel does not accept (rpc_grpc::GrpcOptions::accept_compressed)"
+
+    /// The response's head: a trailers-only answer's status, or the
+    /// response metadata with the body and its message encoding.
+    fn head(&self, response: http::Response<RecvStream>) -> Result<Head, Status> {
+        let (parts, body) = response.into_parts();
+        if parts.status != StatusCode::OK {
+            return Err(wire::status_from_http(parts.status));
+        }
+        if !wire::is_grpc_content_type(parts.headers.get(http::header::CONTENT_TYPE)) {
+            return Err(Status::unknown(format!(
+                "the server answered with content-type {:?}, not gRPC",
+                parts.headers.get(http::header::CONTENT_TYPE)
             )));
         }
-    };
-    let headers = wire::metadata_from_headers(&parts.headers);
-    if streaming
-        && to_core
-            .send(Frame::headers(call_id, headers.clone()))
-            .await
-            .is_err()
-    {
-        return fail(Status::cancelled("the channel went away"));
+        if let Some(status) = wire::status_from_trailers(&parts.headers) {
+            return Ok(Head::TrailersOnly(status));
+        }
+        let accepted = &self.settings.options.accept_compressed;
+        let encoding = wire::message_encoding(&parts.headers, accepted).map_err(|name| {
+            Status::internal(format!(
+                "the server compressed its response with {name:?}, which this channel does not accept (rpc_grpc::GrpcOptions::accept_compressed)"
+            ))
+        })?;
+        Ok(Head::Body {
+            metadata: wire::metadata_from_headers(&parts.headers),
+            deframer: Deframer::with_encoding(self.settings.max_message, encoding),
+            body,
+        })
     }
-    let mut deframer = Deframer::with_encoding(settings.max_message, encoding);
-    let mut unary_message = None;
-    let mut batch = MessageBatch::default();
-    let gone = || Status::cancelled("the channel went away");
-    loop {
-        let chunk = match body.data().await {
-            Some(Ok(chunk)) => chunk,
-            Some(Err(error)) => return fail(error_status(&error)),
-            None => break,
-        };
+}
+
+/// What a response starts with.
+enum Head {
+    /// The status and nothing else.
+    TrailersOnly(Status),
+    /// The response metadata; messages and trailers follow in `body`.
+    Body {
+        metadata: Metadata,
+        deframer: Deframer,
+        body: RecvStream,
+    },
+}
+
+async fn unary(
+    inner: Arc<Inner>,
+    call: OutgoingCall<Payload>,
+) -> Result<Response<Bytes>, CallFailure> {
+    let encoding = inner.encoding(&call.metadata);
+    let request = inner.request(&call.path, call.timeout, &call.metadata, encoding)?;
+    let (response, mut body) = inner.open(request, false).await?;
+    let mut queue = FramedQueue::default();
+    queue.push(call.body, encoding);
+    // A failed write leaves the end to the response, which says why.
+    if let Err(Some(error)) = std::future::poll_fn(|cx| queue.poll_flush(&mut body, true, cx)).await
+    {
+        tracing::debug!(%error, "grpc: request failed");
+    }
+    let response = response.await.map_err(|error| failure_of(&error))?;
+    let (metadata, mut deframer, mut body) = match inner.head(response)? {
+        Head::TrailersOnly(status) if status.code() == Code::Ok => {
+            return Err(no_message().into());
+        }
+        Head::TrailersOnly(status) => return Err(status.into()),
+        Head::Body {
+            metadata,
+            deframer,
+            body,
+        } => (metadata, deframer, body),
+    };
+    let mut message = None;
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.map_err(|error| failure_of(&error))?;
         let _ = body.flow_control().release_capacity(chunk.len());
         deframer.push(chunk);
+        while let Some(next) = deframer.next_decompressed().map_err(bad_response)? {
+            if message.replace(next).is_some() {
+                return Err(Status::internal(
+                    "the server sent more than one response message for a unary call",
+                )
+                .into());
+            }
+        }
+    }
+    deframer
+        .finish()
+        .map_err(|error| Status::internal(format!("bad response: {error}")))?;
+    let trailers = body.trailers().await.map_err(|error| failure_of(&error))?;
+    let status = trailers
+        .as_ref()
+        .and_then(wire::status_from_trailers)
+        .ok_or_else(no_status)?;
+    if status.code() != Code::Ok {
+        return Err(status.into());
+    }
+    let message = message.ok_or_else(no_message)?;
+    let mut metadata = metadata;
+    metadata.extend(status.metadata().clone());
+    Ok(Response::from_parts(metadata, message))
+}
+
+async fn streaming(
+    inner: Arc<Inner>,
+    call: OutgoingCall<OutgoingMessages>,
+) -> Result<Response<Streaming<Bytes>>, StreamFailure> {
+    let encoding = inner.encoding(&call.metadata);
+    let messages = call.body;
+    let request = match inner.request(&call.path, call.timeout, &call.metadata, encoding) {
+        Ok(request) => request,
+        Err(status) => return Err(CallFailure::processed(status).into()),
+    };
+    // A request stream with nothing in it ends with its headers.
+    let empty = messages.ready().is_some_and(<[Payload]>::is_empty);
+    let (response, mut body) = match inner.open(request, empty).await {
+        Ok(opened) => opened,
+        Err(failure) => {
+            return Err(StreamFailure {
+                failure,
+                unsent: Some(messages),
+            });
+        }
+    };
+    let local_failure = Arc::new(Mutex::new(None));
+    let max_message = inner.settings.max_message;
+    let pump = match messages.into_ready() {
+        Ok(ready) => {
+            if !empty {
+                let mut queue = FramedQueue::default();
+                for message in ready {
+                    queue.push(message, encoding);
+                }
+                let sent = std::future::poll_fn(|cx| queue.poll_flush(&mut body, true, cx)).await;
+                if let Err(Some(error)) = sent {
+                    tracing::debug!(%error, "grpc: request stream failed");
+                }
+            }
+            None
+        }
+        Err(messages) => {
+            let body = Arc::new(Mutex::new(body));
+            let target = RequestTarget {
+                body: body.clone(),
+                queue: FramedQueue::default(),
+                encoding,
+            };
+            let local_failure = local_failure.clone();
+            // Sent from here while the messages are ready and the window
+            // open (a stream that is there already needs no task); the
+            // rest from a task of its own.
+            let mut pump = Box::pin(async move {
+                if let Err(status) = messages.send_to(target, max_message).await {
+                    // The application's stream failed (or a message was
+                    // over the limit): that is the call's end, and the
+                    // server must not wait for the rest.
+                    tracing::debug!(%status, "grpc: the request stream ended the call");
+                    *lock(&local_failure) = Some(status);
+                    lock(&body).send_reset(h2::Reason::CANCEL);
+                }
+            });
+            match futures_util::poll!(pump.as_mut()) {
+                Poll::Ready(()) => None,
+                Poll::Pending => Some(PumpGuard(tokio::spawn(pump).abort_handle())),
+            }
+        }
+    };
+    let failed = |status: Status| -> StreamFailure {
+        let local = lock(&local_failure).take();
+        CallFailure::processed(local.unwrap_or(status)).into()
+    };
+    let response = match response.await {
+        Ok(response) => response,
+        Err(error) => return Err(failed(failure_of(&error).status().clone())),
+    };
+    let trailers = Arc::new(OnceLock::new());
+    let (metadata, messages) = match inner.head(response) {
+        Err(status) => return Err(failed(status)),
+        Ok(Head::TrailersOnly(status)) if status.code() == Code::Ok => {
+            let _ = trailers.set(status.metadata().clone());
+            (Metadata::new(), ResponseMessages::ended())
+        }
+        Ok(Head::TrailersOnly(status)) => return Err(failed(status)),
+        Ok(Head::Body {
+            metadata,
+            deframer,
+            body,
+        }) => (
+            metadata,
+            ResponseMessages {
+                body: Some(body),
+                deframer,
+                trailers: trailers.clone(),
+                pump,
+                local_failure,
+                reading_trailers: false,
+            },
+        ),
+    };
+    Ok(Response::from_parts(
+        metadata,
+        Streaming::from_response(messages, trailers),
+    ))
+}
+
+/// Aborts a request stream's task when the call is over or dropped.
+struct PumpGuard(AbortHandle);
+
+impl Drop for PumpGuard {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A streaming call's response messages, deframed from the HTTP/2 stream
+/// as the application takes them; then the status from the trailers.
+struct ResponseMessages {
+    /// `None` once the stream ended.
+    body: Option<RecvStream>,
+    deframer: Deframer,
+    trailers: Arc<OnceLock<Metadata>>,
+    pump: Option<PumpGuard>,
+    /// Why the request stream ended the call, if it did.
+    local_failure: Arc<Mutex<Option<Status>>>,
+    reading_trailers: bool,
+}
+
+impl ResponseMessages {
+    /// A response that ended with its headers.
+    fn ended() -> ResponseMessages {
+        ResponseMessages {
+            body: None,
+            deframer: Deframer::new(0),
+            trailers: Arc::new(OnceLock::new()),
+            pump: None,
+            local_failure: Arc::new(Mutex::new(None)),
+            reading_trailers: true,
+        }
+    }
+
+    /// Ends the stream with `status` (the request stream's own failure
+    /// first: it is why the server's side failed).
+    fn fail(&mut self, status: Status) -> Poll<Option<Result<Bytes, Status>>> {
+        self.body = None;
+        self.pump = None;
+        let local = lock(&self.local_failure).take();
+        Poll::Ready(Some(Err(local.unwrap_or(status))))
+    }
+}
+
+impl Stream for ResponseMessages {
+    type Item = Result<Bytes, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
         loop {
-            let message = match deframer.next_decompressed() {
-                Ok(Some(message)) => message,
-                Ok(None) => break,
+            match this.deframer.next_decompressed() {
+                Ok(Some(message)) => return Poll::Ready(Some(Ok(message))),
+                Ok(None) => {}
                 Err(wire::DeframeError::TooLarge { len, max }) => {
-                    return fail(Status::resource_exhausted(format!(
+                    return this.fail(Status::resource_exhausted(format!(
                         "response message of {len} bytes exceeds this channel's limit of {max} bytes (Channel::builder().max_frame_len)"
                     )));
                 }
-                Err(error) => return fail(Status::internal(format!("bad response: {error}"))),
+                Err(error) => return this.fail(bad_response(error)),
+            }
+            let Some(body) = this.body.as_mut() else {
+                return Poll::Ready(None);
             };
-            if !streaming {
-                if unary_message.replace(message).is_some() {
-                    return fail(Status::internal(
-                        "the server sent more than one response message for a unary call",
-                    ));
+            if !this.reading_trailers {
+                match ready!(body.poll_data(cx)) {
+                    Some(Ok(chunk)) => {
+                        let _ = body.flow_control().release_capacity(chunk.len());
+                        this.deframer.push(chunk);
+                        continue;
+                    }
+                    Some(Err(error)) => return this.fail(failure_of(&error).status().clone()),
+                    None => {
+                        if let Err(error) = this.deframer.finish() {
+                            return this.fail(bad_response(error));
+                        }
+                        this.reading_trailers = true;
+                    }
                 }
-                continue;
             }
-            // The messages ready together go in one frame, under the window.
-            if !batch.has_room_for(&message) || !window.try_acquire(message.len()) {
-                if batch.flush(to_core, call_id).await.is_err() {
-                    return fail(gone());
-                }
-                window.acquire(message.len()).await;
+            let status = match ready!(body.poll_trailers(cx)) {
+                Ok(trailers) => trailers.as_ref().and_then(wire::status_from_trailers),
+                Err(error) => return this.fail(failure_of(&error).status().clone()),
+            };
+            let Some(status) = status else {
+                return this.fail(no_status());
+            };
+            if status.code() != Code::Ok {
+                return this.fail(status);
             }
-            batch.push(&message);
+            let _ = this.trailers.set(status.metadata().clone());
+            this.body = None;
+            this.pump = None;
+            return Poll::Ready(None);
         }
-        if batch.flush(to_core, call_id).await.is_err() {
-            return fail(gone());
+    }
+}
+
+/// A request stream's messages into the call's HTTP/2 stream (shared with
+/// the task that sends them, which resets the stream when they fail; only
+/// that task locks it).
+struct RequestTarget {
+    body: Arc<Mutex<SendStream<Bytes>>>,
+    queue: FramedQueue,
+    encoding: Option<Encoding>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+impl RequestTarget {
+    fn flushed(&mut self, end: bool, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        self.queue
+            .poll_flush(&mut lock(&self.body), end, cx)
+            .map_err(|error| match error {
+                Some(error) => failure_of(&error).status().clone(),
+                None => Status::cancelled("the call's stream closed"),
+            })
+    }
+}
+
+impl MessageTarget for RequestTarget {
+    fn send_headers(&mut self, _metadata: Metadata) -> Result<(), Status> {
+        // The request's headers went when the stream opened.
+        Ok(())
+    }
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        if self.queue.held() >= PENDING_BYTES {
+            return self.flushed(false, cx);
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn start_send(&mut self, message: Payload) -> Result<(), Status> {
+        self.queue.push(message, self.encoding);
+        Ok(())
+    }
+
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        self.flushed(false, cx)
+    }
+
+    fn framing(&mut self) -> Option<fn(usize, &mut PayloadBuf)> {
+        // A compressed request compresses each message alone.
+        self.encoding
+            .is_none()
+            .then_some(plain_prefix as fn(usize, &mut PayloadBuf))
+    }
+
+    fn start_send_framed(&mut self, framed: Payload) -> Result<(), Status> {
+        self.queue.push_framed(framed);
+        Ok(())
+    }
+
+    fn close(&mut self) -> Result<(), Status> {
+        // Everything went in the flush before: only END_STREAM is left.
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match self.flushed(true, &mut cx) {
+            Poll::Ready(result) => result,
+            Poll::Pending => Err(Status::internal(
+                "the request stream was closed before it was flushed",
+            )),
         }
     }
-    if let Err(error) = deframer.finish() {
-        return fail(Status::internal(format!("bad response: {error}")));
-    }
-    let status = match body.trailers().await {
-        Ok(Some(trailers)) => wire::status_from_trailers(&trailers),
-        Ok(None) => None,
-        Err(error) => return fail(error_status(&error)),
-    };
-    let Some(status) = status else {
-        return fail(Status::internal(
-            "the server ended the response without a grpc-status",
-        ));
-    };
-    end_frame(call_id, streaming, status, headers, unary_message)
 }
 
-/// The RESPONSE frame that ends a call with `status`; a unary call's
-/// carries its one message and the response headers with the trailers.
-fn end_frame(
-    call_id: u64,
-    streaming: bool,
-    status: Status,
-    headers: Metadata,
-    unary_message: Option<Bytes>,
-) -> Frame {
-    if status.code() != Code::Ok {
-        return status_frame(call_id, &status);
-    }
-    let trailers = status.metadata().clone();
-    if streaming {
-        return Frame::response(call_id, Code::Ok, trailers, Payload::new());
-    }
-    let Some(message) = unary_message else {
-        return status_frame(
-            call_id,
-            &Status::internal("the server sent no response message for a unary call"),
-        );
-    };
-    let mut metadata = headers;
-    metadata.extend(trailers);
-    Frame::response(call_id, Code::Ok, metadata, message)
+/// gRPC's prefix of an uncompressed message of `len` bytes.
+fn plain_prefix(len: usize, batch: &mut PayloadBuf) {
+    use bytes::BufMut;
+    batch.put_u8(0);
+    batch.put_u32(len as u32);
 }
 
-fn status_frame(call_id: u64, status: &Status) -> Frame {
-    let code = if status.code() == Code::Ok {
-        Code::Unknown
-    } else {
-        status.code()
-    };
-    Frame::response(
-        call_id,
-        code,
-        status.metadata().clone(),
-        Payload::from(status.message().to_owned()),
-    )
-}
-
-/// The status of a call that HTTP/2 ended: a reset by the server maps as
-/// the specification says; a broken connection is `UNAVAILABLE`.
-fn error_status(error: &h2::Error) -> Status {
+/// How a call that HTTP/2 ended fails: a reset by the server maps as the
+/// specification says (REFUSED_STREAM: the server never processed it, so
+/// the channel may send it again); a broken connection is `UNAVAILABLE`.
+fn failure_of(error: &h2::Error) -> CallFailure {
     match error.reason() {
-        Some(reason) if error.is_reset() => wire::status_from_reset(reason),
-        _ => Status::unavailable(format!("gRPC connection failed: {error}")),
+        Some(reason) if error.is_reset() => {
+            let status = wire::status_from_reset(reason);
+            if reason == h2::Reason::REFUSED_STREAM && error.is_remote() {
+                CallFailure::unprocessed(status)
+            } else {
+                CallFailure::processed(status)
+            }
+        }
+        _ => CallFailure::processed(Status::unavailable(format!(
+            "gRPC connection failed: {error}"
+        ))),
     }
+}
+
+fn bad_response(error: wire::DeframeError) -> Status {
+    match error {
+        wire::DeframeError::TooLarge { len, max } => Status::resource_exhausted(format!(
+            "response message of {len} bytes exceeds this channel's limit of {max} bytes (Channel::builder().max_frame_len)"
+        )),
+        error => Status::internal(format!("bad response: {error}")),
+    }
+}
+
+fn no_status() -> Status {
+    Status::internal("the server ended the response without a grpc-status")
+}
+
+fn no_message() -> Status {
+    Status::internal("the server sent no response message for a unary call")
 }

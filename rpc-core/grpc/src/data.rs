@@ -1,62 +1,121 @@
-//! Writing gRPC messages into an HTTP/2 stream under HTTP/2's flow control:
-//! the gateway never hands h2 more than the peer's window lets it send, so
-//! what it holds for a slow peer stays bounded by the call's window.
+//! Writing gRPC messages into an HTTP/2 stream under HTTP/2's flow control,
+//! for both sides (a server's responses, a channel's requests): messages are
+//! framed into a queue, and the queue goes to h2 only as far as the peer's
+//! window lets it, so what a slow peer makes a side hold stays bounded by
+//! what the writer lets queue.
+
+use std::collections::VecDeque;
+use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use h2::SendStream;
+use rpc_core::Payload;
 
-use crate::wire::{self, Encoding, MESSAGE_PREFIX};
+use crate::wire::{self, Encoding};
 
 /// A message at least this long goes after its own prefix rather than
 /// copied behind it.
 const COPY_BELOW: usize = 16 << 10;
 
-/// Writes `messages`, each with its gRPC prefix (compressed with
-/// `encoding` if given), waiting for window.
-pub(crate) async fn write_messages(
-    stream: &mut SendStream<Bytes>,
-    messages: &[Bytes],
-    encoding: Option<Encoding>,
-) -> Result<(), h2::Error> {
-    let mut batch = BytesMut::new();
-    for message in messages {
-        let compressed = encoding.map(|encoding| wire::compress(encoding, message));
-        let message = compressed.as_ref().unwrap_or(message);
-        if message.len() < COPY_BELOW {
-            wire::frame_message_flagged(message, encoding.is_some(), &mut batch);
-            continue;
-        }
-        let mut prefix = BytesMut::with_capacity(MESSAGE_PREFIX);
-        wire::frame_message_flagged(&[], encoding.is_some(), &mut prefix);
-        prefix[1..MESSAGE_PREFIX].copy_from_slice(&(message.len() as u32).to_be_bytes());
-        batch.extend_from_slice(&prefix);
-        write(stream, batch.split().freeze()).await?;
-        write(stream, message.clone()).await?;
-    }
-    if !batch.is_empty() {
-        write(stream, batch.freeze()).await?;
-    }
-    Ok(())
+/// Framed messages on their way into one HTTP/2 stream.
+#[derive(Default)]
+pub(crate) struct FramedQueue {
+    /// Framed bytes h2 has not taken yet.
+    pending: VecDeque<Bytes>,
+    pending_len: usize,
+    /// Small messages framed together, not yet in `pending`.
+    batch: BytesMut,
 }
 
-/// Sends `data` as the peer's window allows, in as many pieces as it takes.
-pub(crate) async fn write(
-    stream: &mut SendStream<Bytes>,
-    mut data: Bytes,
-) -> Result<(), h2::Error> {
-    while !data.is_empty() {
-        stream.reserve_capacity(data.len());
-        let granted = std::future::poll_fn(|cx| stream.poll_capacity(cx)).await;
-        let capacity = match granted {
-            Some(Ok(capacity)) => capacity,
-            Some(Err(error)) => return Err(error),
-            None => return Err(h2::Error::from(h2::Reason::STREAM_CLOSED)),
-        };
-        if capacity == 0 {
-            continue;
-        }
-        let piece = data.split_to(capacity.min(data.len()));
-        stream.send_data(piece, false)?;
+impl FramedQueue {
+    /// Bytes held.
+    pub(crate) fn held(&self) -> usize {
+        self.pending_len + self.batch.len()
     }
-    Ok(())
+
+    /// Frames `message` behind what is held, compressed with `encoding`
+    /// if given: a small one copied into the batch, a large one after its
+    /// own prefix (its parts are not copied).
+    pub(crate) fn push(&mut self, message: Payload, encoding: Option<Encoding>) {
+        let message = match encoding {
+            Some(encoding) => Payload::from(wire::compress(encoding, &message.into_contiguous())),
+            None => message,
+        };
+        let prefix = prefix(message.len(), encoding.is_some());
+        if message.len() < COPY_BELOW {
+            self.batch.reserve(prefix.len() + message.len());
+            self.batch.extend_from_slice(&prefix);
+            for part in message.parts() {
+                self.batch.extend_from_slice(part);
+            }
+        } else {
+            self.batch.extend_from_slice(&prefix);
+            self.move_batch();
+            for part in message.parts() {
+                self.pending_len += part.len();
+                self.pending.push_back(part.clone());
+            }
+        }
+    }
+
+    /// Takes messages framed already (uncompressed, behind gRPC's prefix).
+    pub(crate) fn push_framed(&mut self, framed: Payload) {
+        self.move_batch();
+        for part in framed.parts() {
+            self.pending_len += part.len();
+            self.pending.push_back(part.clone());
+        }
+    }
+
+    fn move_batch(&mut self) {
+        if !self.batch.is_empty() {
+            let batch = self.batch.split().freeze();
+            self.pending_len += batch.len();
+            self.pending.push_back(batch);
+        }
+    }
+
+    /// Hands what is held to h2 as the peer's window allows; with `end`,
+    /// the last piece ends the stream (an empty DATA frame when nothing
+    /// is held). `Err(None)`: the stream closed.
+    pub(crate) fn poll_flush(
+        &mut self,
+        body: &mut SendStream<Bytes>,
+        end: bool,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), Option<h2::Error>>> {
+        self.move_batch();
+        while let Some(front) = self.pending.front_mut() {
+            body.reserve_capacity(front.len());
+            let capacity = match body.poll_capacity(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => return Poll::Ready(Err(None)),
+                Poll::Ready(Some(Err(error))) => return Poll::Ready(Err(Some(error))),
+                Poll::Ready(Some(Ok(capacity))) => capacity,
+            };
+            if capacity == 0 {
+                continue;
+            }
+            let piece = front.split_to(capacity.min(front.len()));
+            if front.is_empty() {
+                self.pending.pop_front();
+            }
+            self.pending_len -= piece.len();
+            body.send_data(piece, end && self.pending.is_empty())
+                .map_err(Some)?;
+            if end && self.pending.is_empty() {
+                return Poll::Ready(Ok(()));
+            }
+        }
+        if end {
+            body.send_data(Bytes::new(), true).map_err(Some)?;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// gRPC's 5-byte prefix of a message of `len` bytes.
+fn prefix(len: usize, compressed: bool) -> [u8; wire::MESSAGE_PREFIX] {
+    let len = (len as u32).to_be_bytes();
+    [u8::from(compressed), len[0], len[1], len[2], len[3]]
 }

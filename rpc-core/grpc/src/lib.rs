@@ -79,7 +79,6 @@ mod cork;
 mod data;
 pub mod health;
 pub mod http_layer;
-mod link;
 pub mod reflection;
 mod server;
 #[cfg(feature = "tonic")]
@@ -90,6 +89,7 @@ use std::sync::Arc;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
+use rpc_core::client::front_end::{CallConnection, CallConnector, CallSettings};
 use rpc_core::server::front_end::{FrontEnd, FrontEndListener};
 use rpc_core::transport::{
     Connection, Endpoint, Listener, Transport, TransportConfig, TransportError,
@@ -243,9 +243,12 @@ impl Transport for GrpcTransport {
         endpoint: &Endpoint,
         config: &TransportConfig,
     ) -> BoxFuture<'static, Result<Connection, TransportError>> {
-        let endpoint = endpoint.clone();
-        let settings = H2Settings::for_frame_limit(config.max_frame_len, self);
-        async move { client::connect(&endpoint, settings).await }.boxed()
+        let _ = config;
+        let refusal = format!(
+            "{}:// is connected to by rpc_core::Channel (a front end that makes each call an HTTP/2 stream), not as a transport of frames",
+            endpoint.scheme()
+        );
+        async move { Err(TransportError::Other(refusal.into())) }.boxed()
     }
 
     fn bind(
@@ -262,6 +265,23 @@ impl Transport for GrpcTransport {
 
     fn front_end(&self) -> Option<&dyn FrontEnd> {
         Some(self)
+    }
+
+    fn call_connector(&self) -> Option<&dyn CallConnector> {
+        Some(self)
+    }
+}
+
+impl CallConnector for GrpcTransport {
+    fn connect(
+        &self,
+        endpoint: &Endpoint,
+        settings: &CallSettings,
+    ) -> BoxFuture<'static, Result<Arc<dyn CallConnection>, TransportError>> {
+        let endpoint = endpoint.clone();
+        let h2 = H2Settings::for_frame_limit(settings.max_message_len, self);
+        let settings = settings.clone();
+        async move { client::connect(&endpoint, h2, &settings).await }.boxed()
     }
 }
 

@@ -15,7 +15,6 @@
 //! stream of unknown kind: a unary method takes the one message and
 //! answers with one ([`CallEnd::Answer`]).
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes};
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
@@ -43,7 +42,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::H2Settings;
 use crate::cork::{Cork, Corked};
-use crate::wire::{self, Deframed, Deframer, Encoding, MESSAGE_PREFIX};
+use crate::data::FramedQueue;
+use crate::wire::{self, Deframed, Deframer, Encoding};
 
 /// Accepted connections waiting for the server to take them.
 const ACCEPT_QUEUE: usize = 64;
@@ -59,9 +59,6 @@ const QUEUED_BYTES: usize = 8 << 20;
 /// Bytes of a stream's messages its writer holds before it pushes them
 /// into HTTP/2 and waits for the window.
 const PENDING_BYTES: usize = 64 << 10;
-/// A message at least this long goes after its own prefix rather than
-/// copied behind it.
-const COPY_BELOW: usize = 16 << 10;
 /// A compressed request message that inflates to this much or more is
 /// inflated on a blocking thread, not on a runtime worker.
 const INFLATE_OFF_THREAD: usize = 1 << 20;
@@ -436,9 +433,7 @@ async fn serve_call(
     let writer = Arc::new(Mutex::new(Writer {
         respond,
         body: None,
-        pending: VecDeque::new(),
-        pending_len: 0,
-        batch: BytesMut::new(),
+        queue: FramedQueue::default(),
         coding,
         shared: shared.clone(),
         ended: false,
@@ -800,10 +795,7 @@ struct Writer {
     /// Once the response headers went.
     body: Option<SendStream<Bytes>>,
     /// Framed messages HTTP/2 has not taken yet.
-    pending: VecDeque<Bytes>,
-    pending_len: usize,
-    /// Small messages framed together, not yet in `pending`.
-    batch: BytesMut,
+    queue: FramedQueue,
     coding: CallCoding,
     shared: Arc<Shared>,
     /// The call is over: a handler that kept its sink sends no more.
@@ -816,7 +808,7 @@ fn lock(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
 
 impl Drop for Writer {
     fn drop(&mut self) {
-        let held = self.pending_len + self.batch.len();
+        let held = self.queue.held();
         self.shared.queued.fetch_sub(held, Ordering::Relaxed);
     }
 }
@@ -846,33 +838,9 @@ impl Writer {
 
     /// Frames `message` behind what is pending (compressed if the response is).
     fn push(&mut self, message: Payload) {
-        let before = self.pending_len + self.batch.len();
-        let encoding = self.coding.response;
-        let message = match encoding {
-            Some(encoding) => Payload::from(wire::compress(encoding, &message.into_contiguous())),
-            None => message,
-        };
-        if message.len() < COPY_BELOW {
-            self.batch.reserve(MESSAGE_PREFIX + message.len());
-            self.batch
-                .extend_from_slice(&[u8::from(encoding.is_some())]);
-            self.batch
-                .extend_from_slice(&(message.len() as u32).to_be_bytes());
-            for part in message.parts() {
-                self.batch.extend_from_slice(part);
-            }
-        } else {
-            self.batch
-                .extend_from_slice(&[u8::from(encoding.is_some())]);
-            self.batch
-                .extend_from_slice(&(message.len() as u32).to_be_bytes());
-            self.move_batch();
-            for part in message.parts() {
-                self.pending_len += part.len();
-                self.pending.push_back(part.clone());
-            }
-        }
-        let after = self.pending_len + self.batch.len();
+        let before = self.queue.held();
+        self.queue.push(message, self.coding.response);
+        let after = self.queue.held();
         self.shared
             .queued
             .fetch_add(after - before, Ordering::Relaxed);
@@ -880,51 +848,25 @@ impl Writer {
 
     /// Takes messages the sink framed already (see [`plain_prefix`]).
     fn push_framed(&mut self, framed: Payload) {
-        self.move_batch();
-        for part in framed.parts() {
-            self.pending_len += part.len();
-            self.shared.queued.fetch_add(part.len(), Ordering::Relaxed);
-            self.pending.push_back(part.clone());
-        }
-    }
-
-    fn move_batch(&mut self) {
-        if !self.batch.is_empty() {
-            let batch = self.batch.split().freeze();
-            self.pending_len += batch.len();
-            self.pending.push_back(batch);
-        }
+        self.shared
+            .queued
+            .fetch_add(framed.len(), Ordering::Relaxed);
+        self.queue.push_framed(framed);
     }
 
     /// Hands what is pending to HTTP/2 as its window allows.
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
-        self.move_batch();
         let Some(body) = self.body.as_mut() else {
             return Poll::Ready(Ok(()));
         };
-        while let Some(front) = self.pending.front_mut() {
-            body.reserve_capacity(front.len());
-            let capacity = match body.poll_capacity(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(None) => {
-                    return Poll::Ready(Err(Status::cancelled("the stream closed")));
-                }
-                Poll::Ready(Some(Err(error))) => return Poll::Ready(Err(h2_status(error))),
-                Poll::Ready(Some(Ok(capacity))) => capacity,
-            };
-            if capacity == 0 {
-                continue;
-            }
-            let piece = front.split_to(capacity.min(front.len()));
-            if front.is_empty() {
-                self.pending.pop_front();
-            }
-            let len = piece.len();
-            self.pending_len -= len;
-            self.shared.queued.fetch_sub(len, Ordering::Relaxed);
-            body.send_data(piece, false).map_err(h2_status)?;
-        }
-        Poll::Ready(Ok(()))
+        let before = self.queue.held();
+        let flushed = self.queue.poll_flush(body, false, cx);
+        let sent = before - self.queue.held();
+        self.shared.queued.fetch_sub(sent, Ordering::Relaxed);
+        flushed.map_err(|error| match error {
+            Some(error) => h2_status(error),
+            None => Status::cancelled("the stream closed"),
+        })
     }
 
     fn poll_reset(&mut self, cx: &mut Context<'_>) -> Poll<h2::Reason> {
@@ -1013,7 +955,7 @@ impl MessageTarget for Target {
         if writer.ended {
             return Poll::Ready(Err(ended()));
         }
-        if writer.pending_len + writer.batch.len() >= PENDING_BYTES {
+        if writer.queue.held() >= PENDING_BYTES {
             return writer.poll_flush(cx);
         }
         Poll::Ready(Ok(()))

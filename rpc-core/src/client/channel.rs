@@ -19,6 +19,7 @@ use tower::retry::backoff::{
 use tower::util::rng::HasherRng;
 
 use super::connection::{ClientConnection, Keepalive, OpenStream};
+use super::front_end::{CallConnection, CallSettings, OutgoingCall, StreamFailure};
 use crate::conn_io::DEFAULT_OUTBOUND_QUEUE_BYTES;
 use crate::error::Error;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, Frame, FrameKind};
@@ -27,8 +28,8 @@ use crate::payload::Payload;
 use crate::request::{Request, Response};
 use crate::status::{Code, Status};
 use crate::stream::{
-    InboundMessages, Outbound, OutboundMessages, RawCodec, SendMessages, Streaming, TakeOnce,
-    into_streaming_request, take_inbound,
+    InboundMessages, Outbound, OutboundMessages, OutgoingMessages, RawCodec, SendMessages,
+    Streaming, TakeOnce, into_streaming_request, take_inbound,
 };
 use crate::transport::TransportError;
 use crate::transport::{self, Endpoint, TransportConfig};
@@ -243,9 +244,26 @@ struct Reconnect {
     last_error: Option<(Code, String)>,
 }
 
+/// A channel's connection: one of rpc-core's frames, or one of a client
+/// front end's that takes whole calls ([`super::front_end`]).
+#[derive(Clone)]
+enum Link {
+    Frames(Arc<ClientConnection>),
+    Calls(Arc<dyn CallConnection>),
+}
+
+impl Link {
+    fn is_usable(&self) -> bool {
+        match self {
+            Link::Frames(connection) => connection.is_usable(),
+            Link::Calls(connection) => connection.is_usable(),
+        }
+    }
+}
+
 struct ChannelInner {
     config: ChannelBuilder,
-    current: Mutex<Option<Arc<ClientConnection>>>,
+    current: Mutex<Option<Link>>,
     /// Serialises connection attempts and holds the backoff state.
     connecting: tokio::sync::Mutex<Reconnect>,
     /// Whether a connection went to the fallback (logged once).
@@ -253,20 +271,20 @@ struct ChannelInner {
 }
 
 impl ChannelInner {
-    fn current_slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<ClientConnection>>> {
+    fn current_slot(&self) -> std::sync::MutexGuard<'_, Option<Link>> {
         self.current
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
-    fn usable(&self) -> Option<Arc<ClientConnection>> {
+    fn usable(&self) -> Option<Link> {
         self.current_slot()
             .as_ref()
             .filter(|c| c.is_usable())
             .cloned()
     }
 
-    async fn open_connection(&self) -> Result<Arc<ClientConnection>, Error> {
+    async fn open_connection(&self) -> Result<Link, Error> {
         let endpoint = &self.config.endpoint;
         let error = match self.open_connection_to(endpoint).await {
             Ok(connection) => return Ok(connection),
@@ -289,10 +307,7 @@ impl ChannelInner {
         self.open_connection_to(fallback).await
     }
 
-    async fn open_connection_to(
-        &self,
-        endpoint: &Endpoint,
-    ) -> Result<Arc<ClientConnection>, Error> {
+    async fn open_connection_to(&self, endpoint: &Endpoint) -> Result<Link, Error> {
         let config = TransportConfig {
             max_frame_len: self.config.max_frame_len,
             receive_budget: None,
@@ -303,21 +318,30 @@ impl ChannelInner {
             .as_ref()
             .filter(|_| *endpoint == self.config.endpoint);
         let connecting = async {
-            match injected {
-                Some(InjectedTransport(transport)) => {
-                    transport::connect_with(&**transport, endpoint, &config).await
-                }
-                None => transport::connect(endpoint, &config).await,
+            let transport = match injected {
+                Some(InjectedTransport(transport)) => transport.clone(),
+                None => transport::lookup(endpoint.scheme())?,
+            };
+            if let Some(connector) = transport.call_connector() {
+                let mut settings = CallSettings::new(self.config.max_frame_len);
+                settings.keepalive = self.config.keepalive;
+                return connector
+                    .connect(endpoint, &settings)
+                    .await
+                    .map(Link::Calls)
+                    .map_err(|error| transport::in_context(error, "cannot connect to", endpoint));
             }
-        };
-        match tokio::time::timeout(self.config.connect_timeout, connecting).await {
-            Ok(Ok(connection)) => Ok(ClientConnection::start(
+            let connection = transport::connect_with(&*transport, endpoint, &config).await?;
+            Ok(Link::Frames(ClientConnection::start(
                 connection,
                 endpoint.scheme(),
                 self.config.max_frame_len,
                 self.config.keepalive,
                 self.config.outbound_queue_bytes,
-            )),
+            )))
+        };
+        match tokio::time::timeout(self.config.connect_timeout, connecting).await {
+            Ok(Ok(link)) => Ok(link),
             Ok(Err(error)) => Err(error.into()),
             Err(_) => Err(Error::ConnectTimeout {
                 endpoint: endpoint.to_string(),
@@ -327,7 +351,7 @@ impl ChannelInner {
     }
 
     /// The live connection, or a new one; fails fast while backing off.
-    async fn connection(&self) -> Result<Arc<ClientConnection>, Status> {
+    async fn connection(&self) -> Result<Link, Status> {
         if let Some(connection) = self.usable() {
             return Ok(connection);
         }
@@ -415,7 +439,7 @@ pub struct Channel {
 /// wait for room in a full queue.
 #[derive(Default)]
 struct Ready {
-    connection: Option<Arc<ClientConnection>>,
+    connection: Option<Link>,
     waiting: Option<Pin<Box<dyn Future<Output = ()> + Send + Sync>>>,
 }
 
@@ -502,7 +526,7 @@ impl Channel {
         let request = request.map(Outbound::ready_or_many);
         let response = call(self.inner.clone(), into_streaming_request(request)).await?;
         let (metadata, inbound) = take_inbound(response)?;
-        Ok(Response::from_parts(metadata, Streaming::new(inbound, Ok)))
+        Ok(Response::from_parts(metadata, inbound))
     }
 }
 
@@ -551,6 +575,26 @@ async fn call(
             }
             let metadata = request.metadata().clone();
             let payload = request.get_ref().clone();
+            let connection = match connection {
+                Link::Frames(connection) => connection,
+                Link::Calls(connection) => {
+                    let call = OutgoingCall {
+                        path: path.clone(),
+                        timeout: remaining,
+                        metadata,
+                        body: payload,
+                    };
+                    match connection.unary(call).await {
+                        Ok(response) => return Ok(Ok(response)),
+                        Err(failure) if failure.unprocessed && attempt < MAX_ATTEMPTS => {
+                            tracing::debug!(status = %failure.status, "the server never saw the call: sending it again on a new connection");
+                            attempt += 1;
+                            continue;
+                        }
+                        Err(failure) => return Err(failure.status),
+                    }
+                }
+            };
             let failure = match connection
                 .start_call(&path, remaining, metadata, payload)
                 .await
@@ -606,6 +650,7 @@ async fn call_streaming(
         .extensions()
         .get::<crate::stream::KindUnknown>()
         .is_some();
+    let mut messages = messages;
     let open = async {
         // Opening is sent again on a new connection when this server never
         // saw it (as for unary calls): no message has been taken yet.
@@ -614,6 +659,39 @@ async fn call_streaming(
             let connection = inner.connection().await?;
             let remaining =
                 deadline.map(|(deadline, _)| deadline.saturating_duration_since(Instant::now()));
+            let connection = match connection {
+                Link::Frames(connection) => connection,
+                Link::Calls(connection) => {
+                    let call = OutgoingCall {
+                        path: path.clone(),
+                        timeout: remaining,
+                        metadata: request.metadata().clone(),
+                        body: OutgoingMessages(messages),
+                    };
+                    match connection.streaming(call).await {
+                        Ok(response) => {
+                            let (metadata, mut inbound) = response.into_parts();
+                            if let Some((deadline, budget)) = deadline {
+                                inbound = inbound.with_deadline(deadline, budget);
+                            }
+                            let mut response = Response::from_parts(metadata, Bytes::new());
+                            response
+                                .extensions_mut()
+                                .insert(InboundMessages(TakeOnce::new(inbound)));
+                            return Ok(response);
+                        }
+                        Err(StreamFailure {
+                            failure,
+                            unsent: Some(unsent),
+                        }) if failure.unprocessed && attempt < MAX_ATTEMPTS => {
+                            messages = unsent.0;
+                            attempt += 1;
+                            continue;
+                        }
+                        Err(StreamFailure { failure, .. }) => return Err(failure.status),
+                    }
+                }
+            };
             match connection
                 .start_stream(
                     &path,
@@ -695,7 +773,7 @@ async fn call_streaming(
         let mut response = Response::from_parts(metadata, Bytes::new());
         response
             .extensions_mut()
-            .insert(InboundMessages(TakeOnce::new(inbound)));
+            .insert(InboundMessages(TakeOnce::new(Streaming::new(inbound, Ok))));
         Ok(response)
     };
     match deadline {
@@ -797,8 +875,9 @@ impl Service<Request<Payload>> for Channel {
             self.ready.connection = self.inner.usable();
             self.ready.waiting = None;
         }
-        // Not connected yet (or the connection is going away): the call connects.
-        let Some(connection) = &self.ready.connection else {
+        // Not connected yet (or the connection is going away): the call
+        // connects. A front end's connection applies its own flow control.
+        let Some(Link::Frames(connection)) = &self.ready.connection else {
             return Poll::Ready(Ok(()));
         };
         let outbound = connection.outbound();

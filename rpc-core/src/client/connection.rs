@@ -43,24 +43,33 @@ use crate::wake_gate::WakeGated;
 /// Why a call failed, and whether it may be sent again on another connection
 /// because this server never saw it.
 #[derive(Debug)]
-pub(crate) struct CallFailure {
+pub struct CallFailure {
     pub(crate) status: Status,
     pub(crate) unprocessed: bool,
 }
 
 impl CallFailure {
-    pub(super) fn processed(status: Status) -> CallFailure {
+    /// A call the server saw (or may have seen): it ends with `status`.
+    pub fn processed(status: Status) -> CallFailure {
         CallFailure {
             status,
             unprocessed: false,
         }
     }
 
-    pub(super) fn unprocessed(status: Status) -> CallFailure {
+    /// A call the server provably never saw (the connection was closed
+    /// or going away before it went, or the server refused its stream
+    /// unprocessed): the channel sends it again on a new connection, once.
+    pub fn unprocessed(status: Status) -> CallFailure {
         CallFailure {
             status,
             unprocessed: true,
         }
+    }
+
+    /// The status the call ends with.
+    pub fn status(&self) -> &Status {
+        &self.status
     }
 }
 

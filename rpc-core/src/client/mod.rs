@@ -7,6 +7,7 @@ mod balance;
 mod channel;
 mod connection;
 mod deadline;
+pub mod front_end;
 mod reader;
 mod retry;
 mod rpc;

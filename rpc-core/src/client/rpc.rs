@@ -168,7 +168,7 @@ where
     ) -> Result<Response<Streaming<C::Decode>>, Status> {
         let response = self.send(into_streaming_request(request), path).await?;
         let (metadata, inbound) = take_inbound(response)?;
-        let messages = Streaming::new(inbound, move |bytes| codec.decode(bytes));
+        let messages = inbound.decoded_with(move |bytes| codec.decode(bytes));
         Ok(Response::from_parts(metadata, messages))
     }
 }

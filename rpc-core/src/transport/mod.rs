@@ -151,6 +151,15 @@ pub trait Transport: Send + Sync + 'static {
     fn front_end(&self) -> Option<&dyn crate::server::front_end::FrontEnd> {
         None
     }
+
+    /// The transport's connecting side when it is a client front end, one
+    /// whose connections take whole calls rather than rpc-core's frames
+    /// (gRPC's HTTP/2: see [`crate::client::front_end`]). A
+    /// [`crate::Channel`] connects through it instead of
+    /// [`Transport::connect`].
+    fn call_connector(&self) -> Option<&dyn crate::client::front_end::CallConnector> {
+        None
+    }
 }
 
 /// What can go wrong below the RPC layer. Its `Debug` is its message and

@@ -75,11 +75,22 @@ class Interop(pb_grpc.InteropServicer):
         return pb.Answer(body=body(ask), seen_metadata=seen(context))
 
     def ServerStream(self, ask, context):
-        for index in range(ask.count):
-            if pause(context, ask):
-                return
-            yield pb.Answer(body=body(ask), index=index, seen_metadata=seen(context))
-        fail(context, ask)
+        global abandoned
+        # Ended (or counted by pause) unless grpcio closed the generator
+        # at a yield: the client went away between answers.
+        ended = False
+        try:
+            for index in range(ask.count):
+                if pause(context, ask):
+                    ended = True
+                    return
+                yield pb.Answer(body=body(ask), index=index, seen_metadata=seen(context))
+            ended = True
+            fail(context, ask)
+        finally:
+            if not ended:
+                with lock:
+                    abandoned += 1
 
     def ClientStream(self, asks, context):
         joined, count, last = b"", 0, pb.Ask()

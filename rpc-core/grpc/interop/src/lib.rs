@@ -382,26 +382,32 @@ mod tonic_impl {
         ) -> Result<Response<Self::ServerStreamStream>, Status> {
             let seen_metadata = seen(request.metadata());
             let steering = steering(request.get_ref());
+            let guard = self.counters.guard();
             let count = steering.count;
-            let answers = futures_util::stream::unfold(0u32, move |index| {
-                let steering = steering.clone();
-                let seen_metadata = seen_metadata.clone();
-                async move {
-                    if index > count {
-                        return None;
+            let answers =
+                futures_util::stream::unfold((0u32, Some(guard)), move |(index, mut guard)| {
+                    let steering = steering.clone();
+                    let seen_metadata = seen_metadata.clone();
+                    async move {
+                        if index > count {
+                            return None;
+                        }
+                        if index == count {
+                            if let Some(guard) = guard.take() {
+                                guard.finish();
+                            }
+                            return failure(&steering)
+                                .map(|status| (Err(status), (index + 1, None)));
+                        }
+                        steering.pause().await;
+                        let answer = Answer {
+                            body: steering.answer_body(),
+                            index,
+                            seen_metadata,
+                        };
+                        Some((Ok(answer), (index + 1, guard)))
                     }
-                    if index == count {
-                        return failure(&steering).map(|status| (Err(status), index + 1));
-                    }
-                    steering.pause().await;
-                    let answer = Answer {
-                        body: steering.answer_body(),
-                        index,
-                        seen_metadata,
-                    };
-                    Some((Ok(answer), index + 1))
-                }
-            });
+                });
             Ok(Response::new(Box::pin(answers)))
         }
 

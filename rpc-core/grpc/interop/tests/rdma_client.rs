@@ -118,6 +118,52 @@ async fn dropping_a_call_cancels_the_handler(server: TestServer) {
     wait_for_abandoned(&server, 1).await;
 }
 
+async fn dropping_a_response_stream_cancels_the_handler(server: TestServer) {
+    let mut client = client(&server).await;
+    let mut answers = client
+        .server_stream(Ask {
+            count: 1_000,
+            sleep_ms: 20,
+            ..Ask::default()
+        })
+        .await
+        .expect("server stream")
+        .into_inner();
+    answers.next().await.expect("an answer").expect("ok");
+    drop(answers);
+    wait_for_abandoned(&server, 1).await;
+}
+
+async fn a_request_message_over_the_channels_limit_ends_the_call_with_that_error(
+    server: TestServer,
+) {
+    let mut client = client(&server).await;
+    // The channel's limit is 2 × LIMIT: this message is refused here,
+    // after one that went; the call ends with that error, and the
+    // connection goes on.
+    let too_big = Ask {
+        body: Bytes::from(vec![1u8; 2 * LIMIT + 1]),
+        ..Ask::default()
+    };
+    let (asks, asked) = tokio::sync::mpsc::unbounded_channel();
+    asks.send(ask(b"ab")).unwrap();
+    let asked = futures_util::stream::unfold(asked, |mut asked| async move {
+        asked.recv().await.map(|ask| (ask, asked))
+    });
+    let mut calling = client.clone();
+    let call = tokio::spawn(async move { calling.client_stream(asked).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    asks.send(too_big).unwrap();
+    let status = call.await.unwrap().expect_err("the call fails");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("exceeds the") && status.message().contains("limit"),
+        "the channel's own reason: {status:?}"
+    );
+    let answer = client.unary(ask(b"after")).await.expect("the next call");
+    assert_eq!(&answer.get_ref().body[..], b"after");
+}
+
 async fn sixteen_mib_each_way_and_over_the_limit_is_resource_exhausted(server: TestServer) {
     let mut client = client(&server).await;
     let big = Bytes::from(vec![7u8; 16 << 20]);
@@ -292,6 +338,8 @@ against_every_server!(
     every_status_code_comes_back_with_its_message_and_trailers,
     a_deadline_reaches_the_server_and_ends_the_call,
     dropping_a_call_cancels_the_handler,
+    dropping_a_response_stream_cancels_the_handler,
+    a_request_message_over_the_channels_limit_ends_the_call_with_that_error,
     sixteen_mib_each_way_and_over_the_limit_is_resource_exhausted,
     server_streams_arrive_in_order_and_end_with_the_status,
     client_streams_and_bidirectional_streams_work,
