@@ -318,6 +318,36 @@ pub enum Client {
 const CALL_DEADLINE: Duration = Duration::from_secs(120);
 
 impl Client {
+    /// tonic's client, to any gRPC server at `addr`.
+    pub async fn connect_tonic(addr: &str) -> Client {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("endpoint")
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .expect("connect");
+        Client::Tonic(
+            tonic_echo::echo_client::EchoClient::new(channel.clone())
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            channel,
+        )
+    }
+
+    /// rdma-rpc's client over `grpc://`, to any gRPC server at `addr`.
+    pub async fn connect_grpc(addr: &str) -> Client {
+        let channel =
+            rpc_core::Channel::builder(format!("grpc://{addr}").parse().expect("endpoint"))
+                .max_frame_len(MAX_MESSAGE)
+                .connect()
+                .await
+                .expect("connect");
+        Client::Rpc(
+            rpc_echo::echo_client::EchoClient::new(channel.clone()),
+            channel,
+        )
+    }
+
     /// Connects to `contender`'s server at `addr`.
     pub async fn connect(contender: Contender, addr: &str) -> Client {
         match contender {
@@ -354,20 +384,7 @@ impl Client {
                     .max_encoding_message_size(MAX_MESSAGE),
                 )
             }
-            Contender::Tonic | Contender::RpcGrpc => {
-                let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-                    .expect("endpoint")
-                    .tcp_nodelay(true)
-                    .connect()
-                    .await
-                    .expect("connect");
-                Client::Tonic(
-                    tonic_echo::echo_client::EchoClient::new(channel.clone())
-                        .max_decoding_message_size(MAX_MESSAGE)
-                        .max_encoding_message_size(MAX_MESSAGE),
-                    channel,
-                )
-            }
+            Contender::Tonic | Contender::RpcGrpc => Client::connect_tonic(addr).await,
             Contender::Tarpc => {
                 let addr: SocketAddr = addr.parse().expect("address");
                 let mut connect = tarpc::serde_transport::tcp::connect(

@@ -10,6 +10,10 @@
 //! cargo run --release -p rdma-rpc-benches --bin grpc_cpu -- --workload flood
 //! cargo run --release -p rdma-rpc-benches --bin grpc_cpu -- --workload unary --in-flight 128 --multi-thread
 //! ```
+//!
+//! `--client rdma-rpc` calls both servers with rdma-rpc's `Channel` over
+//! `grpc://` instead: the cost of rdma-rpc's gRPC client beside tonic's
+//! (`--client tonic`, the default), on the same servers.
 
 use std::time::{Duration, Instant};
 
@@ -32,6 +36,15 @@ enum Workload {
     Latency,
 }
 
+/// Which gRPC client calls the servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum GrpcClient {
+    /// tonic's generated client.
+    Tonic,
+    /// rdma-rpc's generated client on a `grpc://` Channel.
+    RdmaRpc,
+}
+
 /// CPU per message or call of the grpc:// and tonic servers (tonic's client).
 #[derive(Debug, Parser)]
 struct Cli {
@@ -47,6 +60,9 @@ struct Cli {
     /// Rounds; each runs both servers, one after the other.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// The client calling both servers.
+    #[arg(long, value_enum, default_value = "tonic")]
+    client: GrpcClient,
     /// Multi-thread runtimes (2 workers) in both processes.
     #[arg(long)]
     multi_thread: bool,
@@ -71,12 +87,16 @@ fn main() {
         contenders::use_multi_thread_runtimes();
     }
     println!(
-        "{:?}, {} runtimes, tonic's client calling; CPU of each whole process per {}",
+        "{:?}, {} runtimes, {} client calling; CPU of each whole process per {}",
         cli.workload,
         if cli.multi_thread {
             "multi-thread"
         } else {
             "current-thread"
+        },
+        match cli.client {
+            GrpcClient::Tonic => "tonic's",
+            GrpcClient::RdmaRpc => "rdma-rpc's grpc://",
         },
         if cli.workload == Workload::Unary {
             "call"
@@ -146,7 +166,10 @@ type Measured = (
 /// One workload against the server at `addr`, after a warm-up of a tenth
 /// of it.
 async fn measure(cli: &Cli, addr: &str, server: &contenders::ServerProcess) -> Measured {
-    let client = Client::connect(Contender::Tonic, addr).await;
+    let client = match cli.client {
+        GrpcClient::Tonic => Client::connect_tonic(addr).await,
+        GrpcClient::RdmaRpc => Client::connect_grpc(addr).await,
+    };
     let latencies =
         std::cell::RefCell::new(hdrhistogram::Histogram::<u64>::new(3).expect("a histogram"));
     let run = |count: u64| {
@@ -168,7 +191,7 @@ async fn measure(cli: &Cli, addr: &str, server: &contenders::ServerProcess) -> M
                     *latencies.borrow_mut() = timed;
                 }
                 Workload::Flood | Workload::Bidi => {
-                    let mut streams: StreamClient = client.streams().expect("tonic streams");
+                    let mut streams: StreamClient = client.streams().expect("a streams client");
                     let got = if cli.workload == Workload::Flood {
                         streams.flood(count).await
                     } else {

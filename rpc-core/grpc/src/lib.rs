@@ -29,11 +29,18 @@
 //! method (`:path`), the metadata and the deadline (`grpc-timeout`); an
 //! RST_STREAM from the client cancels the handler.
 //!
-//! **The client side is a transport**: a [`rpc_core::Channel`] to
-//! `grpc://` writes rdma-rpc frames that a task turns into HTTP/2 streams
-//! (REQUEST → headers, MESSAGE ↔ DATA, half-close → END_STREAM, RESPONSE ←
-//! trailers, CANCEL → RST_STREAM, each stream's window ↔ HTTP/2's flow
-//! control).
+//! **The client side is a front end too**
+//! ([`rpc_core::client::front_end`]): each call of a [`rpc_core::Channel`]
+//! to `grpc://` is one HTTP/2 stream driven from the call's own task, as
+//! tonic's client does: the metadata and deadline (`grpc-timeout`) become
+//! its headers, its messages DATA frames under HTTP/2's flow control, and
+//! the answer's messages are deframed from the received DATA as the
+//! application takes them; dropping the call (or its response stream)
+//! resets the stream. The [`rpc_core::Channel`] keeps doing what it does on
+//! every transport (reconnects, deadlines, sending again a call the server
+//! never saw, metrics). A silent connection is probed with TCP keepalive
+//! (the channel's keepalive settings), not HTTP/2 PINGs, which gRPC servers
+//! limit.
 //!
 //! `-bin` metadata travels base64-encoded on HTTP/2 and as bytes in
 //! rdma-rpc; `grpc-message` is percent-encoded. A message over the frame
