@@ -86,6 +86,7 @@ fn main() {
     if cli.multi_thread {
         contenders::use_multi_thread_runtimes();
     }
+    rpc_grpc::register();
     println!(
         "{:?}, {} runtimes, {} client calling; CPU of each whole process per {}",
         cli.workload,
@@ -121,7 +122,7 @@ fn main() {
                 let instructions = server_instructions(&server);
                 println!(
                     "round {round} {:<32} server {:>10.0} instructions per {}",
-                    contender.label(),
+                    server_label(contender),
                     instructions as f64 / measured.0 as f64,
                     if cli.workload == Workload::Unary || cli.workload == Workload::Latency {
                         "call"
@@ -144,12 +145,20 @@ fn main() {
                 .unwrap_or_default();
             println!(
                 "round {round} {:<32} {:>10.0} /s   server {:>8.1} ns   client {:>8.1} ns{latency}",
-                contender.label(),
+                server_label(contender),
                 count as f64 / elapsed.as_secs_f64(),
                 per(server_cpu),
                 per(client_cpu),
             );
         }
+    }
+}
+
+/// The server's name in the rows (whichever client calls it).
+fn server_label(contender: Contender) -> &'static str {
+    match contender {
+        Contender::RpcGrpc => "rdma-rpc grpc:// server",
+        _ => "tonic server",
     }
 }
 
