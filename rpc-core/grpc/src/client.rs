@@ -283,12 +283,24 @@ async fn unary(
     let (response, mut body) = inner.open(request, false).await?;
     let mut queue = FramedQueue::default();
     queue.push(call.body, encoding);
-    // A failed write leaves the end to the response, which says why.
-    if let Err(Some(error)) = std::future::poll_fn(|cx| queue.poll_flush(&mut body, true, cx)).await
-    {
-        tracing::debug!(%error, "grpc: request failed");
-    }
-    let response = response.await.map_err(|error| failure_of(&error))?;
+    // The request goes while the answer is awaited: a server may answer
+    // (a refusal, say) before it read a large request, and never read the
+    // rest. A failed write leaves the end to the response, which says why.
+    let response = {
+        let mut response = std::pin::pin!(response);
+        let sent = std::future::poll_fn(|cx| queue.poll_flush(&mut body, true, cx));
+        tokio::select! {
+            biased;
+            sent = sent => {
+                if let Err(Some(error)) = sent {
+                    tracing::debug!(%error, "grpc: request failed");
+                }
+                response.await
+            }
+            answered = &mut response => answered,
+        }
+    };
+    let response = response.map_err(|error| failure_of(&error))?;
     let (metadata, mut deframer, mut body) = match inner.head(response)? {
         Head::TrailersOnly(status) if status.code() == Code::Ok => {
             return Err(no_message().into());
@@ -355,18 +367,24 @@ async fn streaming(
     let local_failure = Arc::new(Mutex::new(None));
     let max_message = inner.settings.max_message;
     let pump = match messages.into_ready() {
+        Ok(_) if empty => None,
         Ok(ready) => {
-            if !empty {
-                let mut queue = FramedQueue::default();
-                for message in ready {
-                    queue.push(message, encoding);
-                }
+            let mut queue = FramedQueue::default();
+            for message in ready {
+                queue.push(message, encoding);
+            }
+            // Sent from here as far as the window lets them go at once; the
+            // rest from a task of its own, while the answer is awaited.
+            let mut pump = Box::pin(async move {
                 let sent = std::future::poll_fn(|cx| queue.poll_flush(&mut body, true, cx)).await;
                 if let Err(Some(error)) = sent {
                     tracing::debug!(%error, "grpc: request stream failed");
                 }
+            });
+            match futures_util::poll!(pump.as_mut()) {
+                Poll::Ready(()) => None,
+                Poll::Pending => Some(PumpGuard(tokio::spawn(pump).abort_handle())),
             }
-            None
         }
         Err(messages) => {
             let body = Arc::new(Mutex::new(body));
