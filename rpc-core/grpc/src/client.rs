@@ -60,11 +60,17 @@ pub(crate) async fn connect(
         // The kernel probes a silent connection: HTTP/2 PINGs would do it
         // too, but gRPC servers limit how often a client may ping (grpc-go
         // sends GOAWAY to one that pings more than every 5 minutes).
+        // The kernel counts in whole seconds, and takes no 0.
+        let second = Duration::from_secs(1);
         let probes = socket2::TcpKeepalive::new()
-            .with_time(keepalive.interval)
-            .with_interval(keepalive.timeout.max(Duration::from_secs(1)) / 4)
+            .with_time(keepalive.interval.max(second))
+            .with_interval((keepalive.timeout / 4).max(second))
             .with_retries(4);
-        socket2::SockRef::from(&socket).set_tcp_keepalive(&probes)?;
+        let socket_ref = socket2::SockRef::from(&socket);
+        socket_ref.set_tcp_keepalive(&probes)?;
+        // Probes go only while nothing sent waits for its acknowledgement:
+        // a server gone while a request was on its way is caught by this.
+        socket_ref.set_tcp_user_timeout(Some(keepalive.timeout.max(second)))?;
     }
     #[cfg(feature = "tls")]
     if let Some(tls) = settings.tls.clone() {
@@ -157,6 +163,18 @@ impl Inner {
         wire::requested_encoding(metadata).unwrap_or(self.settings.options.send_compressed)
     }
 
+    /// A request message of `len` bytes within the channel's limit, or
+    /// `ResourceExhausted` (the call is not sent).
+    fn check_message(&self, len: usize) -> Result<(), Status> {
+        let max = self.settings.max_message;
+        if len > max {
+            return Err(Status::resource_exhausted(format!(
+                "request message of {len} bytes exceeds this channel's limit of {max} bytes (Channel::builder().max_frame_len)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Opens the call's HTTP/2 stream; a failure here is a call the server
     /// never saw.
     async fn open(
@@ -184,6 +202,9 @@ impl Inner {
         metadata: &Metadata,
         encoding: Option<Encoding>,
     ) -> Result<http::Request<()>, Status> {
+        if let Err(excess) = metadata.check_limits() {
+            return Err(Status::invalid_argument(format!("request {excess}")));
+        }
         let options = &self.settings.options;
         let uri = http::Uri::builder()
             .scheme(if self.settings.is_secure() {
@@ -279,28 +300,40 @@ async fn unary(
     call: OutgoingCall<Payload>,
 ) -> Result<Response<Bytes>, CallFailure> {
     let encoding = inner.encoding(&call.metadata);
+    inner.check_message(call.body.len())?;
     let request = inner.request(&call.path, call.timeout, &call.metadata, encoding)?;
     let (response, mut body) = inner.open(request, false).await?;
     let mut queue = FramedQueue::default();
     queue.push(call.body, encoding);
-    // The request goes while the answer is awaited: a server may answer
-    // (a refusal, say) before it read a large request, and never read the
-    // rest. A failed write leaves the end to the response, which says why.
-    let response = {
-        let mut response = std::pin::pin!(response);
-        let sent = std::future::poll_fn(|cx| queue.poll_flush(&mut body, true, cx));
-        tokio::select! {
-            biased;
-            sent = sent => {
-                if let Err(Some(error)) = sent {
-                    tracing::debug!(%error, "grpc: request failed");
-                }
-                response.await
+    // The request goes while the answer is read, until either ends: a
+    // server may answer (a refusal, say) before it read a large request
+    // and never read the rest, or send its headers first and wait for the
+    // rest. A failed write leaves the end to the answer, which says why.
+    let mut sending = Some(std::future::poll_fn(|cx| {
+        queue.poll_flush(&mut body, true, cx)
+    }));
+    let mut answer = std::pin::pin!(unary_answer(&inner, response));
+    std::future::poll_fn(|cx| {
+        if let Some(Poll::Ready(sent)) = sending.as_mut().map(|sending| Pin::new(sending).poll(cx))
+        {
+            sending = None;
+            if let Err(Some(error)) = sent {
+                tracing::debug!(%error, "grpc: request failed");
             }
-            answered = &mut response => answered,
         }
-    };
-    let response = response.map_err(|error| failure_of(&error))?;
+        answer.as_mut().poll(cx)
+    })
+    .await
+}
+
+/// A unary call's answer: its headers, one message, its trailers.
+async fn unary_answer(
+    inner: &Inner,
+    response: ResponseFuture,
+) -> Result<Response<Bytes>, CallFailure> {
+    // Before the answer's headers a refusal (REFUSED_STREAM) is one the
+    // server never processed; after them, no error is.
+    let response = response.await.map_err(|error| failure_of(&error))?;
     let (metadata, mut deframer, mut body) = match inner.head(response)? {
         Head::TrailersOnly(status) if status.code() == Code::Ok => {
             return Err(no_message().into());
@@ -314,7 +347,7 @@ async fn unary(
     };
     let mut message = None;
     while let Some(chunk) = body.data().await {
-        let chunk = chunk.map_err(|error| failure_of(&error))?;
+        let chunk = chunk.map_err(|error| status_of(&error))?;
         let _ = body.flow_control().release_capacity(chunk.len());
         deframer.push(chunk);
         while let Some(next) = deframer.next_decompressed().map_err(bad_response)? {
@@ -326,10 +359,8 @@ async fn unary(
             }
         }
     }
-    deframer
-        .finish()
-        .map_err(|error| Status::internal(format!("bad response: {error}")))?;
-    let trailers = body.trailers().await.map_err(|error| failure_of(&error))?;
+    deframer.finish().map_err(bad_response)?;
+    let trailers = body.trailers().await.map_err(|error| status_of(&error))?;
     let status = trailers
         .as_ref()
         .and_then(wire::status_from_trailers)
@@ -353,6 +384,14 @@ async fn streaming(
         Ok(request) => request,
         Err(status) => return Err(CallFailure::processed(status).into()),
     };
+    let oversized = messages
+        .ready()
+        .unwrap_or_default()
+        .iter()
+        .try_for_each(|message| inner.check_message(message.len()));
+    if let Err(status) = oversized {
+        return Err(CallFailure::processed(status).into());
+    }
     // A request stream with nothing in it ends with its headers.
     let empty = messages.ready().is_some_and(<[Payload]>::is_empty);
     let (response, mut body) = match inner.open(request, empty).await {
@@ -388,24 +427,33 @@ async fn streaming(
         }
         Err(messages) => {
             let body = Arc::new(Mutex::new(body));
+            let broken = Arc::new(AtomicBool::new(false));
             let target = RequestTarget {
                 body: body.clone(),
                 queue: FramedQueue::default(),
                 encoding,
+                broken: broken.clone(),
             };
             let local_failure = local_failure.clone();
             // Sent from here while the messages are ready and the window
             // open (a stream that is there already needs no task); the
             // rest from a task of its own.
             let mut pump = Box::pin(async move {
-                if let Err(status) = messages.send_to(target, max_message).await {
-                    // The application's stream failed (or a message was
-                    // over the limit): that is the call's end, and the
-                    // server must not wait for the rest.
-                    tracing::debug!(%status, "grpc: the request stream ended the call");
-                    *lock(&local_failure) = Some(status);
-                    lock(&body).send_reset(h2::Reason::CANCEL);
+                let Err(status) = messages.send_to(target, max_message).await else {
+                    return;
+                };
+                if broken.load(Ordering::Acquire) {
+                    // HTTP/2 took no more (the server ended the call, or
+                    // the connection broke): the answer says why.
+                    tracing::debug!(%status, "grpc: request stream failed");
+                    return;
                 }
+                // The application's stream failed (or a message was over
+                // the limit): that is the call's end, and the server must
+                // not wait for the rest.
+                tracing::debug!(%status, "grpc: the request stream ended the call");
+                *lock(&local_failure) = Some(status);
+                lock(&body).send_reset(h2::Reason::CANCEL);
             });
             match futures_util::poll!(pump.as_mut()) {
                 Poll::Ready(()) => None,
@@ -419,7 +467,7 @@ async fn streaming(
     };
     let response = match response.await {
         Ok(response) => response,
-        Err(error) => return Err(failed(failure_of(&error).status().clone())),
+        Err(error) => return Err(failed(status_of(&error))),
     };
     let trailers = Arc::new(OnceLock::new());
     let (metadata, messages) = match inner.head(response) {
@@ -442,6 +490,7 @@ async fn streaming(
                 pump,
                 local_failure,
                 reading_trailers: false,
+                done: false,
             },
         ),
     };
@@ -471,6 +520,8 @@ struct ResponseMessages {
     /// Why the request stream ended the call, if it did.
     local_failure: Arc<Mutex<Option<Status>>>,
     reading_trailers: bool,
+    /// The stream ended (well, or with the one error it yielded).
+    done: bool,
 }
 
 impl ResponseMessages {
@@ -483,12 +534,14 @@ impl ResponseMessages {
             pump: None,
             local_failure: Arc::new(Mutex::new(None)),
             reading_trailers: true,
+            done: true,
         }
     }
 
     /// Ends the stream with `status` (the request stream's own failure
     /// first: it is why the server's side failed).
     fn fail(&mut self, status: Status) -> Poll<Option<Result<Bytes, Status>>> {
+        self.done = true;
         self.body = None;
         self.pump = None;
         let local = lock(&self.local_failure).take();
@@ -501,6 +554,9 @@ impl Stream for ResponseMessages {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
         loop {
             match this.deframer.next_decompressed() {
                 Ok(Some(message)) => return Poll::Ready(Some(Ok(message))),
@@ -522,7 +578,7 @@ impl Stream for ResponseMessages {
                         this.deframer.push(chunk);
                         continue;
                     }
-                    Some(Err(error)) => return this.fail(failure_of(&error).status().clone()),
+                    Some(Err(error)) => return this.fail(status_of(&error)),
                     None => {
                         if let Err(error) = this.deframer.finish() {
                             return this.fail(bad_response(error));
@@ -533,7 +589,7 @@ impl Stream for ResponseMessages {
             }
             let status = match ready!(body.poll_trailers(cx)) {
                 Ok(trailers) => trailers.as_ref().and_then(wire::status_from_trailers),
-                Err(error) => return this.fail(failure_of(&error).status().clone()),
+                Err(error) => return this.fail(status_of(&error)),
             };
             let Some(status) = status else {
                 return this.fail(no_status());
@@ -542,6 +598,7 @@ impl Stream for ResponseMessages {
                 return this.fail(status);
             }
             let _ = this.trailers.set(status.metadata().clone());
+            this.done = true;
             this.body = None;
             this.pump = None;
             return Poll::Ready(None);
@@ -556,6 +613,9 @@ struct RequestTarget {
     body: Arc<Mutex<SendStream<Bytes>>>,
     queue: FramedQueue,
     encoding: Option<Encoding>,
+    /// Set when HTTP/2 refused a write: what ended the sending is then the
+    /// stream's end, not the application's stream.
+    broken: Arc<AtomicBool>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -566,8 +626,12 @@ impl RequestTarget {
     fn flushed(&mut self, end: bool, cx: &mut Context<'_>) -> Poll<Result<(), Status>> {
         self.queue
             .poll_flush(&mut lock(&self.body), end, cx)
+            .map_err(|error| {
+                self.broken.store(true, Ordering::Release);
+                error
+            })
             .map_err(|error| match error {
-                Some(error) => failure_of(&error).status().clone(),
+                Some(error) => status_of(&error),
                 None => Status::cancelled("the call's stream closed"),
             })
     }
@@ -626,22 +690,26 @@ fn plain_prefix(len: usize, batch: &mut PayloadBuf) {
     batch.put_u32(len as u32);
 }
 
-/// How a call that HTTP/2 ended fails: a reset by the server maps as the
-/// specification says (REFUSED_STREAM: the server never processed it, so
-/// the channel may send it again); a broken connection is `UNAVAILABLE`.
+/// How a call that HTTP/2 ended before the answer's headers fails: as
+/// [`status_of`] says, and a refusal by the server (REFUSED_STREAM) is one
+/// it never processed, so the channel may send it again.
 fn failure_of(error: &h2::Error) -> CallFailure {
+    let status = status_of(error);
+    let refused = error.is_reset() && error.is_remote();
+    if refused && error.reason() == Some(h2::Reason::REFUSED_STREAM) {
+        CallFailure::unprocessed(status)
+    } else {
+        CallFailure::processed(status)
+    }
+}
+
+/// The status of a call that HTTP/2 ended: a reset maps as gRPC's
+/// specification says; a broken connection (or a GOAWAY that cut the call
+/// off: h2 does not say whether the server saw it) is `UNAVAILABLE`.
+fn status_of(error: &h2::Error) -> Status {
     match error.reason() {
-        Some(reason) if error.is_reset() => {
-            let status = wire::status_from_reset(reason);
-            if reason == h2::Reason::REFUSED_STREAM && error.is_remote() {
-                CallFailure::unprocessed(status)
-            } else {
-                CallFailure::processed(status)
-            }
-        }
-        _ => CallFailure::processed(Status::unavailable(format!(
-            "gRPC connection failed: {error}"
-        ))),
+        Some(reason) if error.is_reset() => wire::status_from_reset(reason),
+        _ => Status::unavailable(format!("gRPC connection failed: {error}")),
     }
 }
 

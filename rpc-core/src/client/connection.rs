@@ -59,7 +59,8 @@ impl CallFailure {
 
     /// A call the server provably never saw (the connection was closed
     /// or going away before it went, or the server refused its stream
-    /// unprocessed): the channel sends it again on a new connection, once.
+    /// unprocessed): the channel sends it again, once, on the connection
+    /// it then has (a new one when this one is no longer usable).
     pub fn unprocessed(status: Status) -> CallFailure {
         CallFailure {
             status,
