@@ -305,25 +305,14 @@ async fn unary(
     let (response, mut body) = inner.open(request, false).await?;
     let mut queue = FramedQueue::default();
     queue.push(call.body, encoding);
-    // The request goes while the answer is read, until either ends: a
-    // server may answer (a refusal, say) before it read a large request
-    // and never read the rest, or send its headers first and wait for the
-    // rest. A failed write leaves the end to the answer, which says why.
-    let mut sending = Some(std::future::poll_fn(|cx| {
-        queue.poll_flush(&mut body, true, cx)
-    }));
-    let mut answer = std::pin::pin!(unary_answer(&inner, response));
-    std::future::poll_fn(|cx| {
-        if let Some(Poll::Ready(sent)) = sending.as_mut().map(|sending| Pin::new(sending).poll(cx))
-        {
-            sending = None;
-            if let Err(Some(error)) = sent {
-                tracing::debug!(%error, "grpc: request failed");
-            }
-        }
-        answer.as_mut().poll(cx)
-    })
-    .await
+    // All of it to h2 at once: h2 sends it as the window allows while the
+    // answer is read (a server may answer before it read it all, or send
+    // its headers first and wait for the rest). A failed write leaves the
+    // end to the answer, which says why.
+    if let Err(error) = queue.send_now(&mut body, true) {
+        tracing::debug!(%error, "grpc: request failed");
+    }
+    unary_answer(&inner, response).await
 }
 
 /// A unary call's answer: its headers, one message, its trailers.
@@ -408,22 +397,15 @@ async fn streaming(
     let pump = match messages.into_ready() {
         Ok(_) if empty => None,
         Ok(ready) => {
+            // All there already: to h2 at once (as a unary request).
             let mut queue = FramedQueue::default();
             for message in ready {
                 queue.push(message, encoding);
             }
-            // Sent from here as far as the window lets them go at once; the
-            // rest from a task of its own, while the answer is awaited.
-            let mut pump = Box::pin(async move {
-                let sent = std::future::poll_fn(|cx| queue.poll_flush(&mut body, true, cx)).await;
-                if let Err(Some(error)) = sent {
-                    tracing::debug!(%error, "grpc: request stream failed");
-                }
-            });
-            match futures_util::poll!(pump.as_mut()) {
-                Poll::Ready(()) => None,
-                Poll::Pending => Some(PumpGuard(tokio::spawn(pump).abort_handle())),
+            if let Err(error) = queue.send_now(&mut body, true) {
+                tracing::debug!(%error, "grpc: request stream failed");
             }
+            None
         }
         Err(messages) => {
             let body = Arc::new(Mutex::new(body));

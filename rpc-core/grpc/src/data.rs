@@ -75,6 +75,32 @@ impl FramedQueue {
         }
     }
 
+    /// Hands everything held to h2 at once, `end` ending the stream after
+    /// it: h2 sends it as the peer's window allows, holding the rest (the
+    /// same `Bytes`, not copies). For messages that are in memory whole
+    /// already (a unary request, a request stream that had ended): no
+    /// capacity is reserved and awaited first, so the calling task takes
+    /// h2's lock once per piece and is not woken when window opens.
+    pub(crate) fn send_now(
+        &mut self,
+        body: &mut SendStream<Bytes>,
+        end: bool,
+    ) -> Result<(), h2::Error> {
+        self.move_batch();
+        if self.pending.is_empty() {
+            return if end {
+                body.send_data(Bytes::new(), true)
+            } else {
+                Ok(())
+            };
+        }
+        while let Some(piece) = self.pending.pop_front() {
+            self.pending_len -= piece.len();
+            body.send_data(piece, end && self.pending.is_empty())?;
+        }
+        Ok(())
+    }
+
     /// Hands what is held to h2 as the peer's window allows; with `end`,
     /// the last piece ends the stream (an empty DATA frame when nothing
     /// is held). `Err(None)`: the stream closed.
