@@ -336,12 +336,16 @@ impl Client {
 
     /// rdma-rpc's client over `grpc://`, to any gRPC server at `addr`.
     pub async fn connect_grpc(addr: &str) -> Client {
-        let channel =
-            rpc_core::Channel::builder(format!("grpc://{addr}").parse().expect("endpoint"))
-                .max_frame_len(MAX_MESSAGE)
-                .connect()
-                .await
-                .expect("connect");
+        Client::rpc(&format!("grpc://{addr}")).await
+    }
+
+    /// rdma-rpc's generated client on a channel to `endpoint`.
+    async fn rpc(endpoint: &str) -> Client {
+        let channel = rpc_core::Channel::builder(endpoint.parse().expect("endpoint"))
+            .max_frame_len(MAX_MESSAGE)
+            .connect()
+            .await
+            .expect("connect");
         Client::Rpc(
             rpc_echo::echo_client::EchoClient::new(channel.clone()),
             channel,
@@ -357,17 +361,7 @@ impl Client {
                 } else {
                     "rdma"
                 };
-                let channel = rpc_core::Channel::builder(
-                    format!("{scheme}://{addr}").parse().expect("endpoint"),
-                )
-                .max_frame_len(MAX_MESSAGE)
-                .connect()
-                .await
-                .expect("connect");
-                Client::Rpc(
-                    rpc_echo::echo_client::EchoClient::new(channel.clone()),
-                    channel,
-                )
+                Client::rpc(&format!("{scheme}://{addr}")).await
             }
             Contender::TonicOverRdma => {
                 let channel =

@@ -77,6 +77,42 @@ impl Drop for AbandonGuard {
     }
 }
 
+/// A server stream's answers, the same in both frameworks: `steering.count`
+/// answers made by `answer`, each after the steering's pause, then the
+/// failure `failure` finds in the steering, if any. The handler counts as
+/// abandoned unless the stream got to its end.
+fn server_stream_answers<A, S>(
+    counters: &Counters,
+    steering: Steering,
+    answer: impl Fn(&Steering, u32) -> A + Send + Sync + 'static,
+    failure: fn(&Steering) -> Option<S>,
+) -> impl futures_core::Stream<Item = Result<A, S>> + Send + 'static
+where
+    A: Send + 'static,
+    S: Send + 'static,
+{
+    let answer = Arc::new(answer);
+    let count = steering.count;
+    let guard = counters.guard();
+    futures_util::stream::unfold((0u32, Some(guard)), move |(index, mut guard)| {
+        let steering = steering.clone();
+        let answer = answer.clone();
+        async move {
+            if index > count {
+                return None;
+            }
+            if index == count {
+                if let Some(guard) = guard.take() {
+                    guard.finish();
+                }
+                return failure(&steering).map(|status| (Err(status), (index + 1, None)));
+            }
+            steering.pause().await;
+            Some((Ok(answer(&steering, index)), (index + 1, guard)))
+        }
+    })
+}
+
 /// The steering fields of an ask, the same in both frameworks' types.
 #[derive(Debug, Clone, Default)]
 pub struct Steering {
@@ -208,33 +244,17 @@ mod rdma_impl {
             request: Request<Ask>,
         ) -> Result<Response<Self::ServerStreamStream>, Status> {
             let seen_metadata = seen(request.metadata());
-            let steering = steering(request.get_ref());
-            let guard = self.counters.guard();
-            let count = steering.count;
-            let answers =
-                futures_util::stream::unfold((0u32, Some(guard)), move |(index, mut guard)| {
-                    let steering = steering.clone();
-                    let seen_metadata = seen_metadata.clone();
-                    async move {
-                        if index > count {
-                            return None;
-                        }
-                        if index == count {
-                            if let Some(guard) = guard.take() {
-                                guard.finish();
-                            }
-                            return failure(&steering)
-                                .map(|status| (Err(status), (index + 1, None)));
-                        }
-                        steering.pause().await;
-                        let answer = Answer {
-                            body: steering.answer_body(),
-                            index,
-                            seen_metadata,
-                        };
-                        Some((Ok(answer), (index + 1, guard)))
-                    }
-                });
+            let answer = move |steering: &Steering, index| Answer {
+                body: steering.answer_body(),
+                index,
+                seen_metadata: seen_metadata.clone(),
+            };
+            let answers = crate::server_stream_answers(
+                &self.counters,
+                steering(request.get_ref()),
+                answer,
+                failure,
+            );
             Ok(Response::new(Box::pin(answers)))
         }
 
@@ -381,33 +401,17 @@ mod tonic_impl {
             request: Request<Ask>,
         ) -> Result<Response<Self::ServerStreamStream>, Status> {
             let seen_metadata = seen(request.metadata());
-            let steering = steering(request.get_ref());
-            let guard = self.counters.guard();
-            let count = steering.count;
-            let answers =
-                futures_util::stream::unfold((0u32, Some(guard)), move |(index, mut guard)| {
-                    let steering = steering.clone();
-                    let seen_metadata = seen_metadata.clone();
-                    async move {
-                        if index > count {
-                            return None;
-                        }
-                        if index == count {
-                            if let Some(guard) = guard.take() {
-                                guard.finish();
-                            }
-                            return failure(&steering)
-                                .map(|status| (Err(status), (index + 1, None)));
-                        }
-                        steering.pause().await;
-                        let answer = Answer {
-                            body: steering.answer_body(),
-                            index,
-                            seen_metadata,
-                        };
-                        Some((Ok(answer), (index + 1, guard)))
-                    }
-                });
+            let answer = move |steering: &Steering, index| Answer {
+                body: steering.answer_body(),
+                index,
+                seen_metadata: seen_metadata.clone(),
+            };
+            let answers = crate::server_stream_answers(
+                &self.counters,
+                steering(request.get_ref()),
+                answer,
+                failure,
+            );
             Ok(Response::new(Box::pin(answers)))
         }
 

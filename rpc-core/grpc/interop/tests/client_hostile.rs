@@ -36,6 +36,19 @@ fn unary(body: Bytes) -> Request<Payload> {
     request
 }
 
+/// An answer's head that says gRPC, messages to follow.
+fn grpc_head() -> http::Response<()> {
+    http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(())
+        .unwrap()
+}
+
+/// The trailers that end an answer with `code` and `message`.
+fn trailers(code: &str, message: &str) -> http::HeaderMap {
+    trailers_only(code, message).headers().clone()
+}
+
 fn trailers_only(code: &str, message: &str) -> http::Response<()> {
     http::Response::builder()
         .header("content-type", "application/grpc")
@@ -79,23 +92,18 @@ async fn broken_answers_fail_their_call_with_the_reason() {
     rpc_grpc::register();
     let endpoint = raw_server(|request, mut respond| {
         let what = request.uri().path().rsplit('/').next().unwrap().to_owned();
-        let grpc = http::Response::builder()
-            .header("content-type", "application/grpc")
-            .body(())
-            .unwrap();
+        let grpc = grpc_head();
         let message = Bytes::from_static(&[0, 0, 0, 0, 1, 7]);
         match what.as_str() {
             "Two" => {
                 let mut body = respond.send_response(grpc, false).unwrap();
                 body.send_data(message.clone(), false).unwrap();
                 body.send_data(message, false).unwrap();
-                body.send_trailers(trailers_only("0", "").headers().clone())
-                    .unwrap();
+                body.send_trailers(trailers("0", "")).unwrap();
             }
             "None" => {
                 let mut body = respond.send_response(grpc, false).unwrap();
-                body.send_trailers(trailers_only("0", "").headers().clone())
-                    .unwrap();
+                body.send_trailers(trailers("0", "")).unwrap();
             }
             "NoStatus" => {
                 let mut body = respond.send_response(grpc, false).unwrap();
@@ -105,8 +113,7 @@ async fn broken_answers_fail_their_call_with_the_reason() {
                 let mut body = respond.send_response(grpc, false).unwrap();
                 body.send_data(Bytes::from_static(&[0, 0, 0, 0, 9, 1]), false)
                     .unwrap();
-                body.send_trailers(trailers_only("0", "").headers().clone())
-                    .unwrap();
+                body.send_trailers(trailers("0", "")).unwrap();
             }
             _ => {
                 let html = http::Response::builder()
@@ -144,11 +151,7 @@ async fn a_request_keeps_going_after_the_answers_headers() {
     rpc_grpc::register();
     let endpoint = raw_server(|request, mut respond| {
         tokio::spawn(async move {
-            let grpc = http::Response::builder()
-                .header("content-type", "application/grpc")
-                .body(())
-                .unwrap();
-            let mut answer = respond.send_response(grpc, false).unwrap();
+            let mut answer = respond.send_response(grpc_head(), false).unwrap();
             let mut body = request.into_body();
             let mut read = 0;
             while let Some(chunk) = body.data().await {
@@ -161,9 +164,7 @@ async fn a_request_keeps_going_after_the_answers_headers() {
             let mut message = vec![0, 0, 0, 0, text.len() as u8];
             message.extend_from_slice(text.as_bytes());
             answer.send_data(Bytes::from(message), false).unwrap();
-            answer
-                .send_trailers(trailers_only("0", "").headers().clone())
-                .unwrap();
+            answer.send_trailers(trailers("0", "")).unwrap();
         });
         None
     })
@@ -232,17 +233,11 @@ async fn the_servers_status_wins_over_the_writes_it_cut_off() {
 async fn a_keepalive_under_a_second_still_connects() {
     rpc_grpc::register();
     let endpoint = raw_server(|request, mut respond| {
-        let grpc = http::Response::builder()
-            .header("content-type", "application/grpc")
-            .body(())
-            .unwrap();
-        let mut answer = respond.send_response(grpc, false).unwrap();
+        let mut answer = respond.send_response(grpc_head(), false).unwrap();
         answer
             .send_data(Bytes::from_static(&[0, 0, 0, 0, 2, b'o', b'k']), false)
             .unwrap();
-        answer
-            .send_trailers(trailers_only("0", "").headers().clone())
-            .unwrap();
+        answer.send_trailers(trailers("0", "")).unwrap();
         Some(request.into_body())
     })
     .await;
@@ -264,11 +259,7 @@ async fn a_keepalive_under_a_second_still_connects() {
 async fn a_broken_response_stream_yields_one_error_then_ends() {
     rpc_grpc::register();
     let endpoint = raw_server(|request, mut respond| {
-        let grpc = http::Response::builder()
-            .header("content-type", "application/grpc")
-            .body(())
-            .unwrap();
-        let mut answer = respond.send_response(grpc, false).unwrap();
+        let mut answer = respond.send_response(grpc_head(), false).unwrap();
         answer
             .send_data(
                 Bytes::from_static(&[2, 0, 0, 0, 1, 7, 0, 0, 0, 0, 0]),
