@@ -55,7 +55,7 @@
 //! | topic | README section | here |
 //! |---|---|---|
 //! | the four rpc kinds, streams | Streaming | [`stream`], [`server::streaming`] |
-//! | gRPC: `grpc://`, tonic's code, health, reflection, gzip | Using it with gRPC and tonic | crate `rpc-grpc`, [`server::front_end`] |
+//! | gRPC: `grpc://`, tonic's code, health, reflection, gzip | Using it with gRPC and tonic | crate `rpc-grpc`, [`server::front_end`], [`client::front_end`] |
 //! | TLS on `tcp://`, `rdma://`'s set-up, `grpcs://` | TLS | `transport::tls` (feature `tls`) |
 //! | several servers: balancing, discovery, retries | Several servers | [`client`] |
 //! | interceptors, tower layers | Interceptors; A service in five minutes | [`Interceptor`], [`Server::layer`] |
@@ -77,7 +77,8 @@
 //!   [`server::Routes`], which dispatch by `/package.Service/Method` to
 //!   generated servers; they decode, call the user's trait, and encode. A
 //!   front end ([`server::front_end`], gRPC's HTTP/2) brings its calls to
-//!   the same routes without frames.
+//!   the same routes without frames; a [`Channel`] to a client front end
+//!   ([`client::front_end`]) hands it each call whole.
 //! - Failures are a [`Status`] with a gRPC [`Code`]; set-up failures are an [`Error`].
 //!
 //! Underneath the generated code is a tower service of encoded messages;
