@@ -1390,11 +1390,7 @@ impl Outbound {
     /// The messages of a request that goes whole (see
     /// [`crate::Frame::whole_stream_request`]), if it is one.
     pub(crate) fn whole(&self) -> Option<Payload> {
-        let messages = match self {
-            Outbound::One(message) => std::slice::from_ref(message),
-            Outbound::Whole(messages) => messages.as_slice(),
-            Outbound::Many(_) => return None,
-        };
+        let messages = self.ready()?;
         let mut payload = Payload::new();
         for message in messages {
             for part in single_message(message.clone()).parts() {
@@ -1402,6 +1398,15 @@ impl Outbound {
             }
         }
         Some(payload)
+    }
+
+    /// The messages, when all of them were there as the call began.
+    fn ready(&self) -> Option<&[Payload]> {
+        match self {
+            Outbound::One(message) => Some(std::slice::from_ref(message)),
+            Outbound::Whole(messages) => Some(messages),
+            Outbound::Many(_) => None,
+        }
     }
 
     /// `messages`, encoded with `codec` as the window allows, then a half-close.
@@ -1441,11 +1446,7 @@ impl OutgoingMessages {
     /// The messages when every one of them was there as the call began
     /// (see [`OutgoingMessages::into_ready`]), without taking them.
     pub fn ready(&self) -> Option<&[Payload]> {
-        match &self.0 {
-            Outbound::One(message) => Some(std::slice::from_ref(message)),
-            Outbound::Whole(messages) => Some(messages),
-            Outbound::Many(_) => None,
-        }
+        self.0.ready()
     }
 
     /// The messages, when every one of them was there as the call began

@@ -34,7 +34,7 @@ use tokio::net::TcpStream;
 use tokio::task::AbortHandle;
 
 use crate::H2Settings;
-use crate::data::FramedQueue;
+use crate::data::{FramedQueue, plain_prefix};
 use crate::wire::{self, Deframer, Encoding};
 
 /// Bytes of a request stream's messages held before they are pushed into
@@ -543,11 +543,6 @@ impl Stream for ResponseMessages {
             match this.deframer.next_decompressed() {
                 Ok(Some(message)) => return Poll::Ready(Some(Ok(message))),
                 Ok(None) => {}
-                Err(wire::DeframeError::TooLarge { len, max }) => {
-                    return this.fail(Status::resource_exhausted(format!(
-                        "response message of {len} bytes exceeds this channel's limit of {max} bytes (Channel::builder().max_frame_len)"
-                    )));
-                }
                 Err(error) => return this.fail(bad_response(error)),
             }
             let Some(body) = this.body.as_mut() else {
@@ -655,21 +650,13 @@ impl MessageTarget for RequestTarget {
 
     fn close(&mut self) -> Result<(), Status> {
         // Everything went in the flush before: only END_STREAM is left.
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        match self.flushed(true, &mut cx) {
-            Poll::Ready(result) => result,
-            Poll::Pending => Err(Status::internal(
-                "the request stream was closed before it was flushed",
-            )),
-        }
+        self.queue
+            .send_now(&mut lock(&self.body), true)
+            .map_err(|error| {
+                self.broken.store(true, Ordering::Release);
+                status_of(&error)
+            })
     }
-}
-
-/// gRPC's prefix of an uncompressed message of `len` bytes.
-fn plain_prefix(len: usize, batch: &mut PayloadBuf) {
-    use bytes::BufMut;
-    batch.put_u8(0);
-    batch.put_u32(len as u32);
 }
 
 /// How a call that HTTP/2 ended before the answer's headers fails: as

@@ -7,9 +7,10 @@
 use std::collections::VecDeque;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use h2::SendStream;
 use rpc_core::Payload;
+use rpc_core::codec::PayloadBuf;
 
 use crate::wire::{self, Encoding};
 
@@ -138,6 +139,14 @@ impl FramedQueue {
         }
         Poll::Ready(Ok(()))
     }
+}
+
+/// gRPC's prefix of an uncompressed message of `len` bytes, for a
+/// `MessageTarget` that has the sink frame ready messages together
+/// (`MessageTarget::framing`): both sides' writers.
+pub(crate) fn plain_prefix(len: usize, batch: &mut PayloadBuf) {
+    batch.put_u8(0);
+    batch.put_u32(len as u32);
 }
 
 /// gRPC's 5-byte prefix of a message of `len` bytes.

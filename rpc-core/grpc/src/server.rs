@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes};
+use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
@@ -42,7 +42,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::H2Settings;
 use crate::cork::{Cork, Corked};
-use crate::data::FramedQueue;
+use crate::data::{FramedQueue, plain_prefix};
 use crate::wire::{self, Deframed, Deframer, Encoding};
 
 /// Accepted connections waiting for the server to take them.
@@ -992,12 +992,6 @@ impl MessageTarget for Target {
         writer.push_framed(framed);
         Ok(())
     }
-}
-
-/// gRPC's prefix of an uncompressed message of `len` bytes.
-fn plain_prefix(len: usize, batch: &mut PayloadBuf) {
-    batch.put_u8(0);
-    batch.put_u32(len as u32);
 }
 
 /// The status a call gets when HTTP/2 failed it.
