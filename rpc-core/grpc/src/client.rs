@@ -336,7 +336,7 @@ async fn unary_answer(
     };
     let mut message = None;
     while let Some(chunk) = body.data().await {
-        let chunk = chunk.map_err(|error| status_of(&error))?;
+        let chunk = chunk.map_err(|error| wire::status_from_h2(&error))?;
         let _ = body.flow_control().release_capacity(chunk.len());
         deframer.push(chunk);
         while let Some(next) = deframer.next_decompressed().map_err(bad_response)? {
@@ -349,7 +349,10 @@ async fn unary_answer(
         }
     }
     deframer.finish().map_err(bad_response)?;
-    let trailers = body.trailers().await.map_err(|error| status_of(&error))?;
+    let trailers = body
+        .trailers()
+        .await
+        .map_err(|error| wire::status_from_h2(&error))?;
     let status = trailers
         .as_ref()
         .and_then(wire::status_from_trailers)
@@ -449,7 +452,7 @@ async fn streaming(
     };
     let response = match response.await {
         Ok(response) => response,
-        Err(error) => return Err(failed(status_of(&error))),
+        Err(error) => return Err(failed(wire::status_from_h2(&error))),
     };
     let trailers = Arc::new(OnceLock::new());
     let (metadata, messages) = match inner.head(response) {
@@ -555,7 +558,7 @@ impl Stream for ResponseMessages {
                         this.deframer.push(chunk);
                         continue;
                     }
-                    Some(Err(error)) => return this.fail(status_of(&error)),
+                    Some(Err(error)) => return this.fail(wire::status_from_h2(&error)),
                     None => {
                         if let Err(error) = this.deframer.finish() {
                             return this.fail(bad_response(error));
@@ -566,7 +569,7 @@ impl Stream for ResponseMessages {
             }
             let status = match ready!(body.poll_trailers(cx)) {
                 Ok(trailers) => trailers.as_ref().and_then(wire::status_from_trailers),
-                Err(error) => return this.fail(status_of(&error)),
+                Err(error) => return this.fail(wire::status_from_h2(&error)),
             };
             let Some(status) = status else {
                 return this.fail(no_status());
@@ -608,7 +611,7 @@ impl RequestTarget {
                 error
             })
             .map_err(|error| match error {
-                Some(error) => status_of(&error),
+                Some(error) => wire::status_from_h2(&error),
                 None => Status::cancelled("the call's stream closed"),
             })
     }
@@ -654,31 +657,21 @@ impl MessageTarget for RequestTarget {
             .send_now(&mut lock(&self.body), true)
             .map_err(|error| {
                 self.broken.store(true, Ordering::Release);
-                status_of(&error)
+                wire::status_from_h2(&error)
             })
     }
 }
 
 /// How a call that HTTP/2 ended before the answer's headers fails: as
-/// [`status_of`] says, and a refusal by the server (REFUSED_STREAM) is one
+/// [`wire::status_from_h2`] says, and a refusal by the server (REFUSED_STREAM) is one
 /// it never processed, so the channel may send it again.
 fn failure_of(error: &h2::Error) -> CallFailure {
-    let status = status_of(error);
+    let status = wire::status_from_h2(error);
     let refused = error.is_reset() && error.is_remote();
     if refused && error.reason() == Some(h2::Reason::REFUSED_STREAM) {
         CallFailure::unprocessed(status)
     } else {
         CallFailure::processed(status)
-    }
-}
-
-/// The status of a call that HTTP/2 ended: a reset maps as gRPC's
-/// specification says; a broken connection (or a GOAWAY that cut the call
-/// off: h2 does not say whether the server saw it) is `UNAVAILABLE`.
-fn status_of(error: &h2::Error) -> Status {
-    match error.reason() {
-        Some(reason) if error.is_reset() => wire::status_from_reset(reason),
-        _ => Status::unavailable(format!("gRPC connection failed: {error}")),
     }
 }
 

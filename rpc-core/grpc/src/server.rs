@@ -831,7 +831,7 @@ impl Writer {
         let body = self
             .respond
             .send_response(response, false)
-            .map_err(h2_status)?;
+            .map_err(|error| wire::status_from_h2(&error))?;
         self.body = Some(body);
         Ok(())
     }
@@ -864,7 +864,7 @@ impl Writer {
         let sent = before - self.queue.held();
         self.shared.queued.fetch_sub(sent, Ordering::Relaxed);
         flushed.map_err(|error| match error {
-            Some(error) => h2_status(error),
+            Some(error) => wire::status_from_h2(&error),
             None => Status::cancelled("the stream closed"),
         })
     }
@@ -991,14 +991,6 @@ impl MessageTarget for Target {
         }
         writer.push_framed(framed);
         Ok(())
-    }
-}
-
-/// The status a call gets when HTTP/2 failed it.
-fn h2_status(error: h2::Error) -> Status {
-    match error.reason() {
-        Some(reason) if error.is_reset() => wire::status_from_reset(reason),
-        _ => Status::unavailable(format!("the HTTP/2 connection failed: {error}")),
     }
 }
 

@@ -410,6 +410,17 @@ pub(crate) fn status_from_http(status: http::StatusCode) -> Status {
     )
 }
 
+/// The status of a call that HTTP/2 ended, on either side: a reset maps as
+/// gRPC's specification says ([`status_from_reset`]); a broken connection
+/// (or, on a client, a GOAWAY that cut the call off: h2 does not say
+/// whether the server saw it) is `UNAVAILABLE`.
+pub(crate) fn status_from_h2(error: &h2::Error) -> Status {
+    match error.reason() {
+        Some(reason) if error.is_reset() => status_from_reset(reason),
+        _ => Status::unavailable(format!("the HTTP/2 connection failed: {error}")),
+    }
+}
+
 /// The status of a call whose stream the peer reset with `reason`.
 pub(crate) fn status_from_reset(reason: h2::Reason) -> Status {
     let code = match reason {
